@@ -1,0 +1,371 @@
+"""Training checkpoints: an orbax `CheckpointManager` holding everything an exact resume needs.
+
+Each checkpoint step is one orbax composite with three items, committed atomically together:
+  state   `TrainState(step, params, opt_state, rng)` (arrays, `StandardSave`)
+  data    the data-iterator position (JSON, e.g. `{"epoch": 1, "index": 640}`)
+  config  the full train config (JSON), so a checkpoint is self-describing
+plus the orbax metrics JSON (the dev metric) used to keep the best checkpoint.
+
+Retention keeps the last `max_to_keep` steps AND the best `keep_best` by the dev metric.
+Saves are asynchronous: `save` returns once arrays are copied off the device, and orbax
+writes into a temporary folder that is renamed only when complete, so a process killed
+mid-save leaves the previous checkpoint intact (the half-written temp folder is ignored and
+removed on the next open).
+
+Restores go into an abstract target (`jax.ShapeDtypeStruct` leaves with shardings), so a
+checkpoint written on 8 devices restores onto 1 device or any other mesh.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as ocp_managers
+
+CHECKPOINT_DIR = "checkpoints"
+_ITEMS = ("state", "data", "config")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder that is missing, empty or unreadable; the message names the path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """Retention and saving policy.
+
+    Attributes:
+      max_to_keep: number of most recent checkpoints kept.
+      best_metric: key of the `metrics` dict passed to `save` that ranks checkpoints
+        (e.g. 'stsb_dev_spearman'); None keeps only the most recent ones.
+      best_mode: 'max' (higher is better) or 'min'.
+      keep_best: number of best-by-metric checkpoints kept in addition to the recent ones.
+      async_save: write in a background thread (call `wait_until_finished`/`close`).
+    """
+
+    max_to_keep: int = 3
+    best_metric: Optional[str] = None
+    best_mode: str = "max"
+    keep_best: int = 1
+    async_save: bool = True
+
+    def __post_init__(self):
+        if self.max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1, got {self.max_to_keep}")
+        if self.best_mode not in ("max", "min"):
+            raise ValueError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        if self.keep_best < 0:
+            raise ValueError(f"keep_best must be >= 0, got {self.keep_best}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `Checkpointer.restore` returns.
+
+    Attributes:
+      step: the checkpoint step restored.
+      state: the restored state (same pytree type as the target, or nested dicts without one).
+      data: the data-iterator position saved with it (a JSON dict, possibly empty).
+      config: the train config saved with it (a JSON dict, possibly empty).
+    """
+
+    step: int
+    state: Any
+    data: dict
+    config: dict
+
+
+def replicated_sharding(devices=None) -> jax.sharding.NamedSharding:
+    """A sharding that replicates an array on every device (the default restore placement)."""
+    devices = np.asarray(devices if devices is not None else jax.devices())
+    mesh = jax.sharding.Mesh(devices.reshape(-1), ("data",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def abstract_target(tree: Any, sharding: Any = None) -> Any:
+    """Turns a pytree of arrays (or ShapeDtypeStructs, e.g. from `jax.eval_shape`) into a restore target.
+
+    Args:
+      tree: pytree whose leaves have `.shape` and `.dtype`.
+      sharding: one `jax.sharding.Sharding` for every leaf, a pytree of shardings matching
+        `tree`, or None (replicate on all devices of this process).
+
+    Returns:
+      The same pytree with `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` leaves.
+    """
+    if sharding is None:
+        sharding = replicated_sharding()
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding)
+
+
+def _to_json(obj: Any) -> Any:
+    """Round-trips through json so only plain JSON values reach orbax (and fail here if not)."""
+    try:
+        return json.loads(json.dumps(obj if obj is not None else {}))
+    except TypeError as e:
+        raise TypeError(f"checkpoint data/config must be JSON-serializable: {e}") from None
+
+
+class Checkpointer:
+    """Keeps the last K (+ best) training checkpoints of one run under `directory`.
+
+    Usage:
+      ckpt = Checkpointer(workdir / 'checkpoints', CheckpointOptions(best_metric='stsb_dev'))
+      ckpt.save(step, state, data={'index': i}, config=cfg, metrics={'stsb_dev': 81.2})
+      restored = ckpt.restore(target=abstract_target(jax.eval_shape(init_state)))
+      ckpt.close()
+    """
+
+    def __init__(self, directory: Union[str, os.PathLike],
+                 options: CheckpointOptions = CheckpointOptions(), read_only: bool = False):
+        self.directory = Path(directory).absolute()
+        self.options = options
+        policies = [ocp_managers.LatestN(n=options.max_to_keep)]
+        best_fn = None
+        if options.best_metric is not None:
+            metric = options.best_metric
+            best_fn = lambda m: float(m[metric])  # noqa: E731
+            if options.keep_best:
+                # BestN keeps the LAST n after an ascending sort, hence reverse for 'min'.
+                policies.append(ocp_managers.BestN(
+                    get_metric_fn=best_fn, reverse=options.best_mode == "min",
+                    n=options.keep_best, keep_checkpoints_without_metrics=False))
+        manager_options = ocp.CheckpointManagerOptions(
+            best_fn=best_fn, best_mode=options.best_mode,
+            preservation_policy=ocp_managers.AnyPreservationPolicy(policies),
+            enable_async_checkpointing=options.async_save,
+            # A crash mid-save leaves `<step>.orbax-checkpoint-tmp-*`; remove it on open.
+            cleanup_tmp_directories=not read_only, read_only=read_only,
+            create=not read_only)
+        if read_only and not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: no checkpoint folder")
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=manager_options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "data": ocp.JsonCheckpointHandler(),
+                           "config": ocp.JsonCheckpointHandler()})
+
+    # ------------------------------------------------------------------ queries
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> Optional[int]:
+        return self._manager.latest_step()
+
+    def best_step(self) -> Optional[int]:
+        """The best step by `best_metric` (the latest step when no metric is tracked)."""
+        return self._manager.best_step()
+
+    def metrics(self, step: int) -> Optional[dict]:
+        return self._manager.metrics(step)
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state: Any, data: Optional[Mapping] = None,
+             config: Optional[Mapping] = None, metrics: Optional[Mapping] = None,
+             force: bool = True) -> bool:
+        """Starts saving `state` (+ iterator position + config) as checkpoint `step`.
+
+        Args:
+          step: the step number (usually `int(state.step)`).
+          state: the `TrainState` (or any pytree of arrays).
+          data: JSON-serializable data-iterator position.
+          config: JSON-serializable train config.
+          metrics: e.g. `{'stsb_dev': 81.2}`; must contain `best_metric` for the checkpoint
+            to compete for "best".
+          force: save even if orbax's interval policy would skip this step.
+
+        Returns:
+          Whether a save was started. It completes in the background when `async_save`.
+        """
+        if metrics is not None:
+            metrics = {k: float(v) for k, v in metrics.items()}
+            for k, v in metrics.items():
+                if not np.isfinite(v):
+                    raise ValueError(f"metric {k!r} is {v} at step {step}; refusing to rank by it")
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(_to_json(data)),
+            config=ocp.args.JsonSave(_to_json(config)))
+        return self._manager.save(int(step), args=args, metrics=metrics, force=force)
+
+    def wait_until_finished(self) -> None:
+        """Blocks until any background save is committed to disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases the manager's threads."""
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ restore
+    def resolve_step(self, which: Union[str, int, None]) -> int:
+        """'latest' / 'best' / None (= latest) / an int -> an existing step number."""
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(f"{self.directory}: no complete checkpoint found")
+        if which is None or which == "latest":
+            return steps[-1]
+        if which == "best":
+            return self.best_step()
+        step = int(which)
+        if step not in steps:
+            raise CheckpointError(f"{self.directory}: no checkpoint for step {step} (have {steps})")
+        return step
+
+    def abstract_state_from_metadata(self, step: int, sharding: Any = None) -> Any:
+        """A restore target read from the checkpoint itself (nested dicts of ShapeDtypeStructs).
+
+        Useful when the caller cannot build the state structure (e.g. export), at the cost of
+        losing custom pytree types (TrainState, optax states become dicts/lists).
+        """
+        meta = self._manager.item_metadata(step)["state"]
+        if meta is None:
+            raise CheckpointError(f"{self.directory}/{step}: no 'state' item")
+        tree = getattr(meta, "tree", meta)
+        return abstract_target(tree, sharding)
+
+    def restore(self, step: Union[str, int, None] = None, target: Any = None) -> Restored:
+        """Restores a checkpoint.
+
+        Args:
+          step: 'latest' (default), 'best' or a step number.
+          target: abstract state (see `abstract_target`): leaves carry the shardings the arrays
+            are restored onto, which may differ from the saving mesh/device count. None reads
+            the structure from the checkpoint and places every array on all local devices.
+
+        Returns:
+          `Restored(step, state, data, config)`.
+        """
+        step = self.resolve_step(step)
+        if target is None:
+            target = self.abstract_state_from_metadata(step)
+        out = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target),
+            data=ocp.args.JsonRestore(),
+            config=ocp.args.JsonRestore()))
+        return Restored(step=step, state=out["state"], data=dict(out["data"] or {}),
+                        config=dict(out["config"] or {}))
+
+
+def restore_or_none(directory: Union[str, os.PathLike], target: Any,
+                    step: Union[str, int, None] = None) -> Optional[Restored]:
+    """Restores the latest (or given) checkpoint under `directory`, or None if there is none."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    with Checkpointer(directory, read_only=True) as ckpt:
+        if not ckpt.all_steps():
+            return None
+        return ckpt.restore(step, target)
+
+
+# ---------------------------------------------------------------------- workdir -> Pretrained
+def read_workdir_config(workdir: Union[str, os.PathLike]) -> dict:
+    """Reads `WORKDIR/config.json` (the train config) with errors naming the file."""
+    path = Path(workdir) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: train config not found") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+
+
+def _find_key(config: Mapping, key: str) -> Any:
+    """`config[key]`, or the first `config[section][key]` (train configs may nest sections)."""
+    if key in config:
+        return config[key]
+    for value in config.values():
+        if isinstance(value, Mapping) and key in value:
+            return value[key]
+    return None
+
+
+def workdir_model_and_pooler(config: Mapping, source: str) -> tuple[str, str]:
+    """The base model path/id and the pooler the run was evaluated with, from a train config."""
+    model = _find_key(config, "model")
+    if isinstance(model, Mapping):  # e.g. {"model": {"name": ..., "pooler": ...}}
+        pooler = model.get("pooler")
+        model = model.get("name") or model.get("path") or model.get("name_or_path")
+    else:
+        pooler = _find_key(config, "pooler")
+    if not isinstance(model, str) or not model:
+        raise CheckpointError(f"{source}: no base model ('model') recorded in the train config")
+    pooler = pooler or "cls"
+    mlp_only_train = bool(_find_key(config, "mlp_only_train"))
+    from jaxsim.models.simcse import eval_pooler
+    return model, eval_pooler(pooler, mlp_only_train)
+
+
+def load_pretrained_from_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "best"):
+    """Builds a `jaxsim.pretrained.Pretrained` holding a trained encoder.
+
+    The base model named in `WORKDIR/config.json` gives the architecture and the tokenizer; the
+    checkpoint gives the parameters. A SimCSE head ('mlp') becomes the BERT pooler dense, so the
+    'cls' pooler of the result is exactly "CLS -> dense -> tanh" as trained.
+
+    Args:
+      workdir: a train workdir (`config.json` + `checkpoints/`).
+      which: 'best', 'latest' or a step number.
+
+    Returns:
+      Pretrained with `default_pooler` = the pooler the run was evaluated with.
+    """
+    from jaxsim import pretrained as pretrained_lib
+
+    workdir = Path(workdir)
+    config = read_workdir_config(workdir)
+    model_id, pooler = workdir_model_and_pooler(config, str(workdir / "config.json"))
+    base_path = Path(model_id)
+    if not base_path.is_absolute() and not base_path.exists() and (workdir / model_id).exists():
+        base_path = workdir / model_id
+    base = pretrained_lib.load_pretrained(base_path if base_path.exists() else model_id)
+    ckpt_dir = workdir / CHECKPOINT_DIR
+    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
+        step = ckpt.resolve_step(which)
+        restored = ckpt.restore(step, target=ckpt.abstract_state_from_metadata(
+            step, jax.sharding.SingleDeviceSharding(jax.devices()[0])))
+    state = restored.state
+    params = state["params"] if isinstance(state, Mapping) else state.params
+    params = jax.tree.map(np.asarray, params)
+    if "encoder" in params:  # SimCSE tree {'encoder', 'mlp'}
+        encoder = dict(params["encoder"])
+        if "mlp" in params:
+            encoder["pooler"] = {"dense": dict(params["mlp"])}
+        params = encoder
+    _check_params_fit(params, base.config, f"{ckpt_dir}/{step}")
+    if pooler == "cls" and "pooler" not in params:
+        pooler = "cls_before_pooler"
+    return dataclasses.replace(base, params=params, path=str(workdir), default_pooler=pooler)
+
+
+def _check_params_fit(params: Mapping, config, source: str) -> None:
+    """Raises naming the tensor when checkpoint params do not fit the base architecture."""
+    from jaxsim.convert.hf_bert import CheckpointMismatchError, param_shapes
+    import flax.traverse_util
+
+    expected = param_shapes(config, add_pooler="pooler" in params)
+    flat = flax.traverse_util.flatten_dict(dict(params))
+    problems = [f"missing {'/'.join(p)} {s}" for p, s in expected.items() if p not in flat]
+    problems += [f"unexpected {'/'.join(p)}" for p in flat if p not in expected]
+    problems += [f"{'/'.join(p)} has shape {tuple(np.shape(flat[p]))}, expected {s}"
+                 for p, s in expected.items() if p in flat and tuple(np.shape(flat[p])) != s]
+    if problems:
+        raise CheckpointMismatchError(
+            f"{source}: checkpoint parameters do not match the base model architecture:\n  "
+            + "\n  ".join(problems))

@@ -1,0 +1,204 @@
+"""Tests for jaxsim/checkpoint.py: retention, exact round trip, 8 -> 1 device restore, crash safety."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxsim.checkpoint import (CheckpointError, CheckpointOptions, Checkpointer, abstract_target,
+                               restore_or_none)
+from jaxsim.train_state import TrainState
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _state(seed: int = 0, step: int = 0) -> TrainState:
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {"dense": {"kernel": jax.random.normal(k1, (5, 3)), "bias": jnp.zeros((3,))},
+              "emb": jax.random.normal(k2, (7,))}
+    tx = optax.adamw(1e-3)
+    opt_state = tx.init(params)
+    # One real update so the optimizer moments are non-zero.
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return TrainState(step=jnp.asarray(step, jnp.int32), params=params, opt_state=opt_state,
+                      rng=jax.random.key_data(jax.random.key(seed + 100)))
+
+
+def _assert_tree_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_round_trip_is_exact_and_keeps_data_and_config(tmp_path):
+    state = _state(step=7)
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.save(7, state, data={"epoch": 1, "index": 640}, config={"lr": 3e-5})
+        ckpt.wait_until_finished()
+        restored = ckpt.restore(target=abstract_target(jax.eval_shape(lambda: state)))
+    assert restored.step == 7
+    assert isinstance(restored.state, TrainState)
+    _assert_tree_equal(restored.state, state)
+    assert restored.data == {"epoch": 1, "index": 640}
+    assert restored.config == {"lr": 3e-5}
+
+
+def test_keeps_last_k_and_best(tmp_path):
+    state = _state()
+    options = CheckpointOptions(max_to_keep=2, best_metric="dev", best_mode="max")
+    with Checkpointer(tmp_path, options) as ckpt:
+        for step, dev in [(1, 5.0), (2, 9.0), (3, 1.0), (4, 2.0), (5, 3.0)]:
+            ckpt.save(step, state.replace(step=jnp.int32(step)), metrics={"dev": dev})
+        ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [2, 4, 5]
+        assert ckpt.best_step() == 2
+        assert int(ckpt.restore("best").state["step"]) == 2
+    # min mode keeps the lowest metric instead.
+    with Checkpointer(tmp_path / "min", CheckpointOptions(max_to_keep=1, best_metric="loss",
+                                                          best_mode="min")) as ckpt:
+        for step, loss in [(1, 3.0), (2, 0.5), (3, 2.0), (4, 4.0)]:
+            ckpt.save(step, state, metrics={"loss": loss})
+        ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [2, 4]
+        assert ckpt.best_step() == 2
+
+
+def test_errors_are_clear(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint folder"):
+        Checkpointer(tmp_path / "nope", read_only=True)
+    assert restore_or_none(tmp_path / "nope", target=None) is None
+    with Checkpointer(tmp_path / "empty") as ckpt:
+        with pytest.raises(CheckpointError, match="no complete checkpoint"):
+            ckpt.restore()
+        ckpt.save(1, _state())
+        ckpt.wait_until_finished()
+        with pytest.raises(CheckpointError, match="no checkpoint for step 3"):
+            ckpt.restore(3)
+        with pytest.raises(ValueError, match="metric 'dev' is nan"):
+            ckpt.save(2, _state(), metrics={"dev": float("nan")})
+        with pytest.raises(TypeError, match="JSON-serializable"):
+            ckpt.save(2, _state(), data={"x": object()})
+    with pytest.raises(ValueError, match="best_mode"):
+        CheckpointOptions(best_mode="top")
+
+
+def _run(script: str, devices: int, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    # Must be set before jax is imported in the child.
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+_SAVE_8 = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxsim.checkpoint import Checkpointer
+from jaxsim.train_state import TrainState
+assert jax.device_count() == 8, jax.devices()
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('data', 'tensor'))
+w = jax.device_put(jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6),
+                   NamedSharding(mesh, P('data', 'tensor')))
+b = jax.device_put(jnp.arange(6, dtype=jnp.float32), NamedSharding(mesh, P('tensor')))
+assert len(w.sharding.device_set) == 8
+state = TrainState(step=jnp.int32(3), params={'w': w, 'b': b}, opt_state={'mu': w * 2},
+                   rng=jax.random.key_data(jax.random.key(1)))
+with Checkpointer(sys.argv[1]) as ckpt:
+    ckpt.save(3, state, data={'index': 30})
+print('saved')
+"""
+
+_RESTORE_1 = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from jaxsim.checkpoint import Checkpointer, abstract_target
+from jaxsim.train_state import TrainState
+assert jax.device_count() == 1, jax.devices()
+like = TrainState(step=jnp.int32(0), params={'w': jnp.zeros((8, 6)), 'b': jnp.zeros(6)},
+                  opt_state={'mu': jnp.zeros((8, 6))}, rng=jnp.zeros(2, jnp.uint32))
+target = abstract_target(jax.eval_shape(lambda: like),
+                         jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+with Checkpointer(sys.argv[1], read_only=True) as ckpt:
+    r = ckpt.restore(target=target)
+expected = np.arange(48, dtype=np.float32).reshape(8, 6)
+np.testing.assert_array_equal(np.asarray(r.state.params['w']), expected)
+np.testing.assert_array_equal(np.asarray(r.state.opt_state['mu']), expected * 2)
+np.testing.assert_array_equal(np.asarray(r.state.params['b']), np.arange(6))
+assert int(r.state.step) == 3 and r.data == {'index': 30}
+assert r.state.params['w'].sharding.device_set == {jax.devices()[0]}
+# Without a target the structure comes from the checkpoint metadata.
+with Checkpointer(sys.argv[1], read_only=True) as ckpt:
+    r2 = ckpt.restore()
+np.testing.assert_array_equal(np.asarray(r2.state['params']['w']), expected)
+print('restored')
+"""
+
+
+def test_restore_8_devices_onto_1(tmp_path):
+    saved = _run(_SAVE_8, 8, str(tmp_path / "ckpt"))
+    assert saved.returncode == 0 and "saved" in saved.stdout, saved.stderr[-3000:]
+    restored = _run(_RESTORE_1, 1, str(tmp_path / "ckpt"))
+    assert restored.returncode == 0 and "restored" in restored.stdout, restored.stderr[-3000:]
+
+
+_CRASH = """
+import os, signal, sys, jax, jax.numpy as jnp
+from orbax.checkpoint._src.path import atomicity
+from jaxsim.checkpoint import Checkpointer
+from jaxsim.train_state import TrainState
+
+def state(v):
+    return TrainState(step=jnp.int32(v), params={'w': jnp.full((256, 256), float(v))},
+                      opt_state={}, rng=jnp.zeros(2, jnp.uint32))
+
+ckpt = Checkpointer(sys.argv[1])
+ckpt.save(1, state(1))
+ckpt.wait_until_finished()
+
+async def killed_finalize(self, *args, **kwargs):
+    # The arrays of step 2 are on disk in the temp folder, the commit (rename) has not happened.
+    os.kill(os.getpid(), signal.SIGKILL)
+
+atomicity.AtomicRenameTemporaryPath.finalize = killed_finalize
+ckpt.save(2, state(2))   # async: returns, then the background commit kills the process
+print('save returned', flush=True)
+ckpt.wait_until_finished()
+print('NOT KILLED', flush=True)
+"""
+
+
+def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path):
+    directory = tmp_path / "ckpt"
+    crashed = _run(_CRASH, 1, str(directory))
+    assert crashed.returncode == -9, (crashed.returncode, crashed.stdout, crashed.stderr[-3000:])
+    assert "NOT KILLED" not in crashed.stdout
+    # The interrupted save left only a temporary folder for step 2.
+    leftovers = [p.name for p in directory.iterdir() if p.name.startswith("2.")]
+    assert leftovers and all("tmp" in name for name in leftovers), list(directory.iterdir())
+
+    like = TrainState(step=jnp.int32(0), params={"w": jnp.zeros((256, 256))}, opt_state={},
+                      rng=jnp.zeros(2, jnp.uint32))
+    target = abstract_target(jax.eval_shape(lambda: like))
+    with Checkpointer(directory) as ckpt:  # reopening cleans the temp folder
+        assert ckpt.all_steps() == [1]
+        restored = ckpt.restore(target=target)
+        assert int(restored.state.step) == 1
+        np.testing.assert_array_equal(np.asarray(restored.state.params["w"]), 1.0)
+        # The workdir stays usable: step 2 can be saved again and read back.
+        ckpt.save(2, like.replace(step=jnp.int32(2), params={"w": jnp.full((256, 256), 2.0)}))
+        ckpt.wait_until_finished()
+        assert ckpt.all_steps() == [1, 2]
+        assert int(ckpt.restore(target=target).state.step) == 2
+    assert not [p for p in directory.iterdir() if "tmp" in p.name]
