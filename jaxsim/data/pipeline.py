@@ -1,0 +1,350 @@
+"""Training data: readers, the SNLI triplet builder, a TFDS source and a resumable iterator.
+
+Text is read and tokenized ONCE, up front, into fixed-length int32 numpy arrays (padded to the
+config's max_len), so the training loop only slices arrays. The iterator is a pure function of
+(seed, epoch, step): its position is two integers that a checkpoint can save and restore for an
+exact resume. In a multi-process run every process computes the same global permutation and
+takes only its own contiguous block of each global batch (the block its devices own in the
+mesh), which `jax.make_array_from_process_local_data` then assembles into one global array.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import logging
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+NLI_COLUMNS = ('sent0', 'sent1', 'hard_neg')
+
+
+class DataError(ValueError):
+    """Bad training data; the message names the file (and line)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Readers.
+# ---------------------------------------------------------------------------------------------
+
+def read_corpus(path: str | Path) -> list[str]:
+    """Unsupervised corpus: a text file with one sentence per line; blank lines are skipped.
+
+    Raises:
+      DataError: missing/undecodable file, or a file without any sentence.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f'{path}: corpus file not found')
+    sentences = []
+    with path.open('rb') as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode('utf-8').strip()
+            except UnicodeDecodeError as e:
+                raise DataError(f'{path}:{lineno}: not valid UTF-8 ({e.reason})') from None
+            if line:
+                sentences.append(line)
+    if not sentences:
+        raise DataError(f'{path}: no sentences (the file is empty or blank)')
+    return sentences
+
+
+def read_nli_csv(path: str | Path) -> list[tuple[str, str, str]]:
+    """Supervised data: CSV with header `sent0,sent1,hard_neg` (the reference NLI format).
+
+    Raises:
+      DataError: missing file, wrong header, or a malformed row (wrong column count or an empty
+        field), naming the file and line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f'{path}: NLI CSV file not found')
+    rows = []
+    with path.open(encoding='utf-8', newline='') as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader)
+        except StopIteration:
+            raise DataError(f'{path}: empty file (expected header {",".join(NLI_COLUMNS)})')
+        header = [h.strip() for h in header]
+        if tuple(header) != NLI_COLUMNS:
+            raise DataError(f'{path}:1: header {header} != {list(NLI_COLUMNS)}')
+        for row in reader:
+            lineno = reader.line_num
+            if not row:
+                continue
+            if len(row) != 3:
+                raise DataError(f'{path}:{lineno}: expected 3 columns {NLI_COLUMNS}, got '
+                                f'{len(row)}')
+            row = [c.strip() for c in row]
+            for name, cell in zip(NLI_COLUMNS, row):
+                if not cell:
+                    raise DataError(f'{path}:{lineno}: empty {name!r}')
+            rows.append(tuple(row))
+    if not rows:
+        raise DataError(f'{path}: no triplets after the header')
+    return rows
+
+
+def build_snli_triplets(snli_dir: str | Path, splits: Sequence[str] = ('dev', 'test')
+                        ) -> list[tuple[str, str, str]]:
+    """(premise, entailment, contradiction) triplets from SentEval's SNLI files.
+
+    SentEval ships `s1.<split>` (premises), `s2.<split>` (hypotheses) and `labels.<split>`, one
+    pair per line. Hypotheses are grouped by premise; each entailment is paired with a
+    contradiction of the same premise (cycling when counts differ), the construction behind the
+    reference's `nli_for_simcse.csv`. Premises lacking either label are dropped.
+
+    Raises:
+      DataError: a missing file, or files of different lengths.
+    """
+    snli_dir = Path(snli_dir)
+    triplets = []
+    for split in splits:
+        files = [snli_dir / f'{name}.{split}' for name in ('s1', 's2', 'labels')]
+        for f in files:
+            if not f.is_file():
+                raise DataError(f'{f}: SNLI file not found')
+        columns = [f.read_text(encoding='utf-8').splitlines() for f in files]
+        if len({len(c) for c in columns}) != 1:
+            raise DataError(f'{snli_dir}: {", ".join(f.name for f in files)} have different '
+                            f'line counts {[len(c) for c in columns]}')
+        groups: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+        order = []
+        for s1, s2, label in zip(*columns):
+            s1, s2, label = s1.strip(), s2.strip(), label.strip()
+            if not s1 or not s2:
+                continue
+            if s1 not in groups:
+                order.append(s1)
+            groups[s1][label].append(s2)
+        for premise in order:
+            ent, con = groups[premise]['entailment'], groups[premise]['contradiction']
+            for i, hyp in enumerate(ent):
+                if con:
+                    triplets.append((premise, hyp, con[i % len(con)]))
+    if not triplets:
+        raise DataError(f'{snli_dir}: no (entailment, contradiction) pairs found')
+    return triplets
+
+
+def write_nli_csv(triplets: Sequence[tuple[str, str, str]], path: str | Path) -> Path:
+    """Writes triplets in the reference CSV format (header sent0,sent1,hard_neg)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open('w', encoding='utf-8', newline='') as f:
+        w = csv.writer(f)
+        w.writerow(NLI_COLUMNS)
+        w.writerows(triplets)
+    return path
+
+
+def read_tfds(name: str, split: str = 'train', data_dir: str | None = None,
+              fields: Sequence[str] = ('text',)) -> list[tuple[str, ...]]:
+    """Rows from a TensorFlow Datasets dataset via `tfds.data_source` (no TensorFlow needed).
+
+    Works for datasets prepared with `file_format='array_record'`; `name` is a registered TFDS
+    name (optionally 'name:version') or, with `data_dir`, a prepared dataset there.
+
+    Args:
+      name: dataset name.
+      split: split name (TFDS slicing syntax allowed, e.g. 'train[:10%]').
+      data_dir: TFDS data directory.
+      fields: the string features to read per example (1 for unsup, 3 for sup, in order
+        sent0, sent1, hard_neg).
+
+    Returns:
+      A list of tuples of str, one tuple per example.
+    """
+    import tensorflow_datasets as tfds  # heavy import, only for users of this source
+    try:
+        source = tfds.data_source(name, split=split, data_dir=data_dir)
+    except Exception as e:
+        raise DataError(f'TFDS {name!r} split {split!r} (data_dir={data_dir}): cannot open: '
+                        f'{type(e).__name__}: {e}') from None
+    rows = []
+    for i in range(len(source)):
+        ex = source[i]
+        row = []
+        for field in fields:
+            if field not in ex:
+                raise DataError(f'TFDS {name!r} example {i}: no field {field!r} '
+                                f'(has {sorted(ex)})')
+            v = ex[field]
+            row.append((v.decode('utf-8') if isinstance(v, bytes) else str(v)).strip())
+        if all(row):
+            rows.append(tuple(row))
+    if not rows:
+        raise DataError(f'TFDS {name!r} split {split!r}: no non-empty examples')
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization (off the hot path).
+# ---------------------------------------------------------------------------------------------
+
+def tokenize_fixed(tokenizer, sentences: Sequence[str], max_len: int,
+                   source: str = '<data>') -> dict[str, np.ndarray]:
+    """Tokenizes to a fixed padded length; longer sentences are truncated (and counted).
+
+    Returns:
+      {'input_ids', 'attention_mask', 'token_type_ids'}: int32 [N, max_len].
+    """
+    for i, s in enumerate(sentences):
+        if not isinstance(s, str) or not s.strip():
+            raise DataError(f'{source}: sentence {i} is empty')
+    enc = tokenizer(list(sentences), max_length=max_len, truncation=True,
+                    padding='max_length', return_overflowing_tokens=False)
+    out = {k: np.asarray(enc[k], dtype=np.int32)
+           for k in ('input_ids', 'attention_mask')}
+    tt = enc.get('token_type_ids')
+    out['token_type_ids'] = (np.asarray(tt, np.int32) if tt is not None
+                             else np.zeros_like(out['input_ids']))
+    full = int(np.sum(out['attention_mask'][:, -1] == 1))
+    if full:
+        log.info('%s: %d of %d sentences fill or exceed max_len=%d (truncated)', source, full,
+                 len(sentences), max_len)
+    return out
+
+
+def tokenize_examples(tokenizer, rows: Sequence[Sequence[str]] | Sequence[str], max_len: int,
+                      source: str = '<data>') -> dict[str, np.ndarray]:
+    """Tokenizes examples of 1 (unsup) or 3 (sup) sentences.
+
+    Returns:
+      {'input_ids', 'attention_mask', 'token_type_ids'}: int32 [N, views, max_len] where views is
+      1 for a plain corpus and 3 for (sent0, sent1, hard_neg). Unsupervised duplication into two
+      views happens inside the jitted step (no host copy).
+    """
+    if rows and isinstance(rows[0], str):
+        rows = [(r,) for r in rows]
+    views = len(rows[0])
+    flat = [s for r in rows for s in r]
+    tok = tokenize_fixed(tokenizer, flat, max_len, source)
+    return {k: v.reshape(len(rows), views, max_len) for k, v in tok.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic, resumable, per-process iterator.
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class IteratorState:
+    """Position of a `BatchIterator`: next batch = batch `step` of epoch `epoch`."""
+
+    epoch: int = 0
+    step: int = 0
+
+
+class BatchIterator:
+    """Yields this process's block of each global batch, deterministically from the seed.
+
+    Each epoch is a fresh permutation drawn from `np.random.default_rng([seed, epoch])`; the
+    last incomplete global batch of an epoch is dropped (a fixed batch shape means one
+    compilation and a constant number of negatives).
+
+    Args:
+      arrays: dict of numpy arrays with a leading example dimension N.
+      global_batch: examples per global batch.
+      seed: shuffling seed.
+      process_index / process_count: this process's block of each global batch.
+      shuffle: False keeps corpus order (for tests and evaluation).
+    """
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], global_batch: int, seed: int = 0,
+                 process_index: int = 0, process_count: int = 1, shuffle: bool = True):
+        self.arrays = dict(arrays)
+        self.num_examples = len(next(iter(self.arrays.values())))
+        if global_batch % process_count:
+            raise ValueError(f'global batch {global_batch} is not divisible by the '
+                             f'{process_count} processes')
+        if self.num_examples < global_batch:
+            raise DataError(f'{self.num_examples} examples cannot fill one global batch of '
+                            f'{global_batch}')
+        self.global_batch = global_batch
+        self.local_batch = global_batch // process_count
+        self.seed, self.process_index, self.shuffle = seed, process_index, shuffle
+        self.state = IteratorState()
+        self._perm_epoch, self._perm = None, None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_examples // self.global_batch
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perm_epoch != epoch:
+            if self.shuffle:
+                self._perm = np.random.default_rng([self.seed, epoch]).permutation(
+                    self.num_examples)
+            else:
+                self._perm = np.arange(self.num_examples)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def get_state(self) -> dict[str, int]:
+        return dataclasses.asdict(self.state)
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        self.state = IteratorState(epoch=int(state['epoch']), step=int(state['step']))
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self.state.step >= self.steps_per_epoch:
+            self.state = IteratorState(self.state.epoch + 1, 0)
+        perm = self._permutation(self.state.epoch)
+        start = self.state.step * self.global_batch + self.process_index * self.local_batch
+        idx = perm[start:start + self.local_batch]
+        self.state = IteratorState(self.state.epoch, self.state.step + 1)
+        return {k: v[idx] for k, v in self.arrays.items()}
+
+
+def to_global(local: Mapping[str, np.ndarray], shardings: Mapping[str, Any],
+              global_batch: int) -> dict[str, Any]:
+    """Assembles per-process blocks into global jax Arrays sharded on the batch dimension."""
+    import jax
+    return {k: jax.make_array_from_process_local_data(
+        shardings[k], v, (global_batch,) + v.shape[1:]) for k, v in local.items()}
+
+
+# Plain one-sentence-per-line SentEval files usable as an unsupervised corpus. STS files are
+# deliberately absent: training on evaluation sentences would leak.
+CORPUS_FILES = ('SNLI/s1.dev', 'SNLI/s2.dev', 'SNLI/s1.test', 'SNLI/s2.test',
+                'MR/rt-polarity.pos', 'MR/rt-polarity.neg', 'CR/custrev.pos', 'CR/custrev.neg',
+                'MPQA/mpqa.pos', 'MPQA/mpqa.neg')
+
+
+def build_unsup_corpus(senteval_root: str | Path, out_path: str | Path,
+                       files: Sequence[str] = CORPUS_FILES, min_words: int = 3) -> Path:
+    """Writes a deduplicated one-sentence-per-line corpus from shipped SentEval text files.
+
+    Args:
+      senteval_root: the SentEval data folder.
+      out_path: the corpus file to write.
+      files: relative paths of plain-text files to read (missing ones are an error).
+      min_words: drop fragments shorter than this (MPQA holds many 1-2 word phrases).
+
+    Returns:
+      `out_path`.
+    """
+    root = Path(senteval_root)
+    seen, sentences = set(), []
+    for rel in files:
+        path = root / rel
+        if not path.is_file():
+            raise DataError(f'{path}: corpus source not found')
+        for line in path.read_text(encoding='utf-8', errors='replace').splitlines():
+            s = line.strip()
+            if len(s.split()) >= min_words and s not in seen:
+                seen.add(s)
+                sentences.append(s)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text('\n'.join(sentences) + '\n', encoding='utf-8')
+    return out_path

@@ -1,0 +1,111 @@
+"""The SimCSE model: BERT encoder + sentence pooler + MLP head (dense + tanh over CLS).
+
+Parameter tree: `{'encoder': <BertModel params, no pooler>, 'mlp': {'kernel': [H, H], 'bias': [H]}}`.
+The head is used in training when the pooler is 'cls'. At evaluation it is kept unless
+`mlp_only_train` (the reference's flag for unsupervised runs, which then evaluate with
+'cls_before_pooler'). Exported, the head becomes BERT's pooler dense, so 'cls' at evaluation
+time is exactly "CLS -> MLP" (reference: princeton-nlp/SimCSE `simcse_to_huggingface.py`).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxsim.models.bert import BertConfig, BertModel, BertOutput
+from jaxsim.models.pooling import POOLERS, pool
+
+
+class SimCSEModel(nn.Module):
+    """Encoder + pooler + optional MLP head.
+
+    Attributes:
+      config: encoder architecture.
+      pooler: one of `jaxsim.models.pooling.POOLERS`.
+      mlp_only_train: with pooler 'cls', drop the head at evaluation (unsupervised SimCSE).
+      dtype: compute dtype (float32 or bfloat16); parameters stay float32.
+    """
+
+    config: BertConfig
+    pooler: str = 'cls'
+    mlp_only_train: bool = False
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        if self.pooler not in POOLERS:
+            raise ValueError(f'unknown pooler {self.pooler!r}; choose one of {POOLERS}')
+        self.encoder = BertModel(self.config, dtype=self.dtype, add_pooler=False)
+        # Fresh head with BERT's N(0, 0.02) init, as the reference's `init_weights()`.
+        self.mlp = nn.Dense(self.config.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
+                            kernel_init=nn.initializers.normal(0.02), name='mlp')
+
+    def uses_mlp(self, train: bool) -> bool:
+        """Whether the head is applied (reference `cl_forward` / `sentemb_forward`)."""
+        return self.pooler == 'cls' and (train or not self.mlp_only_train)
+
+    def __call__(self, input_ids, attention_mask, token_type_ids=None, train: bool = False):
+        """Sentence embeddings.
+
+        Args:
+          input_ids: [batch, len] int32.
+          attention_mask: [batch, len] int32, 1 = real token.
+          token_type_ids: [batch, len] int32 or None.
+          train: dropout on (needs `rngs={'dropout': key}`) and the head used for 'cls'.
+
+        Returns:
+          [batch, hidden] float32 embeddings.
+        """
+        out: BertOutput = self.encoder(input_ids, attention_mask, token_type_ids,
+                                       deterministic=not train)
+        if self.is_initializing():
+            # The head always exists in the tree (fixed layout for checkpoints and export),
+            # even when this pooler never applies it.
+            self.mlp(out.hidden_states[-1][:, 0])
+        if self.pooler in ('cls', 'cls_before_pooler'):
+            z = out.hidden_states[-1][:, 0]  # [batch, hidden]
+            if self.uses_mlp(train):
+                z = jnp.tanh(self.mlp(z))
+            return z.astype(jnp.float32)
+        return pool(self.pooler, out, attention_mask)
+
+
+def eval_pooler(pooler: str, mlp_only_train: bool) -> str:
+    """The pooler name an exported checkpoint is evaluated with (head folded into 'pooler')."""
+    if pooler == 'cls' and mlp_only_train:
+        return 'cls_before_pooler'
+    return pooler
+
+
+def init_params(model: SimCSEModel, rng: jax.Array, encoder_params: Mapping | None = None):
+    """Initial parameters; the encoder part comes from `encoder_params` when given.
+
+    Args:
+      model: the module.
+      rng: PRNG key for the head (and the encoder when `encoder_params` is None).
+      encoder_params: pretrained `BertModel` params; a 'pooler' entry is dropped (the reference
+        builds BertModel with `add_pooling_layer=False` and a fresh MLP).
+
+    Returns:
+      `{'encoder': ..., 'mlp': ...}` float32 params.
+    """
+    ids = jnp.zeros((1, 4), jnp.int32)
+    params = model.init(rng, ids, jnp.ones_like(ids))['params']
+    params = jax.tree.map(lambda x: x, dict(params))
+    if encoder_params is not None:
+        enc = {k: v for k, v in dict(encoder_params).items() if k != 'pooler'}
+        expected = jax.tree.map(lambda x: x.shape, params['encoder'])
+        got = jax.tree.map(lambda x: tuple(x.shape), enc)
+        if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
+            raise ValueError('pretrained encoder params do not match the model config '
+                             '(different tree or shapes)')
+        params['encoder'] = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), enc)
+    return params
+
+
+def to_bert_params(params: Mapping) -> dict:
+    """SimCSE params -> `BertModel(add_pooler=True)` params with the head as the pooler dense."""
+    enc = dict(params['encoder'])
+    enc['pooler'] = {'dense': dict(params['mlp'])}
+    return enc

@@ -1,0 +1,1 @@
+"""Training objectives (pure functions of embeddings)."""

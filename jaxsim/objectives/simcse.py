@@ -1,0 +1,117 @@
+"""SimCSE objectives and the alignment/uniformity diagnostics.
+
+All functions are pure and run in float32. Under `jax.jit` with a batch sharded over the mesh
+the [N, N] similarity matrix is built from the GLOBAL batch: XLA inserts the all-gather, so the
+in-batch negatives come from every device (the reference needs a manual `dist.all_gather`).
+
+Reference: princeton-nlp/SimCSE `simcse/models.py` (`cl_forward`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_EPS = 1e-8  # torch.nn.CosineSimilarity's eps.
+
+
+def _normalize(x: jax.Array) -> jax.Array:
+    """L2-normalizes rows in float32. x: [N, D] -> [N, D]."""
+    x = x.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+    return x / jnp.maximum(norm, _EPS)
+
+
+def cosine_matrix(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Cosine similarity of every row of `a` with every row of `b`.
+
+    Args:
+      a: [N, D] embeddings.
+      b: [M, D] embeddings.
+
+    Returns:
+      [N, M] float32 cosine similarities.
+    """
+    return jnp.einsum('nd,md->nm', _normalize(a), _normalize(b),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def _cross_entropy_diag(logits: jax.Array) -> jax.Array:
+    """Mean cross-entropy of [N, M] logits where row i's target is column i (M >= N)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)  # [N, M]
+    n = logits.shape[0]
+    return -jnp.mean(logp[jnp.arange(n), jnp.arange(n)])
+
+
+def unsup_simcse_loss(z1: jax.Array, z2: jax.Array, temp: float = 0.05) -> jax.Array:
+    """Unsupervised SimCSE (InfoNCE): the other dropout view of a sentence is its positive.
+
+    Args:
+      z1: [N, D] first view of each sentence.
+      z2: [N, D] second view (same sentences, independent dropout).
+      temp: softmax temperature (0.05 in the paper).
+
+    Returns:
+      Scalar float32 loss: cross-entropy of `cos(z1, z2) / temp` with the diagonal as target.
+    """
+    logits = cosine_matrix(z1, z2) / temp  # [N, N]
+    return _cross_entropy_diag(logits)
+
+
+def sup_simcse_loss(z1: jax.Array, z2: jax.Array, z3: jax.Array, temp: float = 0.05,
+                    hard_negative_weight: float = 0.0) -> jax.Array:
+    """Supervised SimCSE over (premise, entailment, contradiction) triplets.
+
+    Each premise is scored against all entailments and all contradictions of the batch.
+    As in the reference, `hard_negative_weight` is ADDED to the logit of a premise's own hard
+    negative (after dividing by the temperature); 0 gives the plain objective.
+
+    Args:
+      z1: [N, D] premises (anchors).
+      z2: [N, D] entailment hypotheses (positives, target = same row).
+      z3: [N, D] contradiction hypotheses (hard negatives).
+      temp: softmax temperature.
+      hard_negative_weight: additive logit bonus for the matching hard negative.
+
+    Returns:
+      Scalar float32 loss.
+    """
+    n = z1.shape[0]
+    pos = cosine_matrix(z1, z2) / temp  # [N, N]
+    neg = cosine_matrix(z1, z3) / temp + hard_negative_weight * jnp.eye(n, dtype=jnp.float32)
+    logits = jnp.concatenate([pos, neg], axis=1)  # [N, 2N]
+    return _cross_entropy_diag(logits)
+
+
+def alignment(x: jax.Array, y: jax.Array, alpha: float = 2.0) -> jax.Array:
+    """Alignment of positive pairs (Wang & Isola 2020): E ||f(x) - f(y)||^alpha, normalized.
+
+    Args:
+      x: [N, D] embeddings; y: [N, D] their positives.
+      alpha: exponent.
+
+    Returns:
+      Scalar float32 (lower is better).
+    """
+    d = jnp.linalg.norm(_normalize(x) - _normalize(y), axis=-1)  # [N]
+    return jnp.mean(d ** alpha)
+
+
+def uniformity(x: jax.Array, t: float = 2.0) -> jax.Array:
+    """Uniformity (Wang & Isola 2020): log E_{i<j} exp(-t ||f(x_i) - f(x_j)||^2), normalized.
+
+    Args:
+      x: [N, D] embeddings, N >= 2.
+      t: temperature of the Gaussian potential.
+
+    Returns:
+      Scalar float32 (lower is better).
+    """
+    u = _normalize(x)
+    # ||a - b||^2 = 2 - 2 cos for unit vectors; clip tiny negatives from rounding.
+    sq = jnp.maximum(2.0 - 2.0 * jnp.einsum('nd,md->nm', u, u,
+                                            precision=jax.lax.Precision.HIGHEST), 0.0)
+    n = x.shape[0]
+    upper = jnp.triu(jnp.ones((n, n), dtype=bool), k=1)  # pdist's i < j pairs
+    logits = jnp.where(upper, -t * sq, -jnp.inf)
+    num_pairs = n * (n - 1) / 2
+    return jax.nn.logsumexp(logits) - jnp.log(num_pairs)
