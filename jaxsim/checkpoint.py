@@ -29,7 +29,8 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocp_managers
 
 CHECKPOINT_DIR = "checkpoints"
-_ITEMS = ("state", "data", "config")
+# Retention options, so a read-only reader ranks "best" by the same metric as the writer.
+OPTIONS_FILE = "jaxsim_checkpoint_options.json"
 
 
 class CheckpointError(RuntimeError):
@@ -108,6 +109,25 @@ def abstract_target(tree: Any, sharding: Any = None) -> Any:
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding)
 
 
+def _write_options(directory: Path, options: CheckpointOptions) -> None:
+    path = directory / OPTIONS_FILE
+    text = json.dumps(dataclasses.asdict(options), indent=2) + "\n"
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)  # atomic: a crash never leaves a truncated file
+
+
+def _read_options(directory: Path) -> Optional[CheckpointOptions]:
+    path = directory / OPTIONS_FILE
+    if not path.is_file():
+        return None
+    try:
+        return CheckpointOptions(**json.loads(path.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: malformed checkpoint options: {e}") from None
+
+
 def _to_json(obj: Any) -> Any:
     """Round-trips through json so only plain JSON values reach orbax (and fail here if not)."""
     try:
@@ -129,6 +149,11 @@ class Checkpointer:
     def __init__(self, directory: Union[str, os.PathLike],
                  options: CheckpointOptions = CheckpointOptions(), read_only: bool = False):
         self.directory = Path(directory).absolute()
+        if read_only and not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: no checkpoint folder")
+        if read_only and options == CheckpointOptions():
+            # A reader (export, eval) ranks 'best' as the writer did.
+            options = _read_options(self.directory) or options
         self.options = options
         policies = [ocp_managers.LatestN(n=options.max_to_keep)]
         best_fn = None
@@ -147,13 +172,13 @@ class Checkpointer:
             # A crash mid-save leaves `<step>.orbax-checkpoint-tmp-*`; remove it on open.
             cleanup_tmp_directories=not read_only, read_only=read_only,
             create=not read_only)
-        if read_only and not self.directory.is_dir():
-            raise CheckpointError(f"{self.directory}: no checkpoint folder")
         self._manager = ocp.CheckpointManager(
             self.directory, options=manager_options,
             item_handlers={"state": ocp.StandardCheckpointHandler(),
                            "data": ocp.JsonCheckpointHandler(),
                            "config": ocp.JsonCheckpointHandler()})
+        if not read_only and jax.process_index() == 0:
+            _write_options(self.directory, options)
 
     # ------------------------------------------------------------------ queries
     def all_steps(self) -> list[int]:

@@ -320,7 +320,8 @@ def run(args: argparse.Namespace) -> Path:
     if pooler is None and args.format == "hf":
         pooler = "cls" if model.has_pooler else "cls_before_pooler"
     normalize = args.normalize if args.normalize is not None else (
-        not is_workdir and _has_normalize(args.checkpoint))
+        args.format == "sentence-transformers" and not is_workdir
+        and _has_normalize(args.checkpoint))
     whitening = None
     if kind != "none":
         if pooler is None:
