@@ -51,8 +51,9 @@ def make_encode_fn(module: BertModel, pooler: str, normalize: bool) -> Callable:
 
 
 def default_max_length(model: Pretrained) -> int:
-    """The tokenizer's limit, capped by the position table (512 for BERT)."""
-    limit = getattr(model.tokenizer, "model_max_length", None) or model.config.max_length
+    """The model's published limit, else the tokenizer's, capped by the position table."""
+    limit = (model.max_seq_length or getattr(model.tokenizer, "model_max_length", None)
+             or model.config.max_length)
     return int(min(limit, model.config.max_length))
 
 
@@ -84,7 +85,7 @@ def encode(model: Pretrained, sentences: Sequence[str], pooler: Optional[str] = 
       sentences: strings; empty strings are allowed, longer texts are truncated to max_length.
       pooler: one of `jaxsim.models.pooling.POOLERS`; default: the model's own (else 'avg').
       batch_size: sentences per device batch.
-      max_length: token limit including special tokens; default: the tokenizer's limit.
+      max_length: token limit including special tokens; default: `default_max_length(model)`.
       normalize: L2-normalize the vectors.
       progress: show a progress bar; default: only for long inputs.
       params: parameters to use instead of `model.params` (e.g. during training).

