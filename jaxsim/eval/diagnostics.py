@@ -1,0 +1,97 @@
+"""Geometry diagnostics of an embedding space.
+
+- alignment and uniformity (Wang & Isola 2020) as SimCSE computes them (`align_loss`,
+  `uniform_loss` on L2-normalized vectors; positives = STS-B pairs with gold > 4, uniformity
+  over the STS-B sentences);
+- anisotropy: the expected cosine between two distinct random sentences (Ethayarajh 2019),
+  computed exactly over all pairs;
+- the singular-value spectrum of the embedding matrix (a dominant first direction is the
+  anisotropy that whitening and flows remove).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import scipy.special
+
+
+def _unit(x) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    norms = np.linalg.norm(x, axis=-1, keepdims=True)
+    if (norms == 0).any():
+        raise ValueError('diagnostics: a vector is all zeros; its direction is undefined')
+    return x / norms
+
+
+def alignment(x, y, alpha: float = 2.0) -> float:
+    """E ||f(x) - f(x+)||^alpha over positive pairs (rows of x, y), on unit vectors."""
+    x, y = _unit(x), _unit(y)
+    if x.shape != y.shape or x.shape[0] == 0:
+        raise ValueError(f'alignment: need two equal non-empty [N, D] arrays, got {x.shape}, {y.shape}')
+    return float((np.linalg.norm(x - y, axis=1) ** alpha).mean())
+
+
+def uniformity(x, t: float = 2.0, chunk: int = 1024) -> float:
+    """log E exp(-t ||f(x) - f(y)||^2) over distinct pairs i < j (torch.pdist), unit vectors."""
+    u = _unit(x)
+    n = u.shape[0]
+    if n < 2:
+        raise ValueError('uniformity: need at least 2 vectors')
+    terms = []
+    for start in range(0, n, chunk):
+        block = u[start: start + chunk]  # [c, D]
+        sq = np.maximum(2.0 - 2.0 * block @ u.T, 0.0)  # squared distances of unit vectors
+        rows = np.arange(start, start + block.shape[0])[:, None]
+        upper = np.arange(n)[None, :] > rows  # keep j > i only
+        terms.append(-t * sq[upper])
+    terms = np.concatenate(terms)
+    # logsumexp keeps small values exact where a plain exp().mean() would underflow.
+    return float(scipy.special.logsumexp(terms) - np.log(terms.size))
+
+
+def mean_random_cosine(x) -> float:
+    """Mean cosine over all pairs of distinct rows: (||sum u||^2 - N) / (N (N - 1))."""
+    u = _unit(x)
+    n = u.shape[0]
+    if n < 2:
+        raise ValueError('mean_random_cosine: need at least 2 vectors')
+    s = u.sum(axis=0)
+    return float((s @ s - n) / (n * (n - 1)))
+
+
+def singular_values(x, center: bool = False) -> np.ndarray:
+    """Singular values of the [N, D] embedding matrix, descending (float64)."""
+    x = np.asarray(x, np.float64)
+    if center:
+        x = x - x.mean(axis=0)
+    # Via the [D, D] Gram matrix: much cheaper than an SVD of [N, D] for N >> D, and the
+    # precision lost on tiny singular values (below ~1e-8 of the largest) does not matter here.
+    if x.shape[0] > x.shape[1]:
+        return np.sqrt(np.maximum(np.linalg.eigvalsh(x.T @ x)[::-1], 0.0))
+    return np.linalg.svd(x, compute_uv=False)
+
+
+def diagnostics(x, pos1: Optional[np.ndarray] = None, pos2: Optional[np.ndarray] = None,
+                uniform_x: Optional[np.ndarray] = None) -> dict:
+    """All diagnostics as a JSON-ready dict.
+
+    Args:
+      x: [N, D] unique evaluated sentence vectors (anisotropy, spectrum).
+      pos1, pos2: [P, D] positive pairs (STS-B gold > 4) for alignment, or None.
+      uniform_x: [M, D] vectors for uniformity (STS-B sentences), or None.
+    """
+    s = singular_values(x)
+    out = {
+        'mean_random_cosine': mean_random_cosine(x),
+        'singular_values': [float(v) for v in s],
+        # Share of the squared spectrum in the top direction: ~1 for a cone-shaped space.
+        'top1_energy': float(s[0] ** 2 / (s**2).sum()),
+        'num_sentences': int(x.shape[0]),
+    }
+    if pos1 is not None and len(pos1):
+        out['alignment'] = alignment(pos1, pos2)
+        out['num_positive_pairs'] = int(len(pos1))
+    if uniform_x is not None:
+        out['uniformity'] = uniformity(uniform_x)
+    return out
