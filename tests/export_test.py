@@ -3,6 +3,7 @@ and reproduce jaxsim's hidden states / sentence vectors (within 1e-4); import(ex
 from __future__ import annotations
 
 import json
+import shutil
 
 import flax.traverse_util
 import jax
@@ -90,7 +91,7 @@ def test_bundled_hf_export_matches_automodel_and_round_trips(bundled, tmp_path):
     _assert_params_identical(jaxsim.load_pretrained(out).params, bundled.params)
 
 
-def test_bundled_sentence_transformers_with_and_without_whitening(bundled, tmp_path):
+def test_bundled_sentence_transformers_export(bundled, tmp_path):
     plain = tmp_path / "st"
     assert export_lib.main(["--checkpoint", str(bundled_model_path()), "--out", str(plain),
                             "--format", "sentence-transformers"]) == 0
@@ -100,37 +101,61 @@ def test_bundled_sentence_transformers_with_and_without_whitening(bundled, tmp_p
     want = jaxsim.encode(bundled, SENTENCES, pooler="avg", normalize=True)
     np.testing.assert_allclose(got, want, atol=1e-4)
 
-    fit = tmp_path / "fit.txt"
-    fit.write_text("\n".join(_corpus(64)) + "\n")
-    white = tmp_path / "st-white"
-    assert export_lib.main(["--checkpoint", str(bundled_model_path()), "--out", str(white),
-                            "--format", "sentence-transformers", "--post", "whitening:16",
-                            "--fit-data", str(fit), "--no-normalize"]) == 0
-    modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((white / "modules.json").read_text())]
-    assert modules == ["Transformer", "Pooling", "Dense"]
-    got = SentenceTransformer(str(white), device="cpu").encode(SENTENCES)
-    w = fit_whitening(jaxsim.encode(bundled, fit.read_text().split("\n")[:-1], pooler="avg"), 16)
-    want = apply_whitening(w, jaxsim.encode(bundled, SENTENCES, pooler="avg"))
-    assert got.shape == (len(SENTENCES), 16)
-    # Whitened coordinates are O(1)-O(10); compare at 1e-4 relative to that scale.
-    np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, np.abs(want).max()))
-
 
 # ---------------------------------------------------------------------------- tiny models
-@pytest.mark.parametrize("model_type,pooler", [("bert", "cls"), ("roberta", "avg_first_last"),
-                                               ("bert", "avg_top2"), ("roberta", "avg_embed_last"),
-                                               ("bert", "cls_before_pooler")])
-def test_tiny_sentence_transformers_parity(tiny_model_dir, tmp_path, model_type, pooler):
-    folder, _ = tiny_model_dir(model_type)
-    model = jaxsim.load_pretrained(folder)
-    out = tmp_path / "st"
-    export_lib.export_model(model, out, format="sentence-transformers", pooler=pooler,
-                            normalize=True, max_length=64)
-    _assert_hidden_parity(model, out, SENTENCES)
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """Tiny random BERT and RoBERTa folders (built once for this file) and their jaxsim loads."""
+    from tests.conftest import write_tiny_model
+
+    out = {}
+    for model_type in ("bert", "roberta"):
+        folder = tmp_path_factory.mktemp(f"tiny-{model_type}")
+        write_tiny_model(folder, model_type)
+        out[model_type] = (folder, jaxsim.load_pretrained(folder))
+    return out
+
+
+@pytest.mark.parametrize("model_type,poolers", [("bert", ("cls", "avg_top2", "cls_before_pooler")),
+                                                ("roberta", ("avg_first_last", "avg_embed_last"))])
+def test_tiny_sentence_transformers_parity(tiny_models, tmp_path, model_type, poolers):
+    _, model = tiny_models[model_type]
+    for i, pooler in enumerate(poolers):
+        out = tmp_path / pooler
+        export_lib.export_model(model, out, format="sentence-transformers", pooler=pooler,
+                                normalize=True, max_length=64)
+        if i == 0:  # same weights for every pooler: check layers and the round trip once
+            _assert_hidden_parity(model, out, SENTENCES)
+            _assert_params_identical(jaxsim.load_pretrained(out).params, model.params)
+        got = SentenceTransformer(str(out), device="cpu").encode(SENTENCES)
+        want = jaxsim.encode(model, SENTENCES, pooler=pooler, normalize=True, max_length=64)
+        np.testing.assert_allclose(got, want, atol=1e-4, err_msg=pooler)
+
+
+@pytest.mark.parametrize("model_type,pooler,post,normalize", [
+    ("bert", "cls", "whitening:20", False), ("roberta", "avg", "whitening:24", True)])
+def test_tiny_whitening_dense_matches_jaxsim(tiny_models, tmp_path, model_type, pooler, post,
+                                             normalize):
+    folder, model = tiny_models[model_type]
+    corpus = _corpus(80)
+    fit = tmp_path / "fit.txt"
+    fit.write_text("\n".join(corpus) + "\n")
+    out = tmp_path / "st-white"
+    argv = ["--checkpoint", str(folder), "--out", str(out), "--format", "sentence-transformers",
+            "--pooler", pooler, "--post", post, "--fit-data", str(fit), "--max-length", "64"]
+    assert export_lib.main(argv + (["--normalize"] if normalize else [])) == 0
+    modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((out / "modules.json").read_text())]
+    expected = ["Transformer", "Pooling"] + ["Dense"] * (1 + (pooler == "cls"))
+    assert modules == expected + ["Normalize"] * normalize
+    k = int(post.split(":")[1])
+    w = fit_whitening(jaxsim.encode(model, corpus, pooler=pooler, max_length=64), k)
+    want = apply_whitening(w, jaxsim.encode(model, SENTENCES, pooler=pooler, max_length=64))
+    if normalize:
+        want = want / np.linalg.norm(want, axis=1, keepdims=True)
     got = SentenceTransformer(str(out), device="cpu").encode(SENTENCES)
-    want = jaxsim.encode(model, SENTENCES, pooler=pooler, normalize=True, max_length=64)
-    np.testing.assert_allclose(got, want, atol=1e-4)
-    _assert_params_identical(jaxsim.load_pretrained(out).params, model.params)
+    assert got.shape == (len(SENTENCES), k)
+    # Whitened coordinates are O(1)-O(10): compare at 1e-4 of that scale.
+    np.testing.assert_allclose(got, want, atol=1e-4 * max(1.0, float(np.abs(want).max())))
 
 
 def test_layer_weights_pick_the_two_layers():
@@ -168,9 +193,8 @@ def _simcse_workdir(tmp_path, base_folder, base_params, pooler="cls", seed=0, ba
     return workdir, params
 
 
-def test_simcse_workdir_exports_head_as_pooler(tiny_model_dir, tmp_path):
-    folder, _ = tiny_model_dir("bert")
-    base = jaxsim.load_pretrained(folder)
+def test_simcse_workdir_exports_head_as_pooler(tiny_models, tmp_path):
+    folder, base = tiny_models["bert"]
     workdir, params = _simcse_workdir(tmp_path, folder, base.params)
     out = tmp_path / "st"
     assert export_lib.main(["--checkpoint", str(workdir), "--out", str(out),
@@ -189,9 +213,8 @@ def test_simcse_workdir_exports_head_as_pooler(tiny_model_dir, tmp_path):
     assert json.loads((out / "jaxsim_export.json").read_text())["pooler"] == "cls"
 
 
-def test_bad_inputs_are_clear_errors(tiny_model_dir, tmp_path, capsys):
-    folder, _ = tiny_model_dir("bert")
-    base = jaxsim.load_pretrained(folder)
+def test_bad_inputs_are_clear_errors(tiny_models, tmp_path, capsys):
+    folder, base = tiny_models["bert"]
     workdir, _ = _simcse_workdir(tmp_path, folder, base.params)
 
     def fails(argv, message):
@@ -232,6 +255,7 @@ def test_bad_inputs_are_clear_errors(tiny_model_dir, tmp_path, capsys):
           "pooler/dense/kernel has shape (36, 37), expected (36, 36)")
     assert not (tmp_path / "o3").exists()
     # An HF folder whose safetensors do not fit its config.
+    folder = shutil.copytree(folder, tmp_path / "bad-hf")
     cfg = json.loads((folder / "config.json").read_text())
     cfg["intermediate_size"] = 40
     (folder / "config.json").write_text(json.dumps(cfg))
