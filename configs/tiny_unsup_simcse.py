@@ -31,4 +31,5 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_batch_size = 16
     c.log_every = 1
     c.checkpoint = True
+    c.fast_compile = True  # XLA -O0: compile time dominates such a tiny model
     return c

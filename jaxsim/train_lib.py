@@ -11,6 +11,7 @@ Layout (big_vision style, split by banners):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -68,9 +69,10 @@ class TrainConfig:
       or max_steps (> 0 wins), learning_rate, warmup_steps, weight_decay, max_grad_norm
       (0 = off), grad_accum_steps, adam_b1/b2/eps, seed.
     Mesh: mesh_data (-1 = all devices), mesh_fsdp, mesh_tensor.
-    Eval/logging: senteval_root, eval_every (0 = only at the end), eval_at_start,
-      eval_max_len, eval_batch_size, eval_test, log_every, checkpoint, keep_checkpoints,
-      resume.
+    Eval/logging: senteval_root ('' = no STS-B eval), eval_every (0 = only at the end),
+      eval_at_start, eval_max_len, eval_batch_size, eval_test, log_every, checkpoint,
+      keep_checkpoints, resume.
+    fast_compile: compile with XLA -O0 (tiny test models: ~4x faster compiles, slower steps).
     """
 
     model: str = 'bundled'
@@ -117,6 +119,7 @@ class TrainConfig:
     checkpoint: bool = True
     keep_checkpoints: int = 2
     resume: bool = True
+    fast_compile: bool = False
 
     def __post_init__(self):
         def bad(msg):
@@ -225,9 +228,7 @@ def build_model(cfg: TrainConfig) -> ModelBundle:
     module = SimCSEModel(bert_config, pooler=cfg.pooler, mlp_only_train=cfg.mlp_only_train,
                          dtype=dtype)
     key = jax.random.fold_in(jax.random.key(cfg.seed), 1)  # the 'init' use of the root key
-    params = jax.jit(lambda k: init_params(module, k), backend='cpu')(key) \
-        if encoder_params is None else init_params(module, key, encoder_params)
-    params = jax.tree.map(np.asarray, params)
+    params = init_params(module, key, encoder_params)
     return ModelBundle(module, params, tokenizer, bert_config, base_path)
 
 
@@ -293,7 +294,7 @@ def create_state(params, tx, cfg: TrainConfig, mesh) -> tuple[TrainState, TrainS
     shape = jax.eval_shape(init, params)
     shardings = state_shardings(shape, mesh)
     params = jax.tree.map(lambda x, s: _put(np.asarray(x), s), params, shardings.params)
-    state = jax.jit(init, out_shardings=shardings)(params)
+    state = jax.jit(init, out_shardings=shardings, compiler_options=compiler_options(cfg))(params)
     return state, shardings
 
 
@@ -341,6 +342,10 @@ def make_loss_fn(module: SimCSEModel, cfg: TrainConfig) -> Callable:
         return loss, aux
 
     return loss_fn
+
+
+def compiler_options(cfg: TrainConfig) -> dict | None:
+    return {'xla_backend_optimization_level': 0} if cfg.fast_compile else None
 
 
 def make_train_step(module: SimCSEModel, tx: optax.GradientTransformation, cfg: TrainConfig,
@@ -396,7 +401,8 @@ def make_train_step(module: SimCSEModel, tx: optax.GradientTransformation, cfg: 
 
     bs = batch_shardings(mesh, cfg.views)
     return jax.jit(train_step, in_shardings=(shardings, bs),
-                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0,
+                   compiler_options=compiler_options(cfg))
 
 
 # =============================================================================================
@@ -404,7 +410,7 @@ def make_train_step(module: SimCSEModel, tx: optax.GradientTransformation, cfg: 
 # =============================================================================================
 
 def make_encode_fn(module: SimCSEModel, tokenizer, mesh, max_len: int = 128,
-                   batch_size: int = 128) -> Callable:
+                   batch_size: int = 128, options: dict | None = None) -> Callable:
     """encode(params, sentences) -> [N, H] float32 numpy, in input order, deterministic.
 
     Sentences are sorted by length and padded per batch to a multiple of 16 (few compiled
@@ -416,7 +422,7 @@ def make_encode_fn(module: SimCSEModel, tokenizer, mesh, max_len: int = 128,
         raise ValueError(f'eval_batch_size {batch_size} not divisible by {shards} batch shards')
     in_sh = NamedSharding(mesh, P(('data', 'fsdp'), None))
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=options)
     def apply(params, ids, mask):
         z = module.apply({'params': params}, ids, mask, jnp.zeros_like(ids), train=False)
         return jax.lax.with_sharding_constraint(z, NamedSharding(mesh, P()))
@@ -626,7 +632,7 @@ def train_and_evaluate(config: TrainConfig | Mapping, workdir: str | Path,
     train_step = make_train_step(bundle.module, tx, cfg, mesh, shardings, total)
     bs = batch_shardings(mesh, cfg.views)
     encode = make_encode_fn(bundle.module, bundle.tokenizer, mesh, cfg.eval_max_len,
-                            cfg.eval_batch_size) if has_eval else None
+                            cfg.eval_batch_size, compiler_options(cfg)) if has_eval else None
 
     ckpt = _open_checkpointer(workdir, cfg, has_eval) if cfg.checkpoint else None
     dev_curve, best = [], (None, -math.inf, None)  # (step, dev, host params)

@@ -13,6 +13,8 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
 
 from jaxsim.models.bert import BertConfig, BertModel, BertOutput
 from jaxsim.models.pooling import POOLERS, pool
@@ -81,6 +83,11 @@ def eval_pooler(pooler: str, mlp_only_train: bool) -> str:
 def init_params(model: SimCSEModel, rng: jax.Array, encoder_params: Mapping | None = None):
     """Initial parameters; the encoder part comes from `encoder_params` when given.
 
+    Random values follow BERT's init (the reference's `init_weights()`): N(0, 0.02) for
+    kernels and embeddings, zeros for biases, ones for LayerNorm scales. They are drawn with
+    NumPy from the key's data: the tree structure comes from `jax.eval_shape`, so no XLA
+    compilation is needed (a jitted `init` of even a tiny BERT compiles for seconds on CPU).
+
     Args:
       model: the module.
       rng: PRNG key for the head (and the encoder when `encoder_params` is None).
@@ -88,19 +95,33 @@ def init_params(model: SimCSEModel, rng: jax.Array, encoder_params: Mapping | No
         builds BertModel with `add_pooling_layer=False` and a fresh MLP).
 
     Returns:
-      `{'encoder': ..., 'mlp': ...}` float32 params.
+      `{'encoder': ..., 'mlp': ...}` float32 numpy params.
     """
     ids = jnp.zeros((1, 4), jnp.int32)
-    params = model.init(rng, ids, jnp.ones_like(ids))['params']
-    params = jax.tree.map(lambda x: x, dict(params))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, jnp.ones_like(ids)))
+    flat = traverse_util.flatten_dict(dict(shapes['params']), sep='/')
+    gen = np.random.default_rng(np.asarray(jax.random.key_data(rng)).ravel().tolist())
+    params = {}
+    for path, leaf in sorted(flat.items()):
+        if path.endswith('bias'):
+            params[path] = np.zeros(leaf.shape, np.float32)
+        elif path.endswith('scale'):
+            params[path] = np.ones(leaf.shape, np.float32)
+        else:
+            params[path] = (0.02 * gen.standard_normal(leaf.shape)).astype(np.float32)
+    params = traverse_util.unflatten_dict(params, sep='/')
     if encoder_params is not None:
         enc = {k: v for k, v in dict(encoder_params).items() if k != 'pooler'}
-        expected = jax.tree.map(lambda x: x.shape, params['encoder'])
-        got = jax.tree.map(lambda x: tuple(x.shape), enc)
-        if jax.tree.structure(expected) != jax.tree.structure(got) or expected != got:
-            raise ValueError('pretrained encoder params do not match the model config '
-                             '(different tree or shapes)')
-        params['encoder'] = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), enc)
+        expected = traverse_util.flatten_dict(params['encoder'], sep='/')
+        got = traverse_util.flatten_dict(enc, sep='/')
+        for name in sorted(set(expected) | set(got)):
+            if name not in got or name not in expected or \
+                    tuple(got[name].shape) != expected[name].shape:
+                raise ValueError(
+                    f'pretrained encoder param {name!r} does not fit the model config: '
+                    f'expected {getattr(expected.get(name), "shape", None)}, '
+                    f'got {getattr(got.get(name), "shape", None)}')
+        params['encoder'] = jax.tree.map(lambda x: np.asarray(x, np.float32), enc)
     return params
 
 
