@@ -6,9 +6,14 @@ Example (the bundled all-MiniLM-L6-v2 on the shipped tasks):
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from jaxsim.eval import runner
+# The eval's linear algebra is small ([D, D] eigh); OpenBLAS threads spinning against busy
+# cores made it 50x slower on a shared 2-core machine. Set before numpy loads.
+os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
+
+from jaxsim.eval import runner  # noqa: E402
 
 ALL_TASKS = 'sts12,sts13,sts14,sts15,sts16,stsb,sickr'
 
