@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Optional
 
+from jaxsim import calibration
 from jaxsim.data import senteval
 from jaxsim.eval.sts import CachedEncoder, StsResult, evaluate_rows
 
@@ -71,6 +72,8 @@ def run(models: Sequence[str], roots: Sequence, tasks: Optional[Sequence[str]] =
     import jaxsim
     from jaxsim.pretrained import bundled_model_path, load_pretrained
 
+    for p in posts:
+        calibration.parse_post(p)  # A typo in --post fails before any loading.
     roots = [pathlib.Path(r) for r in roots]
     tasks = list(tasks) if tasks else default_tasks(roots, split, verbose)
     # Load (and validate) the data before any model: bad data fails in a second.
