@@ -5,9 +5,11 @@ with odd-ish sizes so shape bugs show. `train_file` must be set by the caller.
 """
 import ml_collections
 
+from jaxsim.train_lib import base_config
+
 
 def get_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
+    c = base_config()
     c.model = 'bundled'
     c.random_init = True
     c.model_overrides = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

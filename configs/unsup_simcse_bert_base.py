@@ -6,9 +6,11 @@ Needs an accelerator and the bert-base-uncased weights (a local HF folder or hub
 """
 import ml_collections
 
+from jaxsim.train_lib import base_config
+
 
 def get_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
+    c = base_config()
     c.model = 'bert-base-uncased'
     c.dropout = 0.1
     c.pooler = 'cls'

@@ -40,7 +40,7 @@ jax.config.update('jax_threefry_partitionable', True)
 log = logging.getLogger(__name__)
 
 OBJECTIVES = ('unsup', 'sup')
-DATA_FORMATS = ('text', 'csv', 'snli', 'tfds')
+DATA_FORMATS = ('text', 'csv', 'snli', 'senteval_corpus', 'tfds')
 BEST_METRIC = 'stsb_dev'
 
 
@@ -63,7 +63,8 @@ class TrainConfig:
       dtype: 'float32' or 'bfloat16' compute; master params are always float32.
     Objective: objective 'unsup'|'sup', temp, hard_negative_weight.
     Data: train_file, data_format ('text' one sentence per line, 'csv' sent0,sent1,hard_neg,
-      'snli' a SentEval SNLI folder, 'tfds' via tfds_*), snli_splits, max_examples (0 = all),
+      'snli' a SentEval SNLI folder, 'senteval_corpus' sentences of the SentEval root's
+      plain-text files (no STS), 'tfds' via tfds_*), snli_splits, max_examples (0 = all),
       max_len (fixed padded length).
     Optimization: batch_size is the GLOBAL batch (= negatives x grad_accum_steps), num_epochs
       or max_steps (> 0 wins), learning_rate, warmup_steps, weight_decay, max_grad_norm
@@ -71,7 +72,8 @@ class TrainConfig:
     Mesh: mesh_data (-1 = all devices), mesh_fsdp, mesh_tensor.
     Eval/logging: senteval_root ('' = no STS-B eval), eval_every (0 = only at the end),
       eval_at_start, eval_max_len, eval_batch_size, eval_test, log_every, checkpoint,
-      keep_checkpoints, resume.
+      keep_checkpoints, resume, checkpoint_every (also save every N steps; 0 = only at eval
+      steps and the end).
     fast_compile: compile with XLA -O0 (tiny test models: ~4x faster compiles, slower steps).
     """
 
@@ -119,6 +121,7 @@ class TrainConfig:
     checkpoint: bool = True
     keep_checkpoints: int = 2
     resume: bool = True
+    checkpoint_every: int = 0
     fast_compile: bool = False
 
     def __post_init__(self):
@@ -177,6 +180,18 @@ class TrainConfig:
     @property
     def eval_pooler(self) -> str:
         return eval_pooler(self.pooler, self.mlp_only_train)
+
+
+def base_config():
+    """A ConfigDict holding every TrainConfig field at its default: configs/*.py start here, so
+    any field can be overridden with `--config.key=value` (and typos are rejected)."""
+    import ml_collections
+    d = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+         for f in dataclasses.fields(TrainConfig)}
+    d['snli_splits'], d['tfds_fields'] = list(d['snli_splits']), list(d['tfds_fields'])
+    # An empty dict would freeze as an empty ConfigDict; hold the BertConfig override keys.
+    d['model_overrides'] = {}
+    return ml_collections.ConfigDict(d)
 
 
 # =============================================================================================
@@ -489,6 +504,9 @@ def load_examples(cfg: TrainConfig) -> tuple[list, str]:
         rows, source = pipeline.read_corpus(cfg.train_file), cfg.train_file
     elif cfg.data_format == 'csv':
         rows, source = pipeline.read_nli_csv(cfg.train_file), cfg.train_file
+    elif cfg.data_format == 'senteval_corpus':
+        rows = pipeline.collect_corpus(cfg.train_file)
+        source = f'{cfg.train_file} ({len(pipeline.CORPUS_FILES)} SentEval text files)'
     else:
         rows = pipeline.build_snli_triplets(cfg.train_file, cfg.snli_splits)
         source = f'{cfg.train_file} ({",".join(cfg.snli_splits)})'
@@ -677,8 +695,13 @@ def train_and_evaluate(config: TrainConfig | Mapping, workdir: str | Path,
         state, metrics = train_step(state, batch)
         step += 1
         pending.append((step, metrics))
+        is_eval = has_eval and ((cfg.eval_every > 0 and step % cfg.eval_every == 0)
+                                or step == total)
+        # A checkpoint must follow the log of its own step, or a resume would lose that loss.
+        will_save = is_eval or step == total or (
+            cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0)
         # Host reads lag one step behind dispatch, so the device never idles on logging.
-        while len(pending) > 1 or (pending and step == total):
+        while len(pending) > 1 or (pending and will_save):
             s, m = pending.pop(0)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             if not math.isfinite(m['loss']) or not math.isfinite(m['grad_norm']):
@@ -694,12 +717,10 @@ def train_and_evaluate(config: TrainConfig | Mapping, workdir: str | Path,
         if stopped:
             log.error(stopped)
             break
-        is_eval = has_eval and ((cfg.eval_every > 0 and step % cfg.eval_every == 0)
-                                or step == total)
         if is_eval:
             score = evaluate(step)
             save(step, {BEST_METRIC: score})
-        elif step == total:
+        elif will_save:
             save(step)
     if bar is not None:
         bar.close()
@@ -717,3 +738,46 @@ def train_and_evaluate(config: TrainConfig | Mapping, workdir: str | Path,
     if main:
         (workdir / 'result.json').write_text(json.dumps(dataclasses.asdict(result), indent=1))
     return result
+
+
+def run_seeds(config: TrainConfig | Mapping, workdir: str | Path, seeds: Sequence[int],
+              progress: bool = True) -> dict:
+    """Runs the config once per seed (WORKDIR/seed_N) and reports mean and std of the scores.
+
+    Seed variance (about 2 points for SimCSE) is the usual reproduction complaint, so the
+    summary gives mean, sample std and every run's best STS-B dev and test-at-best.
+    Writes WORKDIR/seeds_summary.json.
+    """
+    cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
+    workdir = Path(workdir)
+    runs = {}
+    for seed in seeds:
+        r = train_and_evaluate(dataclasses.replace(cfg, seed=int(seed)),
+                               workdir / f'seed_{seed}', progress=progress)
+        runs[int(seed)] = dataclasses.asdict(r)
+
+    def stats(key):
+        vals = [r[key] for r in runs.values() if r[key] is not None]
+        if not vals:
+            return None
+        return {'mean': float(np.mean(vals)),
+                'std': float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0, 'n': len(vals),
+                'values': vals}
+
+    summary = {'seeds': [int(s) for s in seeds], 'stsb_dev_best': stats('best_dev'),
+               'stsb_test_at_best': stats('test_at_best'), 'final_loss': stats('final_loss'),
+               'runs': runs}
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / 'seeds_summary.json').write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def format_seed_summary(summary: Mapping) -> str:
+    lines = [f"seeds {summary['seeds']}"]
+    for key in ('stsb_dev_best', 'stsb_test_at_best', 'final_loss'):
+        s = summary.get(key)
+        if s:
+            lines.append(f"  {key:18s} {s['mean']:.2f} +- {s['std']:.2f}  "
+                         f"({', '.join(f'{v:.2f}' for v in s['values'])})")
+    return '\n'.join(lines)

@@ -320,18 +320,14 @@ CORPUS_FILES = ('SNLI/s1.dev', 'SNLI/s2.dev', 'SNLI/s1.test', 'SNLI/s2.test',
                 'MPQA/mpqa.pos', 'MPQA/mpqa.neg')
 
 
-def build_unsup_corpus(senteval_root: str | Path, out_path: str | Path,
-                       files: Sequence[str] = CORPUS_FILES, min_words: int = 3) -> Path:
-    """Writes a deduplicated one-sentence-per-line corpus from shipped SentEval text files.
+def collect_corpus(senteval_root: str | Path, files: Sequence[str] = CORPUS_FILES,
+                   min_words: int = 3) -> list[str]:
+    """Deduplicated sentences (first-seen order) from shipped SentEval plain-text files.
 
     Args:
       senteval_root: the SentEval data folder.
-      out_path: the corpus file to write.
-      files: relative paths of plain-text files to read (missing ones are an error).
+      files: relative paths of one-sentence-per-line files (a missing one is an error).
       min_words: drop fragments shorter than this (MPQA holds many 1-2 word phrases).
-
-    Returns:
-      `out_path`.
     """
     root = Path(senteval_root)
     seen, sentences = set(), []
@@ -344,7 +340,42 @@ def build_unsup_corpus(senteval_root: str | Path, out_path: str | Path,
             if len(s.split()) >= min_words and s not in seen:
                 seen.add(s)
                 sentences.append(s)
+    if not sentences:
+        raise DataError(f'{root}: no sentences in {list(files)}')
+    return sentences
+
+
+def build_unsup_corpus(senteval_root: str | Path, out_path: str | Path,
+                       files: Sequence[str] = CORPUS_FILES, min_words: int = 3) -> Path:
+    """Writes `collect_corpus(...)` as a one-sentence-per-line corpus file; returns its path."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    sentences = collect_corpus(senteval_root, files, min_words)
     out_path.write_text('\n'.join(sentences) + '\n', encoding='utf-8')
     return out_path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m jaxsim.data.pipeline snli-csv SNLI_DIR OUT.csv` or `corpus ROOT OUT.txt`."""
+    import argparse
+    ap = argparse.ArgumentParser(prog='python -m jaxsim.data.pipeline')
+    sub = ap.add_subparsers(dest='cmd', required=True)
+    a = sub.add_parser('snli-csv', help='SentEval SNLI -> sent0,sent1,hard_neg CSV')
+    a.add_argument('snli_dir')
+    a.add_argument('out')
+    a.add_argument('--splits', default='dev,test')
+    b = sub.add_parser('corpus', help='SentEval text files -> one sentence per line')
+    b.add_argument('senteval_root')
+    b.add_argument('out')
+    args = ap.parse_args(argv)
+    if args.cmd == 'snli-csv':
+        rows = build_snli_triplets(args.snli_dir, args.splits.split(','))
+        print(f'{write_nli_csv(rows, args.out)}: {len(rows)} triplets')
+    else:
+        out = build_unsup_corpus(args.senteval_root, args.out)
+        print(f'{out}: {len(out.read_text().splitlines())} sentences')
+    return 0
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())
