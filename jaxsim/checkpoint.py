@@ -171,6 +171,7 @@ class Checkpointer:
             enable_async_checkpointing=options.async_save,
             # A crash mid-save leaves `<step>.orbax-checkpoint-tmp-*`; remove it on open.
             cleanup_tmp_directories=not read_only, read_only=read_only,
+            save_interval_steps=0 if read_only else 1,
             create=not read_only)
         self._manager = ocp.CheckpointManager(
             self.directory, options=manager_options,
