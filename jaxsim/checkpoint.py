@@ -90,7 +90,7 @@ def replicated_sharding(devices=None) -> jax.sharding.NamedSharding:
 
 
 def abstract_target(tree: Any, sharding: Any = None) -> Any:
-    """Turns a pytree of arrays (or ShapeDtypeStructs, e.g. from `jax.eval_shape`) into a restore target.
+    """Turns a pytree of arrays or ShapeDtypeStructs (`jax.eval_shape`) into a restore target.
 
     Args:
       tree: pytree whose leaves have `.shape` and `.dtype`.

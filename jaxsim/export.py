@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a workdir refuses a different one)")
     p.add_argument("--step", default="best", help="workdir checkpoint: best | latest | N")
     p.add_argument("--post", default="none",
-                   help="affine calibration baked in as a Dense module: whitening[:K] | sn | natsv:K")
+                   help="affine calibration baked in as a Dense module: "
+                        "whitening[:K] | sn | natsv:K")
     p.add_argument("--fit-data", type=Path, default=None,
                    help="sentences (one a line) to fit --post on")
     p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,

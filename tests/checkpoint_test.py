@@ -1,7 +1,6 @@
-"""Tests for jaxsim/checkpoint.py: retention, exact round trip, 8 -> 1 device restore, crash safety."""
+"""jaxsim/checkpoint.py: retention, exact round trip, 8 -> 1 device restore, crash safety."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
