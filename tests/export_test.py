@@ -261,3 +261,20 @@ def test_bad_inputs_are_clear_errors(tiny_models, tmp_path, capsys):
     (folder / "config.json").write_text(json.dumps(cfg))
     fails(["--checkpoint", str(folder), "--out", str(tmp_path / "o4")],
           "encoder.layer.0.intermediate.dense.weight")
+
+
+def test_cli_entry_point_reports_errors_in_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "jaxsim", "export", "--checkpoint",
+                           str(tmp_path / "missing"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, cwd=repo, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"jaxsim export: error: --checkpoint {tmp_path / 'missing'}: " \
+                                  "no such folder"
+    assert not (tmp_path / "out").exists()
