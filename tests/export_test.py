@@ -211,6 +211,10 @@ def test_simcse_workdir_exports_head_as_pooler(tiny_models, tmp_path):
     _, _, pooled = _torch_hidden(out, SENTENCES)
     np.testing.assert_allclose(pooled, want, atol=1e-4)
     assert json.loads((out / "jaxsim_export.json").read_text())["pooler"] == "cls"
+    # jaxsim itself loads the workdir the same way (eval.py --model WORKDIR).
+    trained = jaxsim.load_pretrained(workdir)
+    assert trained.default_pooler == "cls"
+    np.testing.assert_allclose(jaxsim.encode(trained, SENTENCES, max_length=64), want, atol=1e-5)
 
 
 def test_bad_inputs_are_clear_errors(tiny_models, tmp_path, capsys):
@@ -232,6 +236,8 @@ def test_bad_inputs_are_clear_errors(tiny_models, tmp_path, capsys):
            "--post", "flow"], "not affine")
     fails(["--checkpoint", str(workdir), "--out", out, "--format", "sentence-transformers",
            "--post", "whitening:4"], "needs --fit-data")
+    fails(["--checkpoint", str(folder), "--out", out, "--format", "sentence-transformers"],
+          "records no pooler; pass --pooler")
     fails(["--checkpoint", str(workdir), "--out", str(workdir), "--overwrite"],
           "would overwrite the model")
     fails(["--checkpoint", str(workdir), "--out", str(tmp_path), "--overwrite"],
