@@ -148,11 +148,12 @@ def read_tfds(name: str, split: str = 'train', data_dir: str | None = None,
               fields: Sequence[str] = ('text',)) -> list[tuple[str, ...]]:
     """Rows from a TensorFlow Datasets dataset via `tfds.data_source` (no TensorFlow needed).
 
-    Works for datasets prepared with `file_format='array_record'`; `name` is a registered TFDS
-    name (optionally 'name:version') or, with `data_dir`, a prepared dataset there.
+    Works for datasets prepared with `file_format='array_record'`. `name` is a registered TFDS
+    name (optionally 'name:version', found under `data_dir`), or the folder of a prepared
+    dataset version (e.g. '~/tensorflow_datasets/my_corpus/1.0.0'), which needs no builder code.
 
     Args:
-      name: dataset name.
+      name: dataset name or prepared-dataset folder.
       split: split name (TFDS slicing syntax allowed, e.g. 'train[:10%]').
       data_dir: TFDS data directory.
       fields: the string features to read per example (1 for unsup, 3 for sup, in order
@@ -163,7 +164,11 @@ def read_tfds(name: str, split: str = 'train', data_dir: str | None = None,
     """
     import tensorflow_datasets as tfds  # heavy import, only for users of this source
     try:
-        source = tfds.data_source(name, split=split, data_dir=data_dir)
+        if Path(name).expanduser().is_dir():
+            source = tfds.builder_from_directory(str(Path(name).expanduser())).as_data_source(
+                split=split)
+        else:
+            source = tfds.data_source(name, split=split, data_dir=data_dir)
     except Exception as e:
         raise DataError(f'TFDS {name!r} split {split!r} (data_dir={data_dir}): cannot open: '
                         f'{type(e).__name__}: {e}') from None
