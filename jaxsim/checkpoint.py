@@ -33,7 +33,7 @@ CHECKPOINT_DIR = "checkpoints"
 OPTIONS_FILE = "jaxsim_checkpoint_options.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ValueError):
     """A checkpoint folder that is missing, empty or unreadable; the message names the path."""
 
 
@@ -280,10 +280,16 @@ class Checkpointer:
         step = self.resolve_step(step)
         if target is None:
             target = self.abstract_state_from_metadata(step)
-        out = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target),
-            data=ocp.args.JsonRestore(),
-            config=ocp.args.JsonRestore()))
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target),
+                data=ocp.args.JsonRestore(),
+                config=ocp.args.JsonRestore()))
+        except Exception as e:  # orbax raises many types; name the checkpoint, keep the cause
+            raise CheckpointError(
+                f"{self.directory / str(step)}: cannot restore checkpoint (corrupt, or saved "
+                f"from a different model/optimizer than the target): {type(e).__name__}: "
+                f"{str(e)[:2000]}") from e
         return Restored(step=step, state=out["state"], data=dict(out["data"] or {}),
                         config=dict(out["config"] or {}))
 

@@ -88,6 +88,12 @@ def test_errors_are_clear(tmp_path):
             ckpt.save(2, _state(), metrics={"dev": float("nan")})
         with pytest.raises(TypeError, match="JSON-serializable"):
             ckpt.save(2, _state(), data={"x": object()})
+    # A target from another model: the error names the checkpoint and the mismatch.
+    with Checkpointer(tmp_path / "other") as ckpt:
+        ckpt.save(1, {"w": jnp.ones((4, 3))})
+        ckpt.wait_until_finished()
+        with pytest.raises(CheckpointError, match=r"other/1: cannot restore.*\(5, 3\)"):
+            ckpt.restore(target=abstract_target({"w": jnp.ones((5, 3))}))
     with pytest.raises(ValueError, match="best_mode"):
         CheckpointOptions(best_mode="top")
 
