@@ -143,3 +143,18 @@ def test_head_use_at_train_and_eval():
     out = _jit(BertModel(_tiny(0.0)).apply)({'params': to_bert_params(params)},
                                                b['input_ids'], b['attention_mask'])
     np.testing.assert_allclose(np.asarray(out.pooler_output), head, atol=1e-5)
+
+
+def test_bf16_compute_keeps_fp32_master_params():
+    from jaxsim.train_lib import TrainConfig, make_loss_fn
+    cfg = TrainConfig(train_file='x', objective='unsup')
+    f32 = SimCSEModel(_tiny(0.0), pooler='avg')
+    bf16 = SimCSEModel(_tiny(0.0), pooler='avg', dtype=jnp.bfloat16)
+    params = init_params(f32, jax.random.key(0))
+    key = jax.random.key(1)
+    l32, _ = _jit(make_loss_fn(f32, cfg))(params, _batch(), key)
+    (l16, _), grads = _jit(jax.value_and_grad(make_loss_fn(bf16, cfg), has_aux=True))(
+        params, _batch(), key)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+    assert l16.dtype == jnp.float32 and np.isfinite(float(l16))
+    np.testing.assert_allclose(float(l16), float(l32), rtol=0.05, atol=0.05)
