@@ -293,6 +293,32 @@ class Checkpointer:
         return Restored(step=step, state=out["state"], data=dict(out["data"] or {}),
                         config=dict(out["config"] or {}))
 
+    def restore_params(self, step: Union[str, int, None] = None, sharding: Any = None) -> Any:
+        """Restores only `state.params` (no optimizer state: a third of Adam's memory).
+
+        Args:
+          step: 'latest' (default), 'best' or a step number.
+          sharding: placement of every array (default: replicated on all local devices).
+
+        Returns:
+          The parameter tree as nested dicts of jax.Arrays.
+        """
+        step = self.resolve_step(step)
+        tree = self.abstract_state_from_metadata(step, sharding)
+        if not isinstance(tree, Mapping) or "params" not in tree:
+            raise CheckpointError(f"{self.directory / str(step)}: the saved state has no 'params'")
+        target = {"params": tree["params"]}
+        try:
+            with ocp.PyTreeCheckpointer() as reader:
+                args = ocp.args.PyTreeRestore(
+                    item=target, partial_restore=True,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+                out = reader.restore(self.directory / str(step) / "state", args=args)
+        except Exception as e:  # name the checkpoint, keep the cause
+            raise CheckpointError(f"{self.directory / str(step)}: cannot restore params: "
+                                  f"{type(e).__name__}: {str(e)[:2000]}") from e
+        return out["params"]
+
 
 def restore_or_none(directory: Union[str, os.PathLike], target: Any,
                     step: Union[str, int, None] = None) -> Optional[Restored]:
@@ -370,10 +396,7 @@ def load_pretrained_from_workdir(workdir: Union[str, os.PathLike], which: Union[
     ckpt_dir = workdir / CHECKPOINT_DIR
     with Checkpointer(ckpt_dir, read_only=True) as ckpt:
         step = ckpt.resolve_step(which)
-        restored = ckpt.restore(step, target=ckpt.abstract_state_from_metadata(
-            step, jax.sharding.SingleDeviceSharding(jax.devices()[0])))
-    state = restored.state
-    params = state["params"] if isinstance(state, Mapping) else state.params
+        params = ckpt.restore_params(step, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     params = jax.tree.map(np.asarray, params)
     if "encoder" in params:  # SimCSE tree {'encoder', 'mlp'}
         encoder = dict(params["encoder"])
