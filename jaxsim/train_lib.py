@@ -684,7 +684,9 @@ def train_and_evaluate(config: TrainConfig | Mapping, workdir: str | Path,
 
     step = int(state.step)
     if has_eval and cfg.eval_at_start and step == 0:
-        evaluate(0)
+        # Checkpointed too: selection on dev may pick "no training" (e.g. an already strong
+        # base model), and `eval.py --model WORKDIR` must then get the base weights.
+        save(0, {BEST_METRIC: evaluate(0)})
     bar = None
     if progress and main:
         from tqdm import tqdm
