@@ -91,6 +91,26 @@ def test_each_sentence_encoded_once_across_posts(tmp_path):
     assert len(enc.calls) == 2 and cached.num_encoded == 5
 
 
+def test_fit_on_task_and_corpus_file(tmp_path):
+    root = write_tiny_senteval(tmp_path)
+    corpus = tmp_path / 'corpus.txt'
+    corpus.write_text('cos 0.15 c\n\ncos 0.25 c\ncos 0.95 c\nanchor\n')
+    enc = CountingEncoder()
+    by_task, by_file = (
+        sts.evaluate(enc, ['sts12', 'stsb'], root, post='sn', fit_on=fit_on, verbose=False)
+        for fit_on in ('task', str(corpus)))
+    assert by_task.details['fit_sentences'] == {'STS12': 14, 'STSBenchmark': 8}
+    assert by_file.details['fit_sentences'] == 4  # the blank line is skipped
+    assert str(corpus) in by_file.details['data_files']
+    # SN fitted on the corpus: per-dim (x - mu) / std with the corpus' mu, std.
+    c = np.stack([fake_vector(s) for s in ['cos 0.15 c', 'cos 0.25 c', 'cos 0.95 c', 'anchor']])
+    mu, sd = c.mean(0), c.std(0)
+    e1 = (np.stack([fake_vector('anchor')] * 4) - mu) / sd
+    e2 = (np.stack([fake_vector(f'cos {x} s') for x in (0.1, 0.3, 0.2, 0.9)]) - mu) / sd
+    gold = [0.5, 4.5, 4.8, 4.1]
+    assert by_file.scores['STSBenchmark'].all == pytest.approx(sts.spearman_x100(e1, e2, gold))
+
+
 def test_spearman_x100_equals_scipy_on_cosines():
     rng = np.random.default_rng(0)
     e1, e2 = rng.normal(size=(50, 7)), rng.normal(size=(50, 7))
@@ -136,7 +156,8 @@ def test_evaluation_never_uses_dropout():
                         type_vocab_size=2, layer_norm_eps=1e-12, pad_token_id=0)
     module = BertModel(config)
     ids = jnp.ones((1, 4), jnp.int32)
-    params = module.init(jax.random.key(0), ids, jnp.ones_like(ids), deterministic=True)['params']
+    init = jax.jit(lambda key: module.init(key, ids, jnp.ones_like(ids), deterministic=True))
+    params = init(jax.random.key(0))['params']  # jitted: one compile instead of one per op
     model = Pretrained(config=config, params=params, tokenizer=tokenizer, path='tiny')
     sentences = ['a man plays a guitar .', 'the cat sat .']
     got = runner.make_encoder(model, 'avg', 32, 8)(sentences)
@@ -148,9 +169,10 @@ def test_evaluation_never_uses_dropout():
         out = module.apply({'params': params}, jnp.asarray(batch['input_ids']), mask,
                            jnp.zeros_like(mask), deterministic=deterministic,
                            rngs={'dropout': key})
-        return np.asarray(pool('avg', out, mask))
+        return pool('avg', out, mask)
 
-    np.testing.assert_allclose(got, forward(True, jax.random.key(1)), atol=1e-5)
+    forward = jax.jit(forward, static_argnums=0)  # one compile, not one per eager op
+    np.testing.assert_allclose(got, np.asarray(forward(True, jax.random.key(1))), atol=1e-5)
     # Sanity: dropout at 0.5 would change the vectors a lot, so the equality above means off.
-    assert np.abs(forward(False, jax.random.key(1)) - got).max() > 1e-2
+    assert np.abs(np.asarray(forward(False, jax.random.key(1))) - got).max() > 1e-2
     assert dataclasses.is_dataclass(model)
