@@ -119,3 +119,23 @@ def test_cli_rejects_bad_batch_and_unknown_key(corpus, tmp_path):
     p = subprocess.run(base + ['--config.train_file=/nonexistent/x.txt'],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.returncode == 2 and '/nonexistent/x.txt: corpus file not found' in p.stderr
+
+
+def test_run_seeds_reports_mean_and_sample_std(tmp_path, monkeypatch):
+    scores = {1: (80.0, 78.0), 2: (82.0, 79.0), 3: (84.0, 83.0)}
+    seen = []
+
+    def fake(cfg, workdir, progress=True):
+        seen.append((cfg.seed, Path(workdir).name))
+        dev, test = scores[cfg.seed]
+        return train_lib.TrainResult(steps=3, final_loss=1.0, best_step=3, best_dev=dev,
+                                     test_at_best=test, dev_curve=[(3, dev)], wall_s=1.0)
+
+    monkeypatch.setattr(train_lib, 'train_and_evaluate', fake)
+    s = train_lib.run_seeds(train_lib.TrainConfig(train_file='x'), tmp_path, [1, 2, 3])
+    assert seen == [(1, 'seed_1'), (2, 'seed_2'), (3, 'seed_3')]
+    assert s['stsb_dev_best']['mean'] == pytest.approx(82.0)
+    assert s['stsb_dev_best']['std'] == pytest.approx(2.0)  # sample std (ddof=1)
+    assert s['stsb_test_at_best']['mean'] == pytest.approx(80.0)
+    assert json.loads((tmp_path / 'seeds_summary.json').read_text())['seeds'] == [1, 2, 3]
+    assert '82.00 +- 2.00' in train_lib.format_seed_summary(s)
