@@ -5,6 +5,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -96,8 +97,17 @@ def _sentence_transformers_max_length(folder: Path) -> Optional[int]:
     return int(value) if value else None
 
 
-def _sentence_transformers_pooler(folder: Path) -> Optional[str]:
-    """The pooler a sentence-transformers folder declares in its Pooling module, if any."""
+def _declared_pooler(folder: Path) -> Optional[str]:
+    """The pooler a folder declares: a jaxsim export's record, else a sentence-transformers
+    Pooling module (mean -> avg, cls -> cls_before_pooler), else None."""
+    record_file = folder / "jaxsim_export.json"
+    if record_file.is_file():
+        record = json.loads(record_file.read_text(encoding="utf-8"))
+        if record.get("post"):
+            warnings.warn(f"{folder} was exported with a {record['post'].get('kind')} module "
+                          f"after pooling; jaxsim loads the encoder only, without it")
+        if record.get("pooler"):
+            return record["pooler"]
     for config_file in sorted(folder.glob("*_Pooling/config.json")):
         cfg = json.loads(config_file.read_text(encoding="utf-8"))
         if cfg.get("pooling_mode_mean_tokens"):
@@ -152,5 +162,5 @@ def load_pretrained(name_or_path: str | os.PathLike) -> Pretrained:
     state_dict, weights_file = read_state_dict(path)
     params, report = hf_to_params(state_dict, config, source=str(weights_file))
     return Pretrained(config=config, params=params, tokenizer=load_tokenizer(path), path=str(path),
-                      report=report, default_pooler=_sentence_transformers_pooler(path),
+                      report=report, default_pooler=_declared_pooler(path),
                       max_seq_length=_sentence_transformers_max_length(path))

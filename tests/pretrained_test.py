@@ -112,3 +112,12 @@ def test_config_round_trip():
     assert cfg.max_length == cfg.max_position_embeddings - 2
     with pytest.raises(ConfigError, match="not divisible"):
         BertConfig(vocab_size=9, hidden_size=10, num_attention_heads=3)
+
+
+def test_declared_pooler_of_an_export(tiny_folder):
+    (tiny_folder / "jaxsim_export.json").write_text(json.dumps({"pooler": "avg_first_last"}))
+    assert jaxsim.load_pretrained(tiny_folder).default_pooler == "avg_first_last"
+    (tiny_folder / "jaxsim_export.json").write_text(
+        json.dumps({"pooler": "cls", "post": {"kind": "whitening"}}))
+    with pytest.warns(UserWarning, match="whitening module after pooling"):
+        assert jaxsim.load_pretrained(tiny_folder).default_pooler == "cls"
