@@ -236,7 +236,8 @@ def parse_post(spec: str) -> tuple[str, Optional[int]]:
     kind, _, arg = spec.strip().partition(':')
     kind = kind.lower()
     if kind not in ('none', 'whitening', 'sn', 'natsv', 'flow'):
-        raise ValueError(f'unknown --post {spec!r}; expected none, whitening[:K], sn, natsv:K, flow')
+        raise ValueError(
+            f'unknown --post {spec!r}; expected none, whitening[:K], sn, natsv:K, flow')
     k = None
     if arg:
         if kind not in ('whitening', 'natsv'):

@@ -33,12 +33,13 @@ def reference_pairs() -> dict[str, tuple[list[str], list[str], list[float]]]:
                 s2.append(b)
                 gold.append(float(g))
     out['STS12'] = (s1, s2, gold)
-    rows = [ln.split('\t') for ln in
-            (DATA / 'STS' / 'STSBenchmark' / 'sts-test.csv').read_text(encoding='utf-8').splitlines()]
+    text = (DATA / 'STS' / 'STSBenchmark' / 'sts-test.csv').read_text(encoding='utf-8')
+    rows = [ln.split('\t') for ln in text.splitlines()]
     out['STSBenchmark'] = ([r[5] for r in rows], [r[6] for r in rows], [float(r[4]) for r in rows])
     rows = [ln.split('\t') for ln in
             (DATA / 'SICK' / 'SICK_trial.txt').read_text(encoding='utf-8').splitlines()[1:]]
-    out['SICKRelatedness'] = ([r[1] for r in rows], [r[2] for r in rows], [float(r[3]) for r in rows])
+    out['SICKRelatedness'] = (
+        [r[1] for r in rows], [r[2] for r in rows], [float(r[3]) for r in rows])
     return out
 
 

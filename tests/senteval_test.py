@@ -104,11 +104,13 @@ def test_file_hash_changes_with_content(tmp_path):
 
 
 @pytest.mark.parametrize('relpath, line, text, match', [
-    ('STS/STS12-en-test/STS.input.A.txt', 3, 'only one column\n', r'STS\.input\.A\.txt:3: expected 2'),
+    ('STS/STS12-en-test/STS.input.A.txt', 3, 'only one column\n',
+     r'STS\.input\.A\.txt:3: expected 2'),
     ('STS/STS12-en-test/STS.gs.B.txt', 3, 'five\n', r"STS\.gs\.B\.txt:3: non-numeric score 'five'"),
     ('STS/STS12-en-test/STS.gs.B.txt', 1, 'nan\n', r'STS\.gs\.B\.txt:1: score .* not finite'),
     ('STS/STSBenchmark/sts-test.csv', 2, 'a\tb\tc\n', r'sts-test\.csv:2: expected 7'),
-    ('STS/STSBenchmark/sts-test.csv', 1, 'g\tf\ty\t1\tx\ts1\ts2\n', r"sts-test\.csv:1: non-numeric"),
+    ('STS/STSBenchmark/sts-test.csv', 1, 'g\tf\ty\t1\tx\ts1\ts2\n',
+     r"sts-test\.csv:1: non-numeric"),
     ('SICK/SICK_trial.txt', 3, '1\ta\tb\tc\n', r'SICK_trial\.txt:3: expected 5'),
     ('STS/STS12-en-test/STS.input.A.txt', 2, 'anchor\t  \n', r'STS\.input\.A\.txt:2: empty sent'),
 ])
@@ -127,10 +129,12 @@ def test_undecodable_bytes_and_line_mismatch_are_errors(tmp_path):
     root = write_tiny_senteval(tmp_path)
     path = root / 'STS' / 'STS12-en-test' / 'STS.input.A.txt'
     path.write_bytes(path.read_bytes().replace(b'cos 0.5 b', b'cos 0.5 \xff'))
-    with pytest.raises(senteval.SentEvalFormatError, match=r'STS\.input\.A\.txt:3: .*not valid UTF-8'):
+    with pytest.raises(senteval.SentEvalFormatError,
+                       match=r'STS\.input\.A\.txt:3: .*not valid UTF-8'):
         senteval.load_sts_task('sts12', root)
     path.write_text('anchor\tx\n')
-    with pytest.raises(senteval.SentEvalFormatError, match=r'has 1 lines but .*STS\.gs\.A\.txt has 4'):
+    with pytest.raises(senteval.SentEvalFormatError,
+                       match=r'has 1 lines but .*STS\.gs\.A\.txt has 4'):
         senteval.load_sts_task('sts12', root)
 
 

@@ -51,7 +51,8 @@ _TASK_DIRS = {
     'stsb': ('STS/STSBenchmark', 'STSBenchmark'),
     'sickr': ('SICK',),
 }
-_SICK_FILES = {'train': 'SICK_train.txt', 'dev': 'SICK_trial.txt', 'test': 'SICK_test_annotated.txt'}
+_SICK_FILES = {
+    'train': 'SICK_train.txt', 'dev': 'SICK_trial.txt', 'test': 'SICK_test_annotated.txt'}
 _STSB_FILES = {'train': 'sts-train.csv', 'dev': 'sts-dev.csv', 'test': 'sts-test.csv'}
 
 

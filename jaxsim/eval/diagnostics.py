@@ -29,7 +29,8 @@ def alignment(x, y, alpha: float = 2.0) -> float:
     """E ||f(x) - f(x+)||^alpha over positive pairs (rows of x, y), on unit vectors."""
     x, y = _unit(x), _unit(y)
     if x.shape != y.shape or x.shape[0] == 0:
-        raise ValueError(f'alignment: need two equal non-empty [N, D] arrays, got {x.shape}, {y.shape}')
+        raise ValueError(
+            f'alignment: need two equal non-empty [N, D] arrays, got {x.shape}, {y.shape}')
     return float((np.linalg.norm(x - y, axis=1) ** alpha).mean())
 
 

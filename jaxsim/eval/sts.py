@@ -27,7 +27,7 @@ import scipy.stats
 
 from jaxsim import calibration
 from jaxsim.data import senteval
-from jaxsim.data.senteval import StsPairs, StsTask
+from jaxsim.data.senteval import StsTask
 
 AGGREGATES = ('all', 'mean', 'wmean')
 AGGREGATE_DOC = {
@@ -59,7 +59,8 @@ def cosine_rows(emb1, emb2) -> np.ndarray:
     a = np.asarray(emb1, np.float64)
     b = np.asarray(emb2, np.float64)
     if a.shape != b.shape or a.ndim != 2:
-        raise ValueError(f'cosine: expected two [N, D] arrays of one shape, got {a.shape}, {b.shape}')
+        raise ValueError(
+            f'cosine: expected two [N, D] arrays of one shape, got {a.shape}, {b.shape}')
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         raise ValueError('cosine: embeddings contain NaN or inf')
     na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
