@@ -92,15 +92,17 @@ class StsTask:
       name: canonical key, e.g. 'STS12', 'STSBenchmark', 'SICKRelatedness'.
       subsets: subset name -> pairs. STS12-16: every `STS.input.<subset>.txt`; STS-B and
         SICK-R: one entry named after the evaluated split ('test' or 'dev').
-      files: path -> 'sha256:<hex>' of every file read, so results can be compared only
-        when they saw the same data.
+      files: path relative to the data root -> 'sha256:<hex>' of every file read, so results
+        can be compared only when they saw the same data.
       notes: human-readable remarks (e.g. a fallback from SICK test to trial).
+      root: the data root the task was read from.
     """
 
     name: str
     subsets: dict[str, StsPairs]
     files: dict[str, str]
     notes: tuple[str, ...] = ()
+    root: str = ''
 
     @property
     def num_pairs(self) -> int:
@@ -236,12 +238,17 @@ def _canonical(name: str) -> str:
 
 def find_task_dir(name: str, roots: PathLike | Sequence[PathLike]) -> pathlib.Path:
     """Returns the folder holding task `name` in the first root that has it."""
+    return _find_task(name, roots)[1]
+
+
+def _find_task(name: str, roots) -> tuple[pathlib.Path, pathlib.Path]:
+    """(root, task folder) of the first root holding task `name`."""
     key = _canonical(name)
     roots = _as_roots(roots)
     for root in roots:
         for rel in _TASK_DIRS[key]:
             if (root / rel).is_dir():
-                return root / rel
+                return root, root / rel
     looked = ', '.join(str(r / rel) for r in roots for rel in _TASK_DIRS[key])
     raise SentEvalFormatError(f'{TASK_KEYS[key]}: no task folder found; looked for {looked}')
 
@@ -276,7 +283,7 @@ def load_sts_task(name: str, roots: PathLike | Sequence[PathLike], split: str = 
       The task with its subsets, file hashes and notes.
     """
     key = _canonical(name)
-    task_dir = find_task_dir(key, roots)
+    root, task_dir = _find_task(key, roots)
     files: dict[str, str] = {}
     notes: list[str] = []
     if key.startswith('sts1'):
@@ -312,7 +319,9 @@ def load_sts_task(name: str, roots: PathLike | Sequence[PathLike], split: str = 
     if verbose:
         for n in notes:
             print(f'note: {n}', file=sys.stderr)
-    return StsTask(TASK_KEYS[key], subsets, files, tuple(notes))
+    # Keys relative to the data root, so results from different machines compare by hash.
+    files = {pathlib.Path(f).relative_to(root).as_posix(): h for f, h in files.items()}
+    return StsTask(TASK_KEYS[key], subsets, files, tuple(notes), str(root))
 
 
 def load_sentences(path: PathLike) -> list[str]:

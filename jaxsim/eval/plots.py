@@ -28,7 +28,8 @@ def plot_spectra(results: Sequence[StsResult], path: str | os.PathLike) -> pathl
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         s = np.asarray(r.details['diagnostics']['singular_values'])
-        ax.semilogy(np.arange(1, s.size + 1), s / s[0], label=_name(r, multi))
+        # Floor exact zeros (dead dims) so the log axis stays finite.
+        ax.semilogy(np.arange(1, s.size + 1), np.maximum(s / s[0], 1e-12), label=_name(r, multi))
     ax.set_xlabel('index')
     ax.set_ylabel('singular value / largest')
     ax.set_title('Spectrum of the sentence embeddings')

@@ -447,6 +447,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
                 a: {'tasks': {k: v.get(a) for k, v in scores.items()},
                     'avg': float(np.mean([v.get(a) for v in scores.values()]))}
                 for a in AGGREGATES},
+            'data_roots': sorted({t.root for t in task_list}),
             'data_files': files,
             'notes': row_notes,
         }
