@@ -112,6 +112,32 @@ def test_fit_on_task_and_corpus_file(tmp_path):
     assert by_file.scores['STSBenchmark'].all == pytest.approx(sts.spearman_x100(e1, e2, gold))
 
 
+def test_flow_post_plugs_in_the_flow_calibration(tmp_path, monkeypatch):
+    """--post flow fits jaxsim.flows.calibration on the fit set, or loads a saved one."""
+    from jaxsim.flows import calibration as flow_calibration
+
+    class Shift:  # A stand-in flow, z = x + [0, 1]: changes the cosines in a known way.
+        def apply(self, x):
+            return np.asarray(x) + np.array([0.0, 1.0])
+
+    fitted, loaded = [], []
+    monkeypatch.setattr(flow_calibration, 'fit_flow_calibration',
+                        lambda x, config=None, seed=0: fitted.append(x.shape) or Shift())
+    monkeypatch.setattr(flow_calibration, 'load_flow', lambda d: loaded.append(d) or Shift())
+    root = write_tiny_senteval(tmp_path)
+    none, flow = sts.evaluate_rows(CountingEncoder(), ['stsb'], root, posts=['none', 'flow'],
+                                   verbose=False)
+    assert fitted == [(8, 2)]  # fitted once, on all 8 sentence slots of the evaluated pairs
+    e2 = np.stack([fake_vector(f'cos {c} s') for c in (0.1, 0.3, 0.2, 0.9)]) + [0.0, 1.0]
+    e1 = np.tile([1.0, 1.0], (4, 1))  # the shifted anchor
+    # The shift keeps the ranking on this data, so check the (value-sensitive) Pearson.
+    expected = sts.pearson_x100(e1, e2, [0.5, 4.5, 4.8, 4.1])
+    assert flow.scores['STSBenchmark'].pearson_all == pytest.approx(expected)
+    assert expected != pytest.approx(none.scores['STSBenchmark'].pearson_all, abs=1.0)
+    sts.evaluate(CountingEncoder(), ['stsb'], root, post='flow', flow_checkpoint='ckpt')
+    assert loaded == ['ckpt'] and len(fitted) == 1
+
+
 def test_spearman_x100_equals_scipy_on_cosines():
     rng = np.random.default_rng(0)
     e1, e2 = rng.normal(size=(50, 7)), rng.normal(size=(50, 7))
