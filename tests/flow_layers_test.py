@@ -172,7 +172,7 @@ def test_glow_init_from_batch_standardizes_first_actnorm():
     v = module.init(jax.random.key(0), x, method='forward')
     _, v = module.apply(v, x, method='init_from_batch', mutable=['params'])
     first = v['params']['levels_0_0']
-    z = (x + first['bias']) * jnp.exp(first['logscale'])
+    z = x * jnp.exp(first['logscale']) + first['bias']
     np.testing.assert_allclose(np.asarray(z.mean(0)), 0.0, atol=1e-3)
     np.testing.assert_allclose(np.asarray(z.std(0)), 1.0, atol=1e-3)
     # Later actnorms were also initialised (they see the upstream outputs, not x).

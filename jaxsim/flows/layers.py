@@ -22,8 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 
-# Actnorm divides by the batch std; this keeps constant channels finite.
-_ACTNORM_EPS = 1e-6
+# Actnorm divides by the batch std, floored at this fraction of the median channel std (plus an
+# absolute epsilon) so constant channels stay finite and well conditioned.
+_ACTNORM_REL_FLOOR = 1e-3
+_ACTNORM_EPS = 1e-12
 
 
 class FlowOutput(flax.struct.PyTreeNode):
@@ -49,7 +51,11 @@ def _zeros_logdet(x: jax.Array) -> jax.Array:
 
 
 class ActNorm(nn.Module):
-    """Per-channel affine map z = (x + bias) * exp(logscale) (Glow, Kingma & Dhariwal 2018).
+    """Per-channel affine map z = x * exp(logscale) + bias (Glow's actnorm, Kingma & Dhariwal 2018).
+
+    Unlike Glow's (x + bias) * exp(logscale), the bias lives in output units: sentence vectors
+    have channels with tiny spread (all-MiniLM-L6-v2 avg has exactly constant ones), where an
+    input-unit bias turns each Adam step of 1e-3 into a jump of 1e-3 / std in z and diverges.
 
     Attributes:
       features: number of channels `dim`.
@@ -62,7 +68,7 @@ class ActNorm(nn.Module):
         self.logscale = self.param('logscale', nn.initializers.zeros, (self.features,))  # [dim]
 
     def _forward(self, x, bias, logscale) -> FlowOutput:
-        z = (x + bias) * jnp.exp(logscale)
+        z = x * jnp.exp(logscale) + bias
         return FlowOutput(z, jnp.full(x.shape[:1], jnp.sum(logscale), jnp.float32))
 
     def forward(self, x: jax.Array) -> FlowOutput:
@@ -71,7 +77,7 @@ class ActNorm(nn.Module):
 
     def inverse(self, z: jax.Array) -> jax.Array:
         """z: [batch, dim] -> x [batch, dim]."""
-        return z * jnp.exp(-self.logscale) - self.bias
+        return (z - self.bias) * jnp.exp(-self.logscale)
 
     def init_from_batch(self, x: jax.Array) -> FlowOutput:
         """Sets bias/logscale so that this batch comes out zero-mean, unit-variance per channel.
@@ -83,8 +89,11 @@ class ActNorm(nn.Module):
         """
         mean = jnp.mean(x, axis=0)
         std = jnp.std(x, axis=0)
-        bias = -mean
-        logscale = -jnp.log(std + _ACTNORM_EPS)
+        # Floor (near-)constant channels relative to the typical spread: dividing by ~0 makes
+        # the channel's density unbounded and the fit diverge.
+        std = jnp.maximum(std, _ACTNORM_REL_FLOOR * jnp.median(std) + _ACTNORM_EPS)
+        logscale = -jnp.log(std)
+        bias = -mean / std
         self.put_variable('params', 'bias', bias)
         self.put_variable('params', 'logscale', logscale)
         return self._forward(x, bias, logscale)
