@@ -106,7 +106,8 @@ _SCRIPT = textwrap.dedent('''
         v = cfg.views
         rng = np.random.default_rng(0)
         ids = rng.integers(1000, 2000, size=(3, 16, v, 12)).astype(np.int32)
-        mask = (np.arange(12)[None, None, None] < rng.integers(4, 13, (3, 16, v, 1))).astype(np.int32)
+        lengths = rng.integers(4, 13, (3, 16, v, 1))
+        mask = (np.arange(12)[None, None, None] < lengths).astype(np.int32)
         batches = [{'input_ids': ids[i] * mask[i], 'attention_mask': mask[i],
                     'token_type_ids': np.zeros_like(ids[i])} for i in range(3)]
         meshes = {'single': sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]),
@@ -126,12 +127,14 @@ _SCRIPT = textwrap.dedent('''
                 state, m = step(state, pipeline.to_global(b, bs, 16))
                 losses.append(float(m['loss']))
             leaves = [np.asarray(x) for x in jax.tree.leaves(state.params)]
-            spec = state.params['encoder']['encoder']['layer_0']['intermediate']['dense']['kernel'].sharding.spec
+            layer = state.params['encoder']['encoder']['layer_0']
+            spec = layer['intermediate']['dense']['kernel'].sharding.spec
             res[name] = {'losses': losses, 'spec': str(spec), 'leaves': leaves}
         ref = res['single']
         out[objective] = {name: {
             'losses': r['losses'], 'spec': r['spec'],
-            'max_param_diff': max(float(np.max(np.abs(a - b))) for a, b in zip(r['leaves'], ref['leaves'])),
+            'max_param_diff': max(float(np.max(np.abs(a - b)))
+                                  for a, b in zip(r['leaves'], ref['leaves'])),
             'max_param_change': max(float(np.max(np.abs(a - b))) for a, b in
                                     zip(r['leaves'], jax.tree.leaves(bundle.params))),
         } for name, r in res.items()}

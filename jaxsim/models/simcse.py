@@ -1,6 +1,7 @@
 """The SimCSE model: BERT encoder + sentence pooler + MLP head (dense + tanh over CLS).
 
-Parameter tree: `{'encoder': <BertModel params, no pooler>, 'mlp': {'kernel': [H, H], 'bias': [H]}}`.
+Parameter tree: `{'encoder': <BertModel params, no pooler>,
+                 'mlp': {'kernel': [H, H], 'bias': [H]}}`.
 The head is used in training when the pooler is 'cls'. At evaluation it is kept unless
 `mlp_only_train` (the reference's flag for unsupervised runs, which then evaluate with
 'cls_before_pooler'). Exported, the head becomes BERT's pooler dense, so 'cls' at evaluation
