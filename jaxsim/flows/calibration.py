@@ -152,7 +152,8 @@ def load_flow(directory: Union[str, pathlib.Path]) -> FlowCalibration:
         config = FlowConfig.from_dict(meta['config'])
         dim = int(meta['dim'])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f'{meta_path}: malformed flow metadata ({type(e).__name__}: {e})') from None
+        raise ValueError(
+            f'{meta_path}: malformed flow metadata ({type(e).__name__}: {e})') from None
     config.check_dim(dim)
     params_dir = directory / _PARAMS_DIR
     if not params_dir.is_dir():

@@ -145,10 +145,11 @@ def _jitted(config: FlowConfig, dim: int):
     return model, jax.jit(init), jax.jit(train_chunk)
 
 
-def _rng(key: jax.Array) -> np.random.Generator:
-    """A NumPy generator seeded by a JAX key: host-side shuffles stay a pure function of the key
-    without compiling a device permutation for every array size."""
-    return np.random.default_rng(np.asarray(jax.random.key_data(key)).astype(np.uint64))
+def _rng(key: jax.Array, *tags: int) -> np.random.Generator:
+    """A NumPy generator seeded by a JAX key (and integer tags, e.g. the epoch): host-side
+    shuffles stay a pure function of the key without compiling device permutations."""
+    seed = [int(v) for v in np.asarray(jax.random.key_data(key)).ravel()] + [int(t) for t in tags]
+    return np.random.default_rng(seed)
 
 
 def fit_flow(x: np.ndarray, config: FlowConfig, key: jax.Array,
@@ -185,7 +186,7 @@ def fit_flow(x: np.ndarray, config: FlowConfig, key: jax.Array,
     bar = tqdm.tqdm(total=total, desc='flow fit', unit='chunk', disable=not progress, leave=False)
     try:
         for epoch in range(config.max_epochs):
-            perm = _rng(jax.random.fold_in(shuffle_key, epoch)).permutation(plan.num_train)
+            perm = _rng(shuffle_key, epoch).permutation(plan.num_train)
             batches = perm[: per_epoch * config.batch_size].reshape(
                 plan.chunks_per_epoch, plan.steps_per_chunk, config.batch_size)
             for c in range(plan.chunks_per_epoch):
