@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from jaxsim.eval import plots, report
     from jaxsim.errors import USER_ERRORS
+    from jaxsim.runtime import enable_compilation_cache
+    enable_compilation_cache()
 
     try:
         rows = runner.run(

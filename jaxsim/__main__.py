@@ -68,6 +68,8 @@ def main(argv=None) -> int:
         print(f"usage: python -m jaxsim {{{','.join(commands)}}} [options]", file=sys.stderr)
         return 2
     from jaxsim.errors import USER_ERRORS
+    from jaxsim.runtime import enable_compilation_cache
+    enable_compilation_cache()
     try:
         return commands[argv[0]](argv[1:]) or 0
     except USER_ERRORS as e:
