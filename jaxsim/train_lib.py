@@ -404,7 +404,7 @@ def make_train_step(module: SimCSEModel, tx: optax.GradientTransformation, cfg: 
             grads = jax.tree.map(lambda g: g / accum, grads)
             loss = loss / accum
             aux = jax.tree.map(lambda a: a / accum, aux)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
