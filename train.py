@@ -24,6 +24,8 @@ def main(argv):
     del argv
     from jaxsim import distributed
     distributed.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+    from jaxsim.runtime import enable_compilation_cache
+    enable_compilation_cache()  # the train step and eval buckets compile for seconds on CPU
     from jaxsim import train_lib
     from jaxsim.data.pipeline import DataError
     from absl import logging as absl_logging
