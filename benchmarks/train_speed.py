@@ -11,10 +11,11 @@ import os
 import sys
 import time
 from pathlib import Path
+from jaxsim.paths import SENTEVAL_ROOT
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SENTEVAL = Path('/work/shared/data/senteval')
+SENTEVAL = SENTEVAL_ROOT
 
 
 def batch_arrays(tokenizer, batch, max_len):

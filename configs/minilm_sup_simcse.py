@@ -8,6 +8,7 @@ The pooler is 'avg', all-MiniLM-L6-v2's own.
 """
 import ml_collections
 
+from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.train_lib import base_config
 
 
@@ -20,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.objective = 'sup'
     c.temp = 0.05
     c.hard_negative_weight = 0.0
-    c.train_file = '/work/shared/data/senteval/SNLI'
+    c.train_file = str(SENTEVAL_ROOT / 'SNLI')
     c.data_format = 'snli'
     c.snli_splits = ['dev', 'test']
     c.max_len = 32
@@ -28,7 +29,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.max_steps = 30
     c.learning_rate = 5e-5
     c.seed = 42
-    c.senteval_root = '/work/shared/data/senteval'
+    c.senteval_root = str(SENTEVAL_ROOT)
     c.eval_every = 15
     c.eval_max_len = 64
     c.eval_batch_size = 128

@@ -7,6 +7,7 @@ is 'avg', all-MiniLM-L6-v2's own (mean pooling); the MLP head is then unused.
 """
 import ml_collections
 
+from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.train_lib import base_config
 
 
@@ -18,14 +19,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.mlp_only_train = True
     c.objective = 'unsup'
     c.temp = 0.05
-    c.train_file = '/work/shared/data/senteval'
+    c.train_file = str(SENTEVAL_ROOT)
     c.data_format = 'senteval_corpus'
     c.max_len = 32
     c.batch_size = 32
     c.max_steps = 30
     c.learning_rate = 3e-5
     c.seed = 42
-    c.senteval_root = '/work/shared/data/senteval'
+    c.senteval_root = str(SENTEVAL_ROOT)
     c.eval_every = 15
     c.eval_max_len = 64
     c.eval_batch_size = 128

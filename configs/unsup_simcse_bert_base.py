@@ -6,6 +6,7 @@ Needs an accelerator and the bert-base-uncased weights (a local HF folder or hub
 """
 import ml_collections
 
+from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.train_lib import base_config
 
 
@@ -25,7 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.learning_rate = 3e-5
     c.max_grad_norm = 1.0
     c.seed = 42
-    c.senteval_root = '/work/shared/data/senteval'
+    c.senteval_root = str(SENTEVAL_ROOT)
     c.eval_every = 125
     c.log_every = 25
     return c

@@ -27,6 +27,7 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsim import sharding as sharding_lib
+from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.data import pipeline
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.simcse import SimCSEModel, eval_pooler, init_params
@@ -111,7 +112,7 @@ class TrainConfig:
     mesh_data: int = -1
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
-    senteval_root: str = '/work/shared/data/senteval'
+    senteval_root: str = str(SENTEVAL_ROOT)
     eval_every: int = 125
     eval_at_start: bool = True
     eval_max_len: int = 128

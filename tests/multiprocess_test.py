@@ -12,9 +12,10 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+from jaxsim.paths import SENTEVAL_ROOT
 
 ROOT = Path(__file__).resolve().parents[1]
-SENTEVAL = Path('/work/shared/data/senteval')
+SENTEVAL = SENTEVAL_ROOT
 if not SENTEVAL.is_dir():
     SENTEVAL = ROOT.parent / 'shared' / 'data' / 'senteval'
 

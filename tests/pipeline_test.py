@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from jaxsim.data import pipeline
+from jaxsim.paths import SENTEVAL_ROOT
 
-SENTEVAL = Path('/work/shared/data/senteval')
+SENTEVAL = SENTEVAL_ROOT
 if not SENTEVAL.is_dir():
     SENTEVAL = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'senteval'
 

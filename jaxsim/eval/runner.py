@@ -13,9 +13,9 @@ from typing import Optional
 from jaxsim import calibration
 from jaxsim.data import senteval
 from jaxsim.eval.sts import CachedEncoder, StsResult, evaluate_rows
+from jaxsim.paths import SENTEVAL_ROOT
 
-# Default data root: ../shared/data/senteval next to the repository.
-DEFAULT_DATA = pathlib.Path(__file__).resolve().parents[2].parent / 'shared' / 'data' / 'senteval'
+DEFAULT_DATA = SENTEVAL_ROOT  # ../shared/data/senteval beside the repository
 
 
 def default_tasks(roots, split: str = 'test', verbose: bool = True) -> list[str]:
