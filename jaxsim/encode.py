@@ -30,8 +30,11 @@ _PROGRESS_THRESHOLD = 5000
 
 
 def bucket_length(n: int, max_length: int) -> int:
-    """Smallest bucket >= n: multiples of 8 up to 64, of 16 up to 128, then of 64."""
-    step = 8 if n <= 64 else 16 if n <= 128 else 64
+    """Smallest bucket >= n: multiples of 4 up to 32, of 8 up to 64, of 16 up to 128, then of 128.
+
+    Finer buckets waste fewer padded tokens (most STS sentences are 8-30 tokens) but compile more
+    programs; this grid keeps the waste under ~15% with at most ~20 shapes."""
+    step = 4 if n <= 32 else 8 if n <= 64 else 16 if n <= 128 else 128
     return min(max(step, math.ceil(n / step) * step), max_length)
 
 
@@ -105,7 +108,8 @@ def encode(model: Pretrained, sentences: Sequence[str], pooler: Optional[str] = 
     hidden = model.config.hidden_size
     if not items:
         return np.zeros((0, hidden), np.float32)
-    params = model.params if params is None else params
+    # Committed device arrays: numpy leaves would be copied to the device on every batch.
+    params = jax.device_put(model.params if params is None else params)
     module = BertModel(model.config, dtype=dtype, add_pooler="pooler" in params)
     encode_batch = make_encode_fn(module, pooler, normalize)
 

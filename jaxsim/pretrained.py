@@ -161,6 +161,8 @@ def load_pretrained(name_or_path: str | os.PathLike) -> Pretrained:
     config = BertConfig.from_json(path / "config.json")
     state_dict, weights_file = read_state_dict(path)
     params, report = hf_to_params(state_dict, config, source=str(weights_file))
+    import jax
+    params = jax.device_put(params)  # once, not on every jitted call
     return Pretrained(config=config, params=params, tokenizer=load_tokenizer(path), path=str(path),
                       report=report, default_pooler=_declared_pooler(path),
                       max_seq_length=_sentence_transformers_max_length(path))
