@@ -77,20 +77,31 @@ def apply_whitening(w: Whitening, x):
     return (x - w.mu.astype(x.dtype)) @ w.W.astype(x.dtype)
 
 
-def _check_matrix(x, what: str) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    if x.ndim != 2:
-        raise CalibrationError(f'{what}: expected [N, D] embeddings, got shape {x.shape}')
-    n, _ = x.shape
-    if n < 2:
-        raise CalibrationError(f'{what}: need at least 2 sentences to fit, got {n}')
-    bad = ~np.isfinite(x)
+def check_embeddings(x, what: str = 'embeddings', dtype=np.float32, min_rows: int = 1,
+                     error: type = ValueError) -> np.ndarray:
+    """Validates a [N, D] embedding matrix before any fitting; returns it as `dtype` numpy.
+
+    Raises:
+      `error`: not 2-D, too few rows, or holding NaN/inf (naming the first bad row and column).
+    """
+    try:
+        arr = np.asarray(x, dtype=dtype)
+    except (TypeError, ValueError) as e:
+        raise error(f'{what}: cannot be read as a float array ({e})') from None
+    if arr.ndim != 2 or arr.shape[1] == 0:
+        raise error(f'{what}: expected a [num_sentences, dim] matrix, got shape {arr.shape}')
+    if arr.shape[0] < min_rows:
+        raise error(f'{what}: need at least {min_rows} sentences to fit, got {arr.shape[0]}')
+    bad = ~np.isfinite(arr)
     if bad.any():
         row, col = np.argwhere(bad)[0]
-        raise CalibrationError(
-            f'{what}: embeddings contain {int(bad.sum())} non-finite values '
-            f'(first at row {row}, column {col})')
-    return x
+        raise error(f'{what}: embeddings contain non-finite values (NaN or inf) in '
+                    f'{int(bad.any(axis=1).sum())} row(s); the first is row {row}, column {col}')
+    return arr
+
+
+def _check_matrix(x, what: str) -> np.ndarray:
+    return check_embeddings(x, what, np.float64, min_rows=2, error=CalibrationError)
 
 
 def blas_single_thread():

@@ -19,32 +19,15 @@ import numpy as np
 import optax
 import tqdm
 
+from jaxsim import calibration
 from jaxsim.flows.config import FlowConfig
 from jaxsim.flows.models import make_flow
 from jaxsim.flows.prior import nats_to_bits_per_dim, nll_nats
 
 
 def check_embeddings(x: Any, what: str = 'embeddings') -> np.ndarray:
-    """Validates a [N, D] matrix of embeddings and returns it as float32 numpy.
-
-    Raises:
-      ValueError: not 2-D, empty, or holding NaN/inf (the message names the first bad row).
-    """
-    try:
-        arr = np.asarray(x, dtype=np.float32)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f'{what}: cannot be read as a float array ({e})') from None
-    if arr.ndim != 2:
-        raise ValueError(f'{what}: expected a [num_sentences, dim] matrix, got shape {arr.shape}')
-    if arr.shape[0] == 0 or arr.shape[1] == 0:
-        raise ValueError(f'{what}: empty matrix of shape {arr.shape}')
-    bad = ~np.isfinite(arr)
-    if bad.any():
-        row, col = np.argwhere(bad)[0]
-        raise ValueError(
-            f'{what}: {int(bad.any(axis=1).sum())} row(s) hold NaN or inf; the first is row '
-            f'{row} (column {col}, value {arr[row, col]}). Flows need finite inputs.')
-    return arr
+    """Validates a [N, D] matrix of embeddings (finite, non-empty) as float32 numpy."""
+    return calibration.check_embeddings(x, what, np.float32, min_rows=1)
 
 
 @dataclasses.dataclass(frozen=True)
