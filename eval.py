@@ -34,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument('--max-length', type=int, default=None,
                    help="token limit (default: the tokenizer's, i.e. no truncation as in SimCSE)")
     p.add_argument('--batch-size', type=int, default=64)
+    p.add_argument('--dtype', choices=('float32', 'bfloat16'), default='float32',
+                   help='encoder compute dtype (bfloat16 uses the CPU\'s bf16 units; params stay fp32)')
     p.add_argument('--post', action='append', default=None,
                    help='none | whitening[:K] | sn | natsv:K | flow; repeat for several rows')
     p.add_argument('--fit-on', default='target',
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
             posts=args.post or ['none'], pooler=args.pooler, max_length=args.max_length,
             batch_size=args.batch_size, split=args.split, aggregate=args.aggregate,
             fit_on=args.fit_on, flow_checkpoint=args.flow_checkpoint, eps=args.eps,
-            diagnostics=not args.no_diagnostics or bool(args.plots))
+            diagnostics=not args.no_diagnostics or bool(args.plots), dtype=args.dtype)
     except USER_ERRORS as e:
         print(f'error: {e}', file=sys.stderr)
         return 1

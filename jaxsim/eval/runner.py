@@ -34,14 +34,17 @@ def default_tasks(roots, split: str = 'test', verbose: bool = True) -> list[str]
     return found
 
 
-def make_encoder(model, pooler: str, max_length: Optional[int], batch_size: int) -> CachedEncoder:
-    """A cached `list[str] -> [N, H]` for one (model, pooler, max_length), dropout off."""
-    from jaxsim.encode import encode  # Deferred: importing JAX costs seconds.
+def make_encoder(model, pooler: str, max_length: Optional[int], batch_size: int,
+                 dtype: str = 'float32') -> CachedEncoder:
+    """A cached `list[str] -> [N, H]` for one (model, pooler, max_length, dtype), dropout off."""
+    import jax.numpy as jnp  # Deferred: importing JAX costs seconds.
+
+    from jaxsim.encode import encode
 
     def encode_fn(sentences: list[str]):
         # `encode` applies the model with deterministic=True: evaluation never uses dropout.
         return encode(model, sentences, pooler=pooler, batch_size=batch_size,
-                      max_length=max_length, progress=False)
+                      max_length=max_length, progress=False, dtype=getattr(jnp, dtype))
 
     return CachedEncoder(encode_fn)
 
@@ -50,7 +53,8 @@ def run(models: Sequence[str], roots: Sequence, tasks: Optional[Sequence[str]] =
         posts: Sequence[str] = ('none',), pooler: Optional[str] = None,
         max_length: Optional[int] = None, batch_size: int = 64, split: str = 'test',
         aggregate: str = 'all', fit_on: str = 'target', flow_checkpoint=None,
-        eps: float = 0.0, diagnostics: bool = True, verbose: bool = True) -> list[StsResult]:
+        eps: float = 0.0, diagnostics: bool = True, verbose: bool = True,
+        dtype: str = 'float32') -> list[StsResult]:
     """Evaluates each model under each calibration: one row per (model, post).
 
     Args:
@@ -59,6 +63,7 @@ def run(models: Sequence[str], roots: Sequence, tasks: Optional[Sequence[str]] =
       tasks: task names; default: every task found (STS-B only for split='dev').
       posts, split, aggregate, fit_on, flow_checkpoint, eps, diagnostics: see
         `jaxsim.eval.sts.evaluate_rows`.
+      dtype: encoder compute dtype, 'float32' or 'bfloat16' (parameters stay float32).
       pooler: default: the model's own (sentence-transformers / training config), else 'avg'.
       max_length: token limit; default: the tokenizer's (no truncation in practice, as SimCSE).
       batch_size: encoding batch size.
@@ -86,9 +91,9 @@ def run(models: Sequence[str], roots: Sequence, tasks: Optional[Sequence[str]] =
         model = load_pretrained(path)
         load_s = time.perf_counter() - t0
         use_pooler = pooler or model.default_pooler or 'avg'
-        key = (str(model.path), use_pooler, max_length)
+        key = (str(model.path), use_pooler, max_length, dtype)
         if key not in encoders:
-            encoders[key] = make_encoder(model, use_pooler, max_length, batch_size)
+            encoders[key] = make_encoder(model, use_pooler, max_length, batch_size, dtype)
         rows += evaluate_rows(
             encoders[key], loaded, posts=posts, split=split, aggregate=aggregate,
             fit_on=fit_on, flow_checkpoint=flow_checkpoint, eps=eps, diagnostics=diagnostics,
