@@ -110,6 +110,9 @@ def encode(model: Pretrained, sentences: Sequence[str], pooler: Optional[str] = 
         return np.zeros((0, hidden), np.float32)
     # Committed device arrays: numpy leaves would be copied to the device on every batch.
     params = jax.device_put(model.params if params is None else params)
+    if dtype != jnp.float32:
+        # Cast once here rather than inside every jitted call (22M weights per batch otherwise).
+        params = jax.tree.map(lambda p: p.astype(dtype), params)
     module = BertModel(model.config, dtype=dtype, add_pooler="pooler" in params)
     encode_batch = make_encode_fn(module, pooler, normalize)
 
