@@ -43,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "'task' (each task's own), or a corpus FILE (one sentence a line)")
     p.add_argument('--flow-checkpoint', default=None,
                    help='a saved flow for --post flow (default: fit one on the fit set)')
+    p.add_argument('--flow-config', default=None,
+                   help='flow config file for --post flow (default: the reference Glow, '
+                        'configs/flow_glow.py; e.g. configs/flow_realnvp.py)')
     p.add_argument('--eps', type=float, default=0.0,
                    help='covariance regularizer for whitening/sn (default 0: reject degenerate)')
     p.add_argument('--aggregate', choices=('all', 'wmean', 'mean'), default='all',
@@ -70,6 +73,7 @@ def main(argv=None) -> int:
             posts=args.post or ['none'], pooler=args.pooler, max_length=args.max_length,
             batch_size=args.batch_size, split=args.split, aggregate=args.aggregate,
             fit_on=args.fit_on, flow_checkpoint=args.flow_checkpoint, eps=args.eps,
+            flow_config=args.flow_config,
             diagnostics=not args.no_diagnostics or bool(args.plots), dtype=args.dtype)
     except USER_ERRORS as e:
         print(f'error: {e}', file=sys.stderr)

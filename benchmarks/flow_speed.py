@@ -11,7 +11,6 @@ XLA compilation, as a user's first `eval.py --post flow` would); the fit is then
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import pathlib
 import sys
@@ -26,17 +25,11 @@ import jaxsim  # noqa: E402
 from jaxsim.data.senteval import load_stsb  # noqa: E402
 from jaxsim.encode import encode  # noqa: E402
 from jaxsim.flows import fit_flow_calibration  # noqa: E402
+from jaxsim.flows.config import load_config_file  # noqa: E402
 from jaxsim.pretrained import bundled_model_path  # noqa: E402
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _DATA = _ROOT.parent / 'shared' / 'data' / 'senteval'
-
-
-def _load_config(path: pathlib.Path):
-    spec = importlib.util.spec_from_file_location('flow_config', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
 
 
 def main(argv=None) -> int:
@@ -71,7 +64,7 @@ def main(argv=None) -> int:
         if args.cache:
             np.save(args.cache, emb)
 
-    config = _load_config(pathlib.Path(args.config))
+    config = load_config_file(args.config)
     t0 = time.perf_counter()
     fc = fit_flow_calibration(emb, config, seed=0, progress=False)
     jax.block_until_ready(fc.params)

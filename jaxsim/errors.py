@@ -7,4 +7,4 @@ from jaxsim.pretrained import ModelLoadError
 # Command lines catch these (plus TypeError/ValueError from argument checks) and print them
 # without a traceback; anything else is a bug and keeps its traceback.
 USER_ERRORS = (CheckpointMismatchError, ConfigError, PoolerError, ModelLoadError, ValueError,
-               TypeError, OSError)
+               TypeError, OSError, FloatingPointError)

@@ -172,3 +172,14 @@ def test_reference_configs():
     nvp = _config('flow_realnvp')
     assert nvp.arch == 'realnvp' and nvp.coupling == 'affine'
     assert FlowConfig.from_dict(json.loads(glow.to_json())) == glow
+
+
+def test_diverged_initialization_is_a_clear_error():
+    # RealNVP with actnorm cannot fit an exactly constant column: its NLL explodes to ~1e29. The fit must say so instead of returning garbage latents.
+    from jaxsim.flows.config import load_config_file
+    cfg = load_config_file(pathlib.Path(__file__).resolve().parents[1] / 'configs' / 'flow_realnvp.py')
+    x = (np.random.default_rng(0).standard_normal((3000, 16)) * np.linspace(0.01, 1, 16))
+    x = x.astype(np.float32)
+    x[:, 3] = 0.25
+    with pytest.raises(FloatingPointError, match=r'diverged.*constant column\(s\) \[3\]'):
+        fit_flow_calibration(x, cfg)

@@ -52,7 +52,7 @@ def make_encoder(model, pooler: str, max_length: Optional[int], batch_size: int,
 def run(models: Sequence[str], roots: Sequence, tasks: Optional[Sequence[str]] = None, *,
         posts: Sequence[str] = ('none',), pooler: Optional[str] = None,
         max_length: Optional[int] = None, batch_size: int = 64, split: str = 'test',
-        aggregate: str = 'all', fit_on: str = 'target', flow_checkpoint=None,
+        aggregate: str = 'all', fit_on: str = 'target', flow_checkpoint=None, flow_config=None,
         eps: float = 0.0, diagnostics: bool = True, verbose: bool = True,
         dtype: str = 'float32') -> list[StsResult]:
     """Evaluates each model under each calibration: one row per (model, post).
@@ -61,6 +61,7 @@ def run(models: Sequence[str], roots: Sequence, tasks: Optional[Sequence[str]] =
       models: model folders, hub ids or train workdirs ('' or None: the bundled model).
       roots: data roots; a task is read from the first root holding it.
       tasks: task names; default: every task found (STS-B only for split='dev').
+      flow_config: a flow config file (e.g. configs/flow_realnvp.py) for `--post flow`.
       posts, split, aggregate, fit_on, flow_checkpoint, eps, diagnostics: see
         `jaxsim.eval.sts.evaluate_rows`.
       dtype: encoder compute dtype, 'float32' or 'bfloat16' (parameters stay float32).
@@ -84,6 +85,10 @@ def run(models: Sequence[str], roots: Sequence, tasks: Optional[Sequence[str]] =
     # Load (and validate) the data before any model: bad data fails in a second.
     loaded = [senteval.load_sts_task(t, roots, split=split, verbose=verbose) for t in tasks]
     encoders: dict[tuple, CachedEncoder] = {}
+    flow_cfg = None
+    if flow_config is not None:  # read before any model loads, so a bad file fails fast
+        from jaxsim.flows.config import load_config_file
+        flow_cfg = load_config_file(flow_config)
     rows: list[StsResult] = []
     for name in models:
         path = name or str(bundled_model_path())
@@ -97,6 +102,7 @@ def run(models: Sequence[str], roots: Sequence, tasks: Optional[Sequence[str]] =
         rows += evaluate_rows(
             encoders[key], loaded, posts=posts, split=split, aggregate=aggregate,
             fit_on=fit_on, flow_checkpoint=flow_checkpoint, eps=eps, diagnostics=diagnostics,
+            flow_config=flow_cfg,
             model=str(name or 'all-MiniLM-L6-v2 (bundled)'), pooler=use_pooler,
             verbose=verbose,
             extra_details={'model_path': str(model.path), 'max_length': max_length,

@@ -262,7 +262,7 @@ def task_sentences(tasks: Sequence[StsTask]) -> list[str]:
 
 
 def _fit_apply(post: str, fit_x: np.ndarray, x: np.ndarray, flow_checkpoint=None,
-               eps: float = 0.0):
+               eps: float = 0.0, flow_config=None):
     """Fits `post` on fit_x [M, D] and applies it to x [U, D]; returns (y, fitted object)."""
     kind, _ = calibration.parse_post(post)
     if kind == 'none':
@@ -277,7 +277,8 @@ def _fit_apply(post: str, fit_x: np.ndarray, x: np.ndarray, flow_checkpoint=None
         if flow_checkpoint is not None:
             fc = flow_calibration.load_flow(flow_checkpoint)
         else:
-            fc = flow_calibration.fit_flow_calibration(np.asarray(fit_x, np.float32), seed=0)
+            fc = flow_calibration.fit_flow_calibration(np.asarray(fit_x, np.float32),
+                                                      config=flow_config, seed=0)
         return np.asarray(fc.apply(np.asarray(x, np.float32)), np.float64), fc
     w = calibration.fit_post(post, fit_x, eps=eps)
     return np.asarray(calibration.apply_whitening(w, np.asarray(x, np.float64))), w
@@ -359,7 +360,7 @@ def load_tasks(tasks: Union[str, Sequence[Union[str, StsTask]]],
 def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str] = ('none',),
                   split: str = 'test', aggregate: str = 'all', fit_on: str = 'target',
                   flow_checkpoint=None, eps: float = 0.0, diagnostics: bool = True,
-                  model: str = '', pooler: str = '', verbose: bool = True,
+                  flow_config=None, model: str = '', pooler: str = '', verbose: bool = True,
                   extra_details: Optional[Mapping[str, Any]] = None) -> list[StsResult]:
     """Evaluates one encoder under several calibrations, encoding each sentence once.
 
@@ -374,6 +375,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
       fit_on: 'target' (all sentences of all evaluated tasks), 'task' (each task's own
         sentences), or a corpus file path (one sentence a line).
       flow_checkpoint: a saved flow directory for `--post flow` (else one is fitted).
+      flow_config: the FlowConfig to fit for `--post flow` (default: the reference Glow).
       eps: covariance regularizer for whitening / SN (0: reject degenerate fits).
       diagnostics: compute alignment / uniformity / anisotropy / spectrum per row.
       model, pooler: recorded in the results.
@@ -422,13 +424,15 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
             fitted_on = {}
             for t in task_list:
                 fit_x = table.lookup(task_sentences([t]))
-                y, fitted = _fit_apply(post, fit_x, table.matrix, flow_checkpoint, eps)
+                y, fitted = _fit_apply(post, fit_x, table.matrix, flow_checkpoint, eps,
+                                       flow_config)
                 row_notes += _fit_notes(fitted, f'{post} on {t.name}', verbose)
                 per_task_tables[t.name] = table.replace(y)
                 fitted_on[t.name] = int(fit_x.shape[0])
         else:
             fit_x = table.lookup(corpus if corpus is not None else sentences)
-            y, fitted = _fit_apply(post, fit_x, table.matrix, flow_checkpoint, eps)
+            y, fitted = _fit_apply(post, fit_x, table.matrix, flow_checkpoint, eps,
+                                   flow_config)
             row_notes += _fit_notes(fitted, post, verbose)
             calibrated = table.replace(y)
             for t in task_list:

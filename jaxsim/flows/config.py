@@ -110,3 +110,20 @@ class FlowConfig:
 
     def replace(self, **kw) -> 'FlowConfig':
         return dataclasses.replace(self, **kw)
+
+
+def load_config_file(path) -> FlowConfig:
+    """Runs `get_config()` of a config file such as `configs/flow_realnvp.py`."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f'{path}: flow config file not found')
+    spec = importlib.util.spec_from_file_location(f'flow_config_{path.stem}', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    if not isinstance(config, FlowConfig):
+        raise ValueError(f'{path}: get_config() must return a FlowConfig, got {type(config).__name__}')
+    return config
