@@ -21,14 +21,11 @@ def set_threads(n: int) -> None:
 
 
 def stsb_test_sentences(root: Path) -> list[str]:
-    """Unique sentences of STS-B test, in first-seen order (columns 5 and 6)."""
-    seen = {}
-    path = root / "STS" / "STSBenchmark" / "sts-test.csv"
-    for line in path.read_text(encoding="utf-8").splitlines():
-        cols = line.split("\t")
-        for s in cols[5:7]:
-            seen.setdefault(s, None)
-    return list(seen)
+    """Unique sentences of STS-B test, in first-seen order."""
+    from jaxsim.data.senteval import load_stsb
+
+    pairs = load_stsb(root, "test")
+    return list(dict.fromkeys(s for pair in zip(pairs.sent1, pairs.sent2) for s in pair))
 
 
 def best_time(fn, repeats: int) -> float:
@@ -46,7 +43,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--data", type=Path,
-                        default=Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "senteval")
+                        default=None, help="SentEval root (default: jaxsim.paths.SENTEVAL_ROOT)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="write a jax profiler trace of one jaxsim pass here")
     args = parser.parse_args()
@@ -59,7 +56,8 @@ def main():
     import jaxsim
 
     torch.set_num_threads(args.threads)
-    sentences = stsb_test_sentences(args.data)
+    from jaxsim.paths import SENTEVAL_ROOT
+    sentences = stsb_test_sentences(args.data or SENTEVAL_ROOT)
     n = len(sentences)
     print(f"{n} unique STS-B test sentences, batch {args.batch_size}, {args.threads} threads")
 

@@ -26,17 +26,17 @@ from jaxsim.data.senteval import load_stsb  # noqa: E402
 from jaxsim.encode import encode  # noqa: E402
 from jaxsim.flows import fit_flow_calibration  # noqa: E402
 from jaxsim.flows.config import load_config_file  # noqa: E402
+from jaxsim.paths import SENTEVAL_ROOT  # noqa: E402
 from jaxsim.pretrained import bundled_model_path  # noqa: E402
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-_DATA = _ROOT.parent / 'shared' / 'data' / 'senteval'
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--model', default=None, help='default: the bundled all-MiniLM-L6-v2')
-    p.add_argument('--data', default=str(_DATA))
+    p.add_argument('--data', default=str(SENTEVAL_ROOT))
     p.add_argument('--pooler', default='avg')
     p.add_argument('--config', default=str(_ROOT / 'configs' / 'flow_glow.py'))
     p.add_argument('--cache', default=None,

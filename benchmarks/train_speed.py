@@ -11,11 +11,10 @@ import os
 import sys
 import time
 from pathlib import Path
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.paths import SENTEVAL_ROOT as SENTEVAL
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SENTEVAL = SENTEVAL_ROOT
 
 
 def batch_arrays(tokenizer, batch, max_len):

@@ -12,10 +12,9 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.paths import SENTEVAL_ROOT as SENTEVAL
 
 ROOT = Path(__file__).resolve().parents[1]
-SENTEVAL = SENTEVAL_ROOT
 if not SENTEVAL.is_dir():
     SENTEVAL = ROOT.parent / 'shared' / 'data' / 'senteval'
 

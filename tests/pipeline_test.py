@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 
 from jaxsim.data import pipeline
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.paths import SENTEVAL_ROOT as SENTEVAL
 
-SENTEVAL = SENTEVAL_ROOT
 if not SENTEVAL.is_dir():
     SENTEVAL = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'senteval'
 

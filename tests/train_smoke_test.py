@@ -14,10 +14,9 @@ import pytest
 from configs.tiny_unsup_simcse import get_config
 from jaxsim import train_lib
 from jaxsim.checkpoint import Checkpointer
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.paths import SENTEVAL_ROOT as SENTEVAL
 
 ROOT = Path(__file__).resolve().parents[1]
-SENTEVAL = SENTEVAL_ROOT
 if not SENTEVAL.is_dir():
     SENTEVAL = ROOT.parent / 'shared' / 'data' / 'senteval'
 
