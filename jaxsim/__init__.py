@@ -1,6 +1,7 @@
 """jaxsim: sentence embeddings in JAX/Flax."""
 from jaxsim.encode import encode
-from jaxsim.pretrained import Pretrained, bundled_model_path, load_pretrained
+from jaxsim.io.pretrained import bundled_model_path, load_pretrained
+from jaxsim.model import SentenceModel
 
-__all__ = ["encode", "load_pretrained", "bundled_model_path", "Pretrained"]
+__all__ = ["encode", "load_pretrained", "bundled_model_path", "SentenceModel"]
 __version__ = "0.1.0"

@@ -1,10 +1,16 @@
-"""The exception types that mean 'bad input', which command lines print as one clear line."""
-from jaxsim.convert.hf_bert import CheckpointMismatchError
-from jaxsim.models.bert import ConfigError
-from jaxsim.models.pooling import PoolerError
-from jaxsim.pretrained import ModelLoadError
+"""The base of every user-facing error: command lines print it as one line, no traceback.
 
-# Command lines catch these (plus TypeError/ValueError from argument checks) and print them
-# without a traceback; anything else is a bug and keeps its traceback.
-USER_ERRORS = (CheckpointMismatchError, ConfigError, PoolerError, ModelLoadError, ValueError,
-               TypeError, OSError, FloatingPointError)
+Each module defines its own error types as subclasses of `JaxsimError`, with messages that name
+the file (and line), tensor or option at fault. Subclassing ValueError keeps `except ValueError`
+callers working.
+"""
+
+
+class JaxsimError(ValueError):
+    """Bad input or a request that cannot be done; the message says what and where."""
+
+
+# Command lines print these as `error: <message>` and exit with USER_ERROR_EXIT; anything else
+# is a bug and keeps its traceback.
+USER_ERRORS = (JaxsimError, ValueError, TypeError, OSError)
+USER_ERROR_EXIT = 1

@@ -1,6 +1,7 @@
-"""Host-side tokenization to padded int32 NumPy batches."""
+"""The one tokenize/pad path: host-side tokenization to padded int32 NumPy batches."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import flax.struct
@@ -13,6 +14,15 @@ class TokenBatch(flax.struct.PyTreeNode):
     input_ids: np.ndarray
     attention_mask: np.ndarray
     token_type_ids: np.ndarray
+
+
+def bucket_length(n: int, max_length: int) -> int:
+    """Smallest bucket >= n: multiples of 4 up to 32, of 8 up to 64, of 16 up to 128, then 128.
+
+    Finer buckets waste fewer padded tokens (most STS sentences are 8-30 tokens) but compile more
+    programs; this grid keeps the waste under ~15% with at most ~20 shapes."""
+    step = 4 if n <= 32 else 8 if n <= 64 else 16 if n <= 128 else 128
+    return min(max(step, math.ceil(n / step) * step), max_length)
 
 
 def check_sentences(sentences: Sequence, what: str = "sentences") -> list[str]:

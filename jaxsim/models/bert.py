@@ -16,6 +16,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxsim.errors import JaxsimError
+
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
 
 # Hugging Face activation names -> functions. BERT's "gelu" is the exact erf GELU, not Flax's
@@ -29,7 +31,7 @@ _ACTIVATIONS = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(JaxsimError):
     """A model configuration that jaxsim cannot build."""
 
 

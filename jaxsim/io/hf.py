@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsim.errors import JaxsimError
 from jaxsim.models.bert import BertConfig, BertModel
 
 # Prefixes that wrap the base model in task checkpoints (BertForMaskedLM, RobertaForSequenceClassification...).
@@ -30,7 +31,7 @@ _IGNORED = re.compile(r"^(cls|lm_head|classifier|qa_outputs|mlp|pre_classifier)\
 _LEGACY_SUFFIX = {".gamma": ".weight", ".beta": ".bias"}
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(JaxsimError):
     """Checkpoint tensors that do not match the architecture."""
 
 
@@ -141,3 +142,34 @@ def params_to_hf(params: Mapping, config: BertConfig) -> Dict[str, np.ndarray]:
                 f"parameter {'/'.join(path)} has shape {value.shape}, expected {expected[path]}")
         out[flax_to_hf_name(path)] = np.ascontiguousarray(_to_hf(path, value))
     return out
+
+
+def hf_to_encoder_params(state_dict: Mapping[str, np.ndarray], config: BertConfig,
+                         source: str = "checkpoint") -> Tuple[dict, ImportReport]:
+    """A checkpoint's tensors -> a `SentenceEncoder` tree {'bert': ..., 'pooler': ...}.
+
+    BERT's own pooler layer, when the checkpoint has one, lands under 'pooler' (the 'cls'
+    pooler's dense + tanh).
+    """
+    params, report = hf_to_params(state_dict, config, source)
+    params = dict(params)
+    tree = {"bert": {k: v for k, v in params.items() if k != "pooler"}}
+    if "pooler" in params:
+        tree["pooler"] = params["pooler"]
+    return tree, report
+
+
+def encoder_params_to_hf(params: Mapping, config: BertConfig,
+                         include_pooler: bool = True) -> Dict[str, np.ndarray]:
+    """A `SentenceEncoder` tree -> a PyTorch `BertModel`/`RobertaModel` state dict.
+
+    Args:
+      params: {'bert': ..., 'pooler': ...}.
+      config: the architecture.
+      include_pooler: write params['pooler'] as BERT's pooler layer (only for poolers whose
+        parameters are that layer, e.g. 'cls').
+    """
+    tree = dict(params["bert"])
+    if include_pooler and "pooler" in params:
+        tree["pooler"] = params["pooler"]
+    return params_to_hf(tree, config)

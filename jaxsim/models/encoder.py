@@ -1,0 +1,120 @@
+"""SentenceEncoder: BERT/RoBERTa encoder + registered pooler, one module and one param tree.
+
+Training, encoding, evaluation, checkpoints and export all use this module, so a trained model
+is used exactly as it was trained. Parameter tree:
+  {'bert': BertModel params (without BERT's pooler layer),
+   'pooler': the pooler's own parameters (only for poolers that have some, e.g. 'cls')}
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from jaxsim.models.bert import BertConfig, BertModel
+from jaxsim.models.poolers import PoolerError, get_pooler
+
+
+class SentenceEncoder(nn.Module):
+    """Token ids -> sentence vectors.
+
+    Attributes:
+      config: encoder architecture.
+      pooler: a name registered in `jaxsim.models.poolers.POOLERS`.
+      mlp_only_train: apply the pooler's head (the 'cls' dense + tanh) only in training, as
+        SimCSE's unsupervised recipe does; evaluation then uses the raw [CLS].
+      dtype: compute dtype (float32, or bfloat16 with float32 parameters).
+    """
+
+    config: BertConfig
+    pooler: str = "avg"
+    mlp_only_train: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask, token_type_ids=None, train: bool = False):
+        """Sentence vectors.
+
+        Args:
+          input_ids: [batch, len] int32.
+          attention_mask: [batch, len] int32, 1 = real token.
+          token_type_ids: [batch, len] int32, or None for zeros.
+          train: dropout on (pass `rngs={'dropout': key}`) and the head always applied.
+
+        Returns:
+          [batch, hidden] float32.
+        """
+        bert = BertModel(self.config, dtype=self.dtype, add_pooler=False, name="bert")
+        pooling = get_pooler(self.pooler).build(self.config, self.dtype, "pooler")
+        output = bert(input_ids, attention_mask, token_type_ids, deterministic=not train)
+        return pooling(output, attention_mask, use_head=train or not self.mlp_only_train)
+
+
+def param_shapes(encoder: SentenceEncoder) -> dict:
+    """The parameter tree of `encoder` as ShapeDtypeStructs (nothing allocated or compiled)."""
+    ids = jnp.zeros((1, 2), jnp.int32)
+    return jax.eval_shape(lambda: encoder.init(jax.random.key(0), ids, ids))["params"]
+
+
+def check_params(encoder: SentenceEncoder, params: Mapping, source: str) -> None:
+    """Raises PoolerError naming every missing, unexpected or mis-shaped parameter.
+
+    A pooler with parameters (e.g. 'cls') on a model that has none is reported as such.
+    """
+    expected = traverse_util.flatten_dict(dict(param_shapes(encoder)), sep="/")
+    got = traverse_util.flatten_dict(dict(params), sep="/")
+    missing = [k for k in expected if k not in got]
+    if missing and all(k.startswith("pooler/") for k in missing) and not any(
+            k.startswith("pooler/") for k in got):
+        raise PoolerError(f"{source}: pooler {encoder.pooler!r} needs parameters this model does "
+                          f"not have ({', '.join(missing)}); use 'cls_before_pooler' or an "
+                          f"average pooler")
+    problems = [f"missing {k} {tuple(expected[k].shape)}" for k in missing]
+    problems += [f"unexpected {k}" for k in got if k not in expected
+                 and not k.startswith("pooler/")]  # another pooler's weights may ride along
+    problems += [f"{k} has shape {tuple(got[k].shape)}, expected {tuple(expected[k].shape)}"
+                 for k in expected if k in got and tuple(got[k].shape) != tuple(expected[k].shape)]
+    if problems:
+        raise PoolerError(f"{source}: parameters do not fit the model ({encoder.config.model_type}"
+                          f", {encoder.config.num_hidden_layers} layers, hidden "
+                          f"{encoder.config.hidden_size}, pooler {encoder.pooler!r}): "
+                          + "; ".join(problems[:8])
+                          + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""))
+
+
+def _put_like(value, like: jax.Array) -> jax.Array:
+    """Places a host array (held in full by every process) with `like`'s sharding."""
+    host = np.asarray(value, np.float32)
+    return jax.make_array_from_callback(host.shape, like.sharding, lambda idx: host[idx])
+
+
+def init_params(encoder: SentenceEncoder, key: jax.Array, shardings: Optional[Any] = None,
+                bert_params: Optional[Mapping] = None) -> dict:
+    """Initial parameters, created where they live by each module's own initializers.
+
+    Args:
+      encoder: the module.
+      key: PRNG key of the 'init' use.
+      shardings: a tree of NamedShardings matching the param tree (None: default device).
+      bert_params: pretrained encoder weights replacing the random 'bert' subtree (the pooler
+        keeps its fresh initialization, as SimCSE starts its MLP head from scratch).
+
+    Returns:
+      The param tree of jax.Arrays.
+    """
+    ids = jnp.zeros((1, 2), jnp.int32)
+
+    def init(k):
+        return encoder.init(k, ids, ids)["params"]
+
+    params = jax.jit(init, out_shardings=shardings)(key)
+    if bert_params is not None:
+        params = dict(params)
+        target = params["bert"]
+        check_params(encoder, {**params, "bert": bert_params}, "pretrained encoder")
+        params["bert"] = jax.tree.map(_put_like, dict(bert_params), dict(target))
+    return params

@@ -1,0 +1,234 @@
+"""Sentence poolers: the registry that turns encoder outputs into one vector per sentence.
+
+A pooler is a linen module `__call__(output: BertOutput, attention_mask, use_head) -> [B, H]`
+(float32), registered under a name together with its sentence-transformers export rule. A
+parameter-free pooler can be registered as a plain function `fn(output, attention_mask)`.
+Padding never counts: every average is over the real tokens only. Layer choices follow the
+SimCSE / BERT-flow evaluation code:
+  - `avg_first_last` averages hidden_states[1] (the FIRST TRANSFORMER LAYER's output) and
+    hidden_states[-1], as SimCSE's `avg_first_last` and BERT-flow's `first-last-avg` do.
+  - `avg_embed_last` averages hidden_states[0] (embedding output) and hidden_states[-1], the
+    variant behind the SimCSE paper's original table.
+  - `cls` is [CLS] through dense + tanh: BERT's own pooler layer for a pretrained model, the
+    SimCSE MLP head in training (`use_head=False` skips it: SimCSE's `mlp_only_train`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsim.errors import JaxsimError
+from jaxsim.models.bert import BertConfig, BertOutput
+from jaxsim.registry import Registry
+
+_TANH = "torch.nn.modules.activation.Tanh"
+
+
+class PoolerError(JaxsimError):
+    """A pooler that cannot be computed or exported for this model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StModule:
+    """One sentence-transformers module after the Transformer, as an export rule describes it.
+
+    Attributes:
+      type: the module class path, e.g. 'sentence_transformers.models.Pooling'.
+      config: its `config.json` content.
+      tensors: its `model.safetensors` content (torch layouts), or None for no weights.
+    """
+
+    type: str
+    config: Mapping[str, Any]
+    tensors: Optional[Mapping[str, np.ndarray]] = None
+
+    @property
+    def short_name(self) -> str:
+        return self.type.rsplit(".", 1)[-1]
+
+
+# export(pooler_params or None, config, use_head) -> the sentence-transformers modules that
+# reproduce the pooler exactly, built from stock modules only.
+ExportRule = Callable[[Optional[Mapping], BertConfig, bool], Sequence[StModule]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pooler:
+    """A registered pooler.
+
+    Attributes:
+      name: the registry name.
+      build: `build(config, dtype, name) -> nn.Module` making the pooling module.
+      export: the sentence-transformers export rule, or None (export is then refused).
+      hf_pooler: its parameters are BERT's own pooler layer (Hugging Face `pooler.*`), so a
+        checkpoint's pooler weights load into it and a Hugging Face export writes them back.
+    """
+
+    name: str
+    build: Callable[[BertConfig, Any, str], nn.Module]
+    export: Optional[ExportRule] = None
+    hf_pooler: bool = False
+
+
+POOLERS: Registry[Pooler] = Registry("pooler")
+
+
+class FunctionPooler(nn.Module):
+    """Wraps a parameter-free `fn(output, attention_mask) -> [B, H]` as a pooling module."""
+
+    fn: Callable
+
+    def __call__(self, output: BertOutput, attention_mask, use_head: bool = True):
+        return self.fn(output, attention_mask).astype(jnp.float32)
+
+
+def register_pooler(name: str, *, export: Optional[ExportRule] = None, hf_pooler: bool = False,
+                    replace: bool = False):
+    """Decorator registering a pooler: a linen Module class with fields `config` and `dtype`,
+    or a plain function `fn(output: BertOutput, attention_mask) -> [B, H]`.
+
+    Example (a user's file):
+      @register_pooler('max', export=my_rule)
+      def max_pool(output, mask):
+          return jnp.max(jnp.where(mask[..., None] > 0, output.hidden_states[-1], -1e9), axis=1)
+    """
+
+    def add(obj):
+        if inspect.isclass(obj) and issubclass(obj, nn.Module):
+            build = lambda config, dtype, name: obj(config=config, dtype=dtype, name=name)  # noqa
+        elif callable(obj):
+            build = lambda config, dtype, name: FunctionPooler(fn=obj, name=name)  # noqa: E731
+        else:
+            raise PoolerError(f"pooler {name!r} must be a linen Module class or a function")
+        POOLERS.register(name, replace=replace)(
+            Pooler(name=name, build=build, export=export, hf_pooler=hf_pooler))
+        return obj
+
+    return add
+
+
+def get_pooler(name: str) -> Pooler:
+    """The registered pooler `name`; unknown names are a PoolerError listing the known ones."""
+    if name not in POOLERS:
+        raise PoolerError(f"unknown pooler {name!r}; choose one of {', '.join(POOLERS.names())}")
+    return POOLERS.get(name)
+
+
+def masked_mean(hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    """Mean over real tokens. hidden [batch, len, dim], mask [batch, len] -> [batch, dim]."""
+    mask = attention_mask.astype(jnp.float32)[:, :, None]
+    total = jnp.sum(hidden.astype(jnp.float32) * mask, axis=1)
+    # max(.., 1) keeps an all-padding row finite (zeros) instead of NaN.
+    return total / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+
+
+# ------------------------------------------------------------------ sentence-transformers rules
+def st_pooling(hidden: int, mode: str) -> StModule:
+    """A sentence-transformers Pooling module in mode 'cls' or 'mean'."""
+    return StModule("sentence_transformers.models.Pooling", {
+        "word_embedding_dimension": hidden,
+        "pooling_mode_cls_token": mode == "cls",
+        "pooling_mode_mean_tokens": mode == "mean",
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False})
+
+
+def st_dense(kernel: np.ndarray, bias: np.ndarray, activation: str) -> StModule:
+    """A sentence-transformers Dense module computing activation(x @ kernel + bias)."""
+    kernel = np.asarray(kernel, np.float32)  # [in, out]; torch Linear stores [out, in]
+    return StModule("sentence_transformers.models.Dense", {
+        "in_features": int(kernel.shape[0]), "out_features": int(kernel.shape[1]), "bias": True,
+        "activation_function": activation},
+        {"linear.weight": kernel.T, "linear.bias": np.asarray(bias, np.float32)})
+
+
+def st_layer_average(config: BertConfig, first: int, second: int) -> StModule:
+    """WeightedLayerPooling with unit weights on two hidden states: exactly (h_a + h_b) / 2.
+
+    It computes sum_i w_i h[start + i] / sum_i w_i over hidden_states[start:].
+    """
+    n_states = config.num_hidden_layers + 1
+    first, second = first % n_states, second % n_states
+    start = min(first, second)
+    weights = np.zeros(n_states - start, np.float32)
+    weights[first - start] += 1.0
+    weights[second - start] += 1.0
+    return StModule("sentence_transformers.models.WeightedLayerPooling", {
+        "word_embedding_dimension": config.hidden_size, "layer_start": start,
+        "num_hidden_layers": config.num_hidden_layers}, {"layer_weights": weights})
+
+
+def _export_mean(params, config, use_head):
+    return [st_pooling(config.hidden_size, "mean")]
+
+
+def _export_cls_token(params, config, use_head):
+    return [st_pooling(config.hidden_size, "cls")]
+
+
+def _export_cls(params, config, use_head):
+    modules = [st_pooling(config.hidden_size, "cls")]
+    if use_head:
+        dense = params["dense"]
+        modules.append(st_dense(dense["kernel"], dense["bias"], _TANH))
+    return modules
+
+
+def _export_layer_average(first: int, second: int) -> ExportRule:
+    def rule(params, config, use_head):
+        return [st_layer_average(config, first, second), st_pooling(config.hidden_size, "mean")]
+    return rule
+
+
+# ------------------------------------------------------------------------ the built-in poolers
+@register_pooler("cls", export=_export_cls, hf_pooler=True)
+class ClsPooler(nn.Module):
+    """[CLS] -> dense -> tanh; with `use_head=False`, the raw [CLS] (SimCSE's mlp_only_train)."""
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, output: BertOutput, attention_mask, use_head: bool = True):
+        cls = output.hidden_states[-1][:, 0]  # [batch, hidden]
+        # Created even when skipped, so the parameter tree never depends on the mode.
+        dense = nn.Dense(self.config.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
+                         kernel_init=nn.initializers.normal(0.02), name="dense")
+        if use_head or self.is_initializing():
+            pooled = jnp.tanh(dense(cls))
+            if use_head:
+                cls = pooled
+        return cls.astype(jnp.float32)
+
+
+@register_pooler("cls_before_pooler", export=_export_cls_token)
+def cls_before_pooler(output: BertOutput, attention_mask):
+    """The last layer's [CLS] vector."""
+    return output.hidden_states[-1][:, 0]
+
+
+@register_pooler("avg", export=_export_mean)
+def avg(output: BertOutput, attention_mask):
+    """Mean of the last layer over real tokens."""
+    return masked_mean(output.hidden_states[-1], attention_mask)
+
+
+def _layer_average(first: int, second: int):
+    def pool(output: BertOutput, attention_mask):
+        # Average of the two layers' token states, then the masked mean (SimCSE's order).
+        states = output.hidden_states
+        mixed = (states[first].astype(jnp.float32) + states[second].astype(jnp.float32)) / 2.0
+        return masked_mean(mixed, attention_mask)
+    return pool
+
+
+for _name, (_first, _second) in {"avg_top2": (-2, -1), "avg_first_last": (1, -1),
+                                 "avg_embed_last": (0, -1)}.items():
+    register_pooler(_name, export=_export_layer_average(_first, _second))(
+        _layer_average(_first, _second))
