@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxsim
-from jaxsim.pretrained import bundled_model_path
+from jaxsim import bundled_model_path
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
