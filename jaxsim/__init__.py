@@ -2,6 +2,7 @@
 from jaxsim.encode import encode
 from jaxsim.io.pretrained import bundled_model_path, load_pretrained
 from jaxsim.model import SentenceModel
+from jaxsim.search import similarity
 
-__all__ = ["encode", "load_pretrained", "bundled_model_path", "SentenceModel"]
+__all__ = ["encode", "load_pretrained", "bundled_model_path", "SentenceModel", "similarity"]
 __version__ = "0.1.0"

@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from jaxsim.search.cli import index_main, search_main
+
 
 class InputFileError(ValueError):
     """An input file that cannot be used; the message names the file (and line)."""
@@ -59,7 +61,7 @@ def encode_main(argv) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"encode": encode_main}
+    commands = {"encode": encode_main, "index": index_main, "search": search_main}
     import importlib.util
     if importlib.util.find_spec("jaxsim.export") is not None:
         from jaxsim import export

@@ -1,0 +1,74 @@
+"""Command lines `python -m jaxsim index` and `python -m jaxsim search`.
+
+    python -m jaxsim index --model M --input corpus.txt --out DIR
+    python -m jaxsim search --index DIR --query "A man plays guitar." [--top-k 5 --threshold 0.6]
+
+`search` prints one result a line, `score<TAB>sentence`, best first (with a `query: ...` line
+before each group when several --query are given). Bad input is one `error: ...` line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from jaxsim.io.pretrained import bundled_model_path, load_pretrained
+from jaxsim.search.index import build_index, load_index
+from jaxsim.search.vectors import SearchError
+
+
+def _one_line(text: str) -> str:
+    """A sentence printable on one output line (line breaks and tabs escaped)."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+
+
+def index_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxsim index",
+        description="Encode a corpus (one sentence a line) into a search index folder.")
+    parser.add_argument("--model", default=None,
+                        help="HF folder, hub id or train workdir (default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument("--input", required=True, type=Path, help="corpus, one sentence a line")
+    parser.add_argument("--out", required=True, type=Path, help="index folder to write")
+    parser.add_argument("--pooler", default=None, help="pooler (default: the model's own)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    model = load_pretrained(args.model or bundled_model_path())
+    index = build_index(model, args.input, pooler=args.pooler, batch_size=args.batch_size)
+    index.save(args.out)
+    print(f"indexed {len(index)} sentences (dimension {index.dim}, pooler {index.info.pooler}) "
+          f"into {args.out}", file=sys.stderr)
+    return 0
+
+
+def search_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxsim search",
+        description="Print the indexed sentences most similar to each query, with cosines.")
+    parser.add_argument("--index", required=True, type=Path, help="folder from `jaxsim index`")
+    parser.add_argument("--query", required=True, action="append",
+                        help="query sentence (repeat for several)")
+    parser.add_argument("--top-k", type=int, default=5, help="at most this many per query")
+    parser.add_argument("--threshold", type=float, default=0.6,
+                        help="keep cosines >= this (-1 keeps all)")
+    parser.add_argument("--model", default=None,
+                        help="model to encode queries with (default: the index's; checked)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args(argv)
+
+    index = load_index(args.index)  # a bad folder fails before a model is loaded
+    model_path = args.model or index.info.model
+    if model_path is None:
+        raise SearchError(f"{args.index}: the index records no model (built from bare "
+                          f"vectors): pass --model")
+    model = load_pretrained(model_path)
+    results = index.search(model, args.query, threshold=args.threshold, top_k=args.top_k,
+                           batch_size=args.batch_size)
+    for query, hits in zip(args.query, results):
+        if len(args.query) > 1:
+            print(f"query: {_one_line(query)}")
+        for sentence, score in hits:
+            print(f"{score:.4f}\t{_one_line(sentence)}")
+    return 0

@@ -1,0 +1,420 @@
+"""A searchable set of sentence vectors: build, add, exact top-k cosine search, save and load.
+
+The features of the official SimCSE tool's `build_index` / `search`, on a row-sharded JAX
+corpus (`jaxsim.search.topk`): vectors are L2-normalized once when added, so a query's inner
+products are its cosines. `search(model, queries, threshold=0.6, top_k=5)` returns, per query,
+the (sentence, score) pairs with score >= threshold, best first, at most top_k of them.
+
+An index remembers the model that built it: its path, pooler, dimension, and its vector of a
+fixed probe sentence. Every query is encoded together with the probe, and a model whose probe
+vector differs (another checkpoint, another pooler, another width) is refused with an error
+naming both models, instead of returning meaningless neighbours.
+
+On disk (`save` / `load`): vectors.npy (float32 [n, dim], already normalized when the index
+normalizes), sentences.jsonl (one JSON string a line; sentences may hold newlines) and
+index.json (format, count, dim, normalize, model, pooler, probe), written last.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxsim.data.readers import read_corpus
+from jaxsim.search.topk import (DEFAULT_BLOCK_ROWS, DEFAULT_QUERY_BATCH, place_corpus,
+                                plan_layout, top_k_search)
+from jaxsim.search.vectors import SearchError, as_matrix, embed, model_ref, normalize_rows
+from jaxsim.sharding import make_mesh
+
+FORMAT = "jaxsim-search-index"
+VERSION = 1
+INDEX_FILE, VECTORS_FILE, SENTENCES_FILE = "index.json", "vectors.npy", "sentences.jsonl"
+# Encoded beside every query batch; its vector fingerprints the model + pooler.
+PROBE_SENTENCE = "A man is playing a guitar on a quiet street."
+# The same model on another device or XLA build agrees to ~1e-6; another model is far below.
+PROBE_MIN_COSINE = 0.999
+
+
+class ModelMismatchError(SearchError):
+    """A model other than the one that built the index."""
+
+
+class IndexFileError(SearchError):
+    """A saved index that cannot be read; the message names the file (and line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexInfo:
+    """What an index holds and which model made it (None fields: built from bare vectors)."""
+
+    dim: int
+    normalize: bool = True
+    model: Optional[str] = None
+    pooler: Optional[str] = None
+    probe: Optional[tuple[float, ...]] = None
+
+
+class TopK(NamedTuple):
+    """Search results: scores [q, k] float32, best first; rows [q, k] int64 row numbers."""
+
+    scores: np.ndarray
+    rows: np.ndarray
+
+
+def _sentence_list(x: Any, what: str) -> list[str]:
+    if isinstance(x, str) or not isinstance(x, Sequence):
+        raise SearchError(f"{what} must be a list of strings, got {type(x).__name__}")
+    for i, s in enumerate(x):
+        if not isinstance(s, str):
+            raise SearchError(f"{what}[{i}] is a {type(s).__name__}, not a string: {s!r:.60}")
+    return list(x)
+
+
+def _check_top_k(top_k: Any) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise SearchError(f"top_k must be a positive integer, got {top_k!r}")
+    return int(top_k)
+
+
+def _check_recall(approx_recall: Optional[float]) -> Optional[float]:
+    if approx_recall is not None and not 0.0 < approx_recall <= 1.0:
+        raise SearchError(f"approx_recall must be in (0, 1] or None, got {approx_recall}")
+    return approx_recall
+
+
+class SearchIndex:
+    """Unit vectors (plus their sentences) searched exactly by cosine on a device mesh.
+
+    Rows live on the host (the source of truth, grown by `add`) and, from the first search on,
+    as a row-sharded copy on the mesh, refreshed lazily after adds.
+    """
+
+    def __init__(self, info: IndexInfo, *, with_sentences: bool = True,
+                 mesh: Optional[Mesh] = None, block_rows: int = DEFAULT_BLOCK_ROWS,
+                 query_batch: int = DEFAULT_QUERY_BATCH):
+        """An empty index.
+
+        Args:
+          info: dimension, normalization and the model behind the vectors.
+          with_sentences: every row carries its sentence (False: bare vectors).
+          mesh: devices to shard the rows over (default: every device, one 'data' axis).
+          block_rows: rows scored per scan step on each device.
+          query_batch: queries per jitted call.
+        """
+        if info.dim < 1:
+            raise SearchError(f"index dimension must be positive, got {info.dim}")
+        if block_rows < 1 or query_batch < 1:
+            raise SearchError(f"block_rows and query_batch must be positive, got {block_rows}, "
+                              f"{query_batch}")
+        self.info = info
+        self.mesh = make_mesh() if mesh is None else mesh
+        self.block_rows, self.query_batch = block_rows, query_batch
+        self._buffer = np.empty((0, info.dim), np.float32)  # [capacity, dim], rows [:size] used
+        self._size = 0
+        self._sentences: Optional[list[str]] = [] if with_sentences else None
+        self._placed = None  # (layout, corpus on the mesh) for the current rows
+
+    @classmethod
+    def from_vectors(cls, vectors: Any, sentences: Optional[Sequence[str]] = None, *,
+                     normalize: bool = True, **options) -> "SearchIndex":
+        """An index over precomputed vectors [n, dim] (with one sentence per row, or none)."""
+        arr = as_matrix(vectors, "vectors")
+        index = cls(IndexInfo(dim=arr.shape[1], normalize=normalize),
+                    with_sentences=sentences is not None, **options)
+        index.add_vectors(arr, sentences)
+        return index
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def dim(self) -> int:
+        return self.info.dim
+
+    @property
+    def vectors(self) -> np.ndarray:
+        """The stored rows [n, dim] (unit norm when the index normalizes), read-only."""
+        view = self._buffer[: self._size]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def sentences(self) -> Optional[list[str]]:
+        """The sentence of each row (a copy), or None for an index of bare vectors."""
+        return None if self._sentences is None else list(self._sentences)
+
+    def add_vectors(self, vectors: Any, sentences: Optional[Sequence[str]] = None) -> None:
+        """Appends rows [m, dim] (normalized here when the index normalizes).
+
+        Raises:
+          VectorError: NaN/inf rows or another dimension (both named).
+          SearchError: sentences missing, extra, or of another count than the rows.
+        """
+        arr = as_matrix(vectors, "vectors", self.dim)
+        if (sentences is None) != (self._sentences is None):
+            raise SearchError("this index stores one sentence per vector: pass sentences"
+                              if sentences is None else
+                              "this index stores bare vectors (built without sentences)")
+        if sentences is not None:
+            sentences = _sentence_list(sentences, "sentences")
+            if len(sentences) != len(arr):
+                raise SearchError(f"{len(arr)} vectors but {len(sentences)} sentences")
+        need = self._size + len(arr)
+        if need > len(self._buffer):  # amortized growth: adds in small pieces stay linear
+            grown = np.empty((max(need, 2 * len(self._buffer)), self.dim), np.float32)
+            grown[: self._size] = self._buffer[: self._size]
+            self._buffer = grown
+        rows = self._buffer[self._size: need]
+        if self.info.normalize:
+            normalize_rows(arr, out=rows)
+        else:
+            rows[:] = arr
+        self._size = need
+        if sentences is not None:
+            self._sentences.extend(sentences)
+        self._placed = None
+
+    def add(self, model: Any, sentences: Sequence[str], *, pooler: Optional[str] = None,
+            batch_size: int = 64) -> None:
+        """Encodes and appends sentences; refuses a model other than the index's."""
+        items = _sentence_list(sentences, "sentences")
+        self.add_vectors(self.encode_checked(model, items, pooler=pooler,
+                                             batch_size=batch_size), items)
+
+    def encode_checked(self, model: Any, sentences: Sequence[str], *,
+                       pooler: Optional[str] = None, batch_size: int = 64) -> np.ndarray:
+        """Encodes sentences with `model`, first checking it is the model that built the index.
+
+        Raises:
+          ModelMismatchError: another pooler, width or model (both named); or an index of bare
+            vectors, which has no model to encode with.
+        """
+        info, ref = self.info, model_ref(model, pooler)
+        if info.pooler is None:
+            raise ModelMismatchError("this index was built from bare vectors, not with a "
+                                     "model: search it with search_vectors")
+        built = f"{info.model} (pooler {info.pooler}, dimension {info.dim})"
+        if ref.pooler != info.pooler:
+            raise ModelMismatchError(f"the index was built with {built}; pooler {ref.pooler} "
+                                     f"of {ref.path} would give other vectors")
+        vecs = embed(model, [PROBE_SENTENCE, *sentences], pooler=ref.pooler,
+                     batch_size=batch_size)
+        if vecs.shape[1] != info.dim:
+            raise ModelMismatchError(f"{ref.path} gives {vecs.shape[1]}-dimensional vectors "
+                                     f"but the index holds {info.dim}-dimensional ones, from "
+                                     f"{built}")
+        if info.probe is not None:
+            probe = np.asarray(info.probe, np.float32)
+            cos = float(normalize_rows(vecs[:1])[0] @ normalize_rows(probe[None])[0])
+            if cos < PROBE_MIN_COSINE:
+                raise ModelMismatchError(
+                    f"{ref.path} (pooler {ref.pooler}) is not the model that built the index, "
+                    f"{built}: their vectors of a probe sentence differ (cosine {cos:.4f}); "
+                    f"search with the index's model")
+        return vecs[1:]
+
+    def search_vectors(self, queries: Any, top_k: int = 5, *,
+                       approx_recall: Optional[float] = None) -> TopK:
+        """Top-k rows by cosine (inner product if the index does not normalize).
+
+        Args:
+          queries: [q, dim] or [dim] vectors.
+          top_k: results per query; fewer when the index holds fewer rows.
+          approx_recall: None for the exact search; else `lax.approx_max_k`'s recall target
+            (results it could not fill come back as row -1, score -inf).
+
+        Returns:
+          TopK with [q, min(top_k, len(index))] scores and rows, best first, ties lowest row
+          first.
+        """
+        q = as_matrix(queries, "query vectors", self.dim)
+        k = min(_check_top_k(top_k), self._size)
+        recall = _check_recall(approx_recall)
+        if k == 0 or len(q) == 0:
+            return TopK(np.zeros((len(q), k), np.float32), np.zeros((len(q), k), np.int64))
+        if self.info.normalize:
+            q = normalize_rows(q)
+        if self._placed is None:
+            layout = plan_layout(self._size, self.dim, self.mesh.size, self.block_rows)
+            self._placed = (layout, place_corpus(self._buffer[: self._size], self.mesh, layout))
+        layout, corpus = self._placed
+        scores, rows = top_k_search(corpus, layout, self.mesh, self._size, q, k,
+                                    query_batch=self.query_batch, recall_target=recall)
+        invalid = (rows < 0) | (rows >= self._size)  # only an approximate search leaves these
+        scores[invalid], rows[invalid] = -np.inf, -1
+        return TopK(scores, rows)
+
+    def search(self, model: Any, queries: Union[str, Sequence[str]], *,
+               threshold: Optional[float] = 0.6, top_k: int = 5, pooler: Optional[str] = None,
+               batch_size: int = 64, approx_recall: Optional[float] = None):
+        """Sentences most similar to each query, like the official SimCSE tool's `search`.
+
+        Args:
+          model: the model that built the index (checked).
+          queries: a sentence or a list of sentences.
+          threshold: keep results with cosine >= threshold; None keeps all.
+          top_k: at most this many results per query.
+          pooler: pooler override (must match the index's).
+          batch_size: sentences per encoding batch.
+          approx_recall: see `search_vectors`.
+
+        Returns:
+          For a single sentence, a list of (sentence, score), best first (ties: earlier row
+          first); for a list of queries, one such list per query.
+        """
+        single = isinstance(queries, str)
+        items = [queries] if single else _sentence_list(queries, "queries")
+        if threshold is not None and not np.isfinite(threshold):
+            raise SearchError(f"threshold must be a finite number or None, got {threshold}")
+        _check_top_k(top_k)
+        if self._sentences is None:
+            raise SearchError("this index stores bare vectors, no sentences: use search_vectors")
+        if not items:
+            return []
+        hits = self.search_vectors(
+            self.encode_checked(model, items, pooler=pooler, batch_size=batch_size), top_k,
+            approx_recall=approx_recall)
+        results = [[(self._sentences[r], float(s)) for s, r in zip(scores, rows)
+                    if r >= 0 and (threshold is None or s >= threshold)]
+                   for scores, rows in zip(hits.scores, hits.rows)]
+        return results[0] if single else results
+
+    def save(self, folder: Union[str, os.PathLike]) -> Path:
+        """Writes vectors.npy, sentences.jsonl and (last) index.json into `folder`."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        np.save(folder / VECTORS_FILE, self._buffer[: self._size])
+        sentences_file = folder / SENTENCES_FILE
+        if self._sentences is not None:
+            with sentences_file.open("w", encoding="utf-8") as f:
+                for s in self._sentences:
+                    f.write(json.dumps(s, ensure_ascii=False) + "\n")
+        elif sentences_file.exists():
+            sentences_file.unlink()  # a stale file from an earlier index in this folder
+        meta = {"format": FORMAT, "version": VERSION, "count": self._size,
+                "has_sentences": self._sentences is not None, **dataclasses.asdict(self.info)}
+        (folder / INDEX_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        return folder
+
+    @classmethod
+    def load(cls, folder: Union[str, os.PathLike], **options) -> "SearchIndex":
+        """Reads an index written by `save` (options as for the constructor).
+
+        Raises:
+          IndexFileError: a missing or inconsistent file, named with the line at fault.
+        """
+        folder = Path(folder)
+        meta = _read_meta(folder)
+        info = IndexInfo(dim=meta["dim"], normalize=meta["normalize"], model=meta["model"],
+                         pooler=meta["pooler"],
+                         probe=None if meta["probe"] is None else tuple(meta["probe"]))
+        index = cls(info, with_sentences=meta["has_sentences"], **options)
+        vectors = _read_vectors(folder / VECTORS_FILE, meta["count"], meta["dim"])
+        index._buffer, index._size = vectors, len(vectors)
+        if meta["has_sentences"]:
+            index._sentences = _read_sentences(folder / SENTENCES_FILE, meta["count"])
+        return index
+
+
+def _read_meta(folder: Path) -> dict:
+    path = folder / INDEX_FILE
+    if not path.is_file():
+        raise IndexFileError(f"{folder}: not a search index (no {INDEX_FILE}; build one with "
+                             f"`python -m jaxsim index`)")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise IndexFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise IndexFileError(f"{path}: not UTF-8 text") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise IndexFileError(f"{path}: not a {FORMAT} file")
+    if meta.get("version") != VERSION:
+        raise IndexFileError(f"{path}: format version {meta.get('version')!r}, this jaxsim "
+                             f"reads version {VERSION}")
+    expected = {"count": int, "dim": int, "normalize": bool, "has_sentences": bool,
+                "model": (str, type(None)), "pooler": (str, type(None)),
+                "probe": (list, type(None))}
+    for key, kind in expected.items():
+        value = meta.get(key, KeyError)
+        if value is KeyError or not isinstance(value, kind) or (
+                kind is int and (isinstance(value, bool) or value < 0)):
+            raise IndexFileError(f"{path}: field {key!r} is missing or invalid: {value!r:.60}")
+    if meta["dim"] < 1:
+        raise IndexFileError(f"{path}: field 'dim' must be positive, got {meta['dim']}")
+    if meta["probe"] is not None and (len(meta["probe"]) != meta["dim"] or not all(
+            isinstance(x, (int, float)) for x in meta["probe"])):
+        raise IndexFileError(f"{path}: field 'probe' must hold {meta['dim']} numbers")
+    return meta
+
+
+def _read_vectors(path: Path, count: int, dim: int) -> np.ndarray:
+    try:
+        vectors = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise IndexFileError(f"{path}: missing") from None
+    except (ValueError, OSError) as e:
+        raise IndexFileError(f"{path}: unreadable .npy file ({e})") from None
+    if vectors.shape != (count, dim) or vectors.dtype != np.float32:
+        raise IndexFileError(f"{path}: holds {vectors.dtype} {tuple(vectors.shape)}, but "
+                             f"{INDEX_FILE} says float32 ({count}, {dim})")
+    vectors = np.array(vectors)  # into memory: searches copy it to the devices
+    try:
+        as_matrix(vectors, str(path))
+    except SearchError as e:
+        raise IndexFileError(str(e)) from None
+    return vectors
+
+
+def _read_sentences(path: Path, count: int) -> list[str]:
+    sentences = []
+    try:
+        with path.open("r", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                try:
+                    s = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise IndexFileError(f"{path}:{lineno}: not a JSON string ({e.msg})") from None
+                if not isinstance(s, str):
+                    raise IndexFileError(f"{path}:{lineno}: not a JSON string: {line:.60}")
+                sentences.append(s)
+    except FileNotFoundError:
+        raise IndexFileError(f"{path}: missing") from None
+    except UnicodeDecodeError:
+        raise IndexFileError(f"{path}: not UTF-8 text") from None
+    if len(sentences) != count:
+        raise IndexFileError(f"{path}: {len(sentences)} sentences, but {INDEX_FILE} says {count}")
+    return sentences
+
+
+def build_index(model: Any, sentences_or_file: Union[str, os.PathLike, Sequence[str]], *,
+                pooler: Optional[str] = None, batch_size: int = 64, normalize: bool = True,
+                **options) -> SearchIndex:
+    """Encodes sentences (a list, or a file path with one sentence a line) into an index.
+
+    Like the official SimCSE tool, a string is a file path. `options` go to `SearchIndex`
+    (mesh, block_rows, query_batch).
+    """
+    if isinstance(sentences_or_file, (str, os.PathLike)):
+        sentences = read_corpus(sentences_or_file)
+    else:
+        sentences = _sentence_list(sentences_or_file, "sentences")
+    ref = model_ref(model, pooler)
+    vecs = embed(model, [PROBE_SENTENCE, *sentences], pooler=ref.pooler, batch_size=batch_size)
+    # A local folder is recorded absolute, so a command line run elsewhere can reload it.
+    path = os.path.abspath(ref.path) if os.path.exists(ref.path) else ref.path
+    info = IndexInfo(dim=vecs.shape[1], normalize=normalize, model=path, pooler=ref.pooler,
+                     probe=tuple(float(f"{x:.7g}") for x in vecs[0]))
+    index = SearchIndex(info, **options)
+    index.add_vectors(vecs[1:], sentences)
+    return index
+
+
+def load_index(folder: Union[str, os.PathLike], **options) -> SearchIndex:
+    """`SearchIndex.load`."""
+    return SearchIndex.load(folder, **options)

@@ -1,0 +1,190 @@
+"""Exact top-k inner-product search over a corpus sharded by rows across a device mesh.
+
+The corpus [capacity, dim] is cut into equal contiguous row ranges, one per device of the mesh
+(`NamedSharding(mesh, P(<every mesh axis>, None))`), so a corpus larger than one device's memory
+still searches exactly. Each device scans its rows block by block and keeps a running top-k per
+query, so the scores it materializes are [queries, block_rows], never [queries, rows]. The
+per-device lists are then merged into the global top-k. Rows past the valid count (padding that
+makes the shards equal) score -inf and come back with row -1 or a row >= the valid count, which
+callers drop.
+
+Ties: `lax.top_k` puts the lower position first. The running list precedes each new block and
+device shards are concatenated in row order, so equal scores come out lowest row first whatever
+the device count or block size.
+
+Optionally each block's selection uses `lax.approx_max_k` (fast on TPU; elsewhere XLA may lower
+it to an exact selection); recall against the exact search is measured by
+benchmarks/search_speed.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+# Rows scored per scan step on each device: [queries, block] scores stay cache-sized on CPU.
+DEFAULT_BLOCK_ROWS = 4096
+# Queries per jitted call; smaller query counts are padded up to a power of two (>= 8) so a
+# handful of shapes compile, once each.
+DEFAULT_QUERY_BATCH = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a corpus of width `dim` sits: per device, `blocks` blocks of `block_rows` rows."""
+
+    devices: int
+    block_rows: int
+    blocks: int
+    dim: int
+
+    @property
+    def rows_per_device(self) -> int:
+        return self.block_rows * self.blocks
+
+    @property
+    def capacity(self) -> int:
+        return self.rows_per_device * self.devices
+
+
+def plan_layout(rows: int, dim: int, devices: int,
+                block_rows: int = DEFAULT_BLOCK_ROWS) -> Layout:
+    """The smallest layout holding `rows` rows: equal shards, whole blocks, rows padded to 8."""
+    if block_rows < 1:
+        raise ValueError(f"block_rows must be positive, got {block_rows}")
+    per_device = max(1, math.ceil(rows / devices))
+    block = min(block_rows, -(-per_device // 8) * 8)
+    return Layout(devices=devices, block_rows=block, blocks=math.ceil(per_device / block), dim=dim)
+
+
+def row_axes(mesh: Mesh) -> tuple[str, ...]:
+    """Rows are split over every axis of the mesh: a search has no other dimension to shard."""
+    return tuple(mesh.axis_names)
+
+
+def corpus_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(row_axes(mesh), None))
+
+
+def place_corpus(vectors: np.ndarray, mesh: Mesh, layout: Layout) -> jax.Array:
+    """Copies `vectors` [rows, dim] to the mesh as a [capacity, dim] row-sharded array.
+
+    Each device receives only its own row range (zero-padded past the end of `vectors`), so the
+    host never builds the padded [capacity, dim] copy.
+    """
+    capacity, dim = layout.capacity, layout.dim
+
+    def shard(index):
+        start, stop, _ = index[0].indices(capacity)
+        if stop <= len(vectors):
+            return vectors[start:stop]
+        out = np.zeros((stop - start, dim), np.float32)
+        part = vectors[start:stop]
+        out[: len(part)] = part
+        return out
+
+    return jax.make_array_from_callback((capacity, dim), corpus_sharding(mesh), shard)
+
+
+@functools.lru_cache(maxsize=64)
+def search_fn(mesh: Mesh, layout: Layout, k: int, recall_target: Optional[float] = None):
+    """A jitted `(corpus [capacity, dim], n_valid int32, queries [q, dim]) -> (scores, rows)`.
+
+    scores [q, k] float32 descending, rows [q, k] int32 global row numbers. Compiled once per
+    (mesh, layout, k, recall_target, q); `n_valid` is traced, so adding rows that fit the
+    capacity does not recompile.
+    """
+    axes = row_axes(mesh)
+
+    def select(x, kk):
+        if recall_target is None:
+            return jax.lax.top_k(x, kk)
+        return jax.lax.approx_max_k(x, kk, recall_target=recall_target)
+
+    def local_top_k(corpus, n_valid, queries):
+        # corpus: this device's [rows_per_device, dim]; queries: all of them, [q, dim].
+        first_row = jax.lax.axis_index(axes) * layout.rows_per_device
+        blocks = corpus.reshape(layout.blocks, layout.block_rows, layout.dim)
+        starts = first_row + jnp.arange(layout.blocks, dtype=jnp.int32) * layout.block_rows
+        q = queries.shape[0]
+        offsets = jnp.arange(layout.block_rows, dtype=jnp.int32)
+
+        def step(best, block_and_start):
+            block, start = block_and_start
+            rows = start + offsets  # [block]
+            # HIGHEST: float32 products on every backend (GPUs/TPUs default to lower precision).
+            scores = jnp.dot(queries, block.T, precision=jax.lax.Precision.HIGHEST)  # [q, block]
+            scores = jnp.where(rows[None, :] < n_valid, scores, -jnp.inf)
+            best_scores, best_rows = best
+            cand_scores = jnp.concatenate([best_scores, scores], axis=1)  # [q, k + block]
+            cand_rows = jnp.concatenate(
+                [best_rows, jnp.broadcast_to(rows, (q, layout.block_rows))], axis=1)
+            top, pos = select(cand_scores, k)
+            return (top, jnp.take_along_axis(cand_rows, pos, axis=1)), None
+
+        init = (jnp.full((q, k), -jnp.inf, jnp.float32), jnp.full((q, k), -1, jnp.int32))
+        # The carry differs per device (it holds this device's rows): mark it so for scan.
+        init = jax.lax.pcast(init, axes, to="varying")
+        best, _ = jax.lax.scan(step, init, (blocks, starts))
+        return best
+
+    per_device = jax.shard_map(local_top_k, mesh=mesh,
+                               in_specs=(P(axes, None), P(), P()),
+                               out_specs=(P(None, axes), P(None, axes)))
+
+    def search(corpus, n_valid, queries):
+        scores, rows = per_device(corpus, n_valid, queries)  # [q, devices * k], in row order
+        top, pos = jax.lax.top_k(scores, k)
+        return top, jnp.take_along_axis(rows, pos, axis=1)
+
+    return jax.jit(search)
+
+
+def _bucket(n: int, limit: int) -> int:
+    """Query rows per call: the next power of two >= n (at least 8), capped at `limit`."""
+    return min(limit, max(8, 1 << (n - 1).bit_length()))
+
+
+def top_k_search(corpus: jax.Array, layout: Layout, mesh: Mesh, n_valid: int,
+                 queries: np.ndarray, k: int, *, query_batch: int = DEFAULT_QUERY_BATCH,
+                 recall_target: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k rows of `corpus` by inner product with each query.
+
+    Args:
+      corpus: the placed corpus (`place_corpus`).
+      layout: its layout.
+      mesh: the mesh it lives on.
+      n_valid: rows in use (rows at and past it are padding).
+      queries: [q, dim] float32.
+      k: results per query, 1 <= k <= n_valid.
+      query_batch: queries per jitted call.
+      recall_target: None for the exact search, else `approx_max_k`'s recall target.
+
+    Returns:
+      (scores [q, k] float32, rows [q, k] int64), best first, ties lowest row first.
+    """
+    if not 1 <= k <= n_valid:
+        raise ValueError(f"k must be in [1, {n_valid}], got {k}")
+    fn = search_fn(mesh, layout, k, recall_target)
+    pending = []
+    # Dispatch every chunk before fetching any, so host transfers overlap device work.
+    for start in range(0, len(queries), query_batch):
+        chunk = queries[start: start + query_batch]
+        rows = _bucket(len(chunk), query_batch)
+        padded = np.zeros((rows, layout.dim), np.float32)
+        padded[: len(chunk)] = chunk
+        pending.append((len(chunk), fn(corpus, np.int32(n_valid), padded)))
+    scores = np.empty((len(queries), k), np.float32)
+    found = np.empty((len(queries), k), np.int64)
+    at = 0
+    for n, (s, r) in pending:
+        scores[at: at + n] = np.asarray(s)[:n]
+        found[at: at + n] = np.asarray(r)[:n]
+        at += n
+    return scores, found

@@ -1,0 +1,139 @@
+"""Sentences or vectors in, checked unit vectors out; cosine similarity between two sets.
+
+`similarity(model, queries, keys)` mirrors the official SimCSE tool's `.similarity`: each side
+is a sentence, a list of sentences or precomputed vectors; the result is an [n, m] cosine
+matrix, one row when the query is a single sentence (or 1-D vector), and a float when both
+sides are single.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+
+from jaxsim.encode import encode
+from jaxsim.errors import JaxsimError
+
+Texts = Union[str, Sequence[str]]
+TextsOrVectors = Union[str, Sequence[str], np.ndarray]
+
+
+# Row chunk for host-side passes over big matrices: bounded temporaries, not [n, dim] ones.
+_CHUNK_ROWS = 16384
+
+
+class SearchError(JaxsimError):
+    """A search request that cannot be served; the message says what and where."""
+
+
+class VectorError(SearchError):
+    """Vectors of the wrong shape or with NaN/inf values."""
+
+
+class ModelRef(NamedTuple):
+    """What identifies the encoder behind a set of vectors."""
+
+    path: str
+    pooler: str
+
+
+def model_ref(model: Any, pooler: Optional[str] = None) -> ModelRef:
+    """The model's path and the pooler `encode` will use: the one place that reads them."""
+    return ModelRef(str(model.path), pooler or model.pooler)
+
+
+def embed(model: Any, sentences: Sequence[str], *, pooler: Optional[str] = None,
+          batch_size: int = 64) -> np.ndarray:
+    """[len(sentences), hidden] float32 vectors (not normalized) with the model's pooler."""
+    return encode(model, list(sentences), pooler=model_ref(model, pooler).pooler,
+                  batch_size=batch_size)
+
+
+def as_matrix(x: Any, what: str, dim: Optional[int] = None,
+              against: str = "the index") -> np.ndarray:
+    """`x` as a finite [n, dim] float32 matrix (a 1-D vector becomes one row).
+
+    Raises:
+      VectorError: not 1-D/2-D, a dimension other than `dim` (both named, `against` saying
+        whose `dim` it is), or NaN/inf (the first bad row named).
+    """
+    try:
+        arr = np.asarray(x, dtype=np.float32)
+    except (TypeError, ValueError) as e:
+        raise VectorError(f"{what}: not a numeric array ({e})") from None
+    if arr.ndim == 1:
+        arr = arr[None, :]
+    if arr.ndim != 2:
+        raise VectorError(f"{what}: expected a [n, dim] matrix or a [dim] vector, "
+                          f"got shape {tuple(arr.shape)}")
+    if dim is not None and arr.shape[1] != dim:
+        raise VectorError(f"{what} have dimension {arr.shape[1]} but {against} has "
+                          f"dimension {dim}")
+    for start in range(0, len(arr), _CHUNK_ROWS):
+        finite = np.isfinite(arr[start: start + _CHUNK_ROWS]).all(axis=1)
+        if not finite.all():
+            bad = start + int(np.argmin(finite))
+            raise VectorError(f"{what}: row {bad} holds NaN or inf (of {len(arr)} rows)")
+    return arr
+
+
+def normalize_rows(x: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Rows scaled to unit L2 norm (into `out` if given); an all-zero row stays zero."""
+    out = np.empty(x.shape, np.float32) if out is None else out
+    for start in range(0, len(x), _CHUNK_ROWS):
+        part = x[start: start + _CHUNK_ROWS]
+        norms = np.sqrt(np.einsum("ij,ij->i", part, part))[:, None]
+        np.divide(part, np.maximum(norms, 1e-12), out=out[start: start + _CHUNK_ROWS])
+    return out
+
+
+def _is_single(x: Any) -> bool:
+    return isinstance(x, str) or (not isinstance(x, (list, tuple)) and np.ndim(x) == 1)
+
+
+def _texts(x: Any) -> Optional[list[str]]:
+    """The sentences `x` holds, or None when it holds vectors."""
+    if isinstance(x, str):
+        return [x]
+    if isinstance(x, (list, tuple)) and all(isinstance(s, str) for s in x):
+        return list(x)
+    return None
+
+
+def similarity(model: Any, queries: TextsOrVectors, keys: TextsOrVectors, *,
+               pooler: Optional[str] = None, batch_size: int = 64) -> Union[float, np.ndarray]:
+    """Cosine similarity between queries and keys.
+
+    Args:
+      model: a loaded encoder (`jaxsim.load_pretrained`); may be None when both sides are
+        vectors.
+      queries: a sentence, a list of sentences, or vectors ([dim] or [n, dim]).
+      keys: the same kinds as `queries`.
+      pooler: pooler for the sentences; default: the model's own.
+      batch_size: sentences per encoding batch.
+
+    Returns:
+      float32 [n, m] cosines; [m] when `queries` is single; a float when both are single.
+
+    Raises:
+      VectorError: NaN vectors, or query and key dimensions that differ (both named).
+      SearchError: sentences given without a model.
+    """
+    q_text, k_text = _texts(queries), _texts(keys)
+    texts = (q_text or []) + (k_text or [])
+    if (q_text is not None or k_text is not None) and model is None:
+        raise SearchError("similarity of sentences needs a model (got model=None)")
+    encoded = (embed(model, texts, pooler=pooler, batch_size=batch_size)
+               if q_text is not None or k_text is not None else None)
+    n_q = len(q_text) if q_text is not None else 0
+    q = encoded[:n_q] if q_text is not None else as_matrix(queries, "query vectors")
+    k = encoded[n_q:] if k_text is not None else as_matrix(keys, "key vectors")
+    if q.shape[1] != k.shape[1]:
+        raise VectorError(f"query vectors have dimension {q.shape[1]} but key vectors have "
+                          f"dimension {k.shape[1]}")
+    sims = normalize_rows(q) @ normalize_rows(k).T  # [n, m]
+    if _is_single(queries):
+        sims = sims[0]
+        if _is_single(keys):
+            return float(sims[0])
+    return sims
