@@ -173,3 +173,38 @@ def encoder_params_to_hf(params: Mapping, config: BertConfig,
     if include_pooler and "pooler" in params:
         tree["pooler"] = params["pooler"]
     return params_to_hf(tree, config)
+
+
+# Hugging Face names of the masked-LM head -> paths in `jaxsim.models.mlm.MlmHead`'s tree.
+# The decoder weight is tied to the word embeddings in both families, so it is not stored here.
+_MLM_NAMES = {
+    "bert": {"cls.predictions.transform.dense": ("dense",),
+             "cls.predictions.transform.LayerNorm": ("LayerNorm",),
+             "cls.predictions": ()},
+    "roberta": {"lm_head.dense": ("dense",), "lm_head.layer_norm": ("LayerNorm",),
+                "lm_head": ()},
+}
+
+
+def hf_to_mlm_params(state_dict: Mapping[str, np.ndarray], config: BertConfig):
+    """The checkpoint's masked-LM head as an `MlmHead` tree, or None when it has none.
+
+    Returns None unless every head tensor is present (a partial head is not a head).
+    """
+    names = _MLM_NAMES[config.model_type]
+    flat = {}
+    for hf_prefix, path in names.items():
+        for leaf in ("weight", "bias"):
+            if not path and leaf == "weight":
+                continue  # the output bias has no weight: the decoder is tied to embeddings
+            value = state_dict.get(f"{hf_prefix}.{leaf}")
+            if value is None:
+                return None
+            value = np.asarray(value, np.float32)
+            if path and path[0] == "dense" and leaf == "weight":
+                flat[path + ("kernel",)] = value.T
+            elif path and path[0] == "LayerNorm" and leaf == "weight":
+                flat[path + ("scale",)] = value
+            else:
+                flat[path + ("bias",)] = value
+    return flax.traverse_util.unflatten_dict(flat)
