@@ -1,100 +1,97 @@
-"""Encoding throughput: jaxsim vs sentence-transformers on the unique STS-B test sentences.
+"""Encoding throughput: jaxsim vs sentence-transformers, same model, same threads, one process.
 
-Same model (bundled all-MiniLM-L6-v2), avg pooling, batch 64, same thread count, one run.
-jaxsim's compile time is measured apart (a first warm-up pass compiles every length bucket).
+Two sentence sets: the unique STS-B test sentences (short, 8-30 tokens) and a long set of
+64-128-token texts (consecutive MR review sentences joined). For each, the sides run alternately
+`--repeats` times; the ratio's median, min and max are reported. jaxsim's compile time (first
+pass over every length bucket) is measured apart. bf16 compute is reported as a second jaxsim row.
 
-    python benchmarks/encode_speed.py [--threads 2] [--repeats 3] [--data ../shared/data/senteval]
+    python benchmarks/encode_speed.py [--threads 2] [--repeats 5] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import os
-import time
+import sys
 from pathlib import Path
 
-
-def set_threads(n: int) -> None:
-    # XLA:CPU sizes its pool to the machine's cores; torch is given the same count, so the
-    # default (--threads = nproc) compares like with like. Set before torch starts its pool.
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(n)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import alternating_rates, seconds, set_threads, write_json  # noqa: E402
 
 
 def stsb_test_sentences(root: Path) -> list[str]:
-    """Unique sentences of STS-B test, in first-seen order."""
     from jaxsim.data.senteval import load_stsb
 
     pairs = load_stsb(root, "test")
     return list(dict.fromkeys(s for pair in zip(pairs.sent1, pairs.sent2) for s in pair))
 
 
-def best_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def long_texts(root: Path, tokenizer, count: int = 1024) -> list[str]:
+    """Consecutive MR sentences joined until each text has 64-128 tokens."""
+    from jaxsim.data.readers import read_sentences
+
+    lines = [s for s in read_sentences(root / "MR" / "rt-polarity.pos") if s]
+    texts, current = [], []
+    for line in lines:
+        current.append(line)
+        n = len(tokenizer(" ".join(current))["input_ids"])
+        if n >= 64:
+            if n <= 128:
+                texts.append(" ".join(current))
+            current = []
+        if len(texts) == count:
+            break
+    return texts
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--data", type=Path,
-                        default=None, help="SentEval root (default: jaxsim.paths.SENTEVAL_ROOT)")
-    parser.add_argument("--profile", type=Path, default=None,
-                        help="write a jax profiler trace of one jaxsim pass here")
+    parser.add_argument("--data", type=Path, default=None, help="SentEval root")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
     set_threads(args.threads)
 
+    import jax.numpy as jnp
     import numpy as np
     import torch
     from sentence_transformers import SentenceTransformer
 
     import jaxsim
+    from jaxsim.paths import SENTEVAL_ROOT
 
     torch.set_num_threads(args.threads)
-    from jaxsim.paths import SENTEVAL_ROOT
-    sentences = stsb_test_sentences(args.data or SENTEVAL_ROOT)
-    n = len(sentences)
-    print(f"{n} unique STS-B test sentences, batch {args.batch_size}, {args.threads} threads")
-
-    model = jaxsim.load_pretrained(jaxsim.bundled_model_path())
-    # The bundled sentence-transformers pipeline ends in Normalize, so normalize here too.
-    run_jax = lambda: jaxsim.encode(model, sentences, pooler="avg", batch_size=args.batch_size,
-                                    normalize=True)
-    start = time.perf_counter()
-    ours = run_jax()
-    first = time.perf_counter() - start
-    jax_time = best_time(run_jax, args.repeats)
-    compile_time = max(first - jax_time, 0.0)
-    if args.profile:
-        import jax
-        with jax.profiler.trace(str(args.profile)):
-            run_jax()
-
-    # bf16 compute (fp32 params): XLA:CPU uses the processor's bf16 dot units where present.
-    import jax.numpy as jnp
-    run_bf16 = lambda: jaxsim.encode(model, sentences, pooler="avg", batch_size=args.batch_size,
-                                     normalize=True, dtype=jnp.bfloat16)
-    half = run_bf16()
-    bf16_time = best_time(run_bf16, args.repeats)
-
+    root = args.data or SENTEVAL_ROOT
+    model = jaxsim.load_pretrained("bundled")
     st = SentenceTransformer(str(jaxsim.bundled_model_path()), device="cpu")
-    run_st = lambda: st.encode(sentences, batch_size=args.batch_size, convert_to_numpy=True)
-    theirs = run_st()  # warm-up
-    st_time = best_time(run_st, args.repeats)
-
-    jax_rate, st_rate = n / jax_time, n / st_time
-    print(f"max |jaxsim - sentence-transformers| = {np.abs(ours - theirs).max():.2e}")
-    print(f"jaxsim:                {jax_rate:8.1f} sentences/s  (compile, first pass only: {compile_time:.2f} s)")
-    print(f"sentence-transformers: {st_rate:8.1f} sentences/s")
-    print(f"ratio jaxsim / sentence-transformers: {jax_rate / st_rate:.2f}x")
-    cos = (half * ours).sum(1)  # both unit-normalized
-    print(f"jaxsim bf16:           {n / bf16_time:8.1f} sentences/s  (ratio {n / bf16_time / st_rate:.2f}x; "
-          f"min cosine to fp32 vectors {cos.min():.5f})")
+    sets = {"stsb_test": stsb_test_sentences(root), "long_64_128": long_texts(root, model.tokenizer)}
+    record = {"threads": args.threads, "batch_size": args.batch_size, "dtype": "float32",
+              "sets": {}}
+    for name, sentences in sets.items():
+        n = len(sentences)
+        # The bundled sentence-transformers pipeline ends in Normalize: normalize here too.
+        ours = lambda: jaxsim.encode(model, sentences, batch_size=args.batch_size,  # noqa
+                                     normalize=True)
+        bf16 = lambda: jaxsim.encode(model, sentences, batch_size=args.batch_size,  # noqa
+                                     normalize=True, dtype=jnp.bfloat16)
+        theirs = lambda: st.encode(sentences, batch_size=args.batch_size,  # noqa
+                                   convert_to_numpy=True)
+        first = seconds(ours)
+        warm = seconds(ours)
+        seconds(bf16)
+        diff = float(np.abs(ours() - theirs()).max())
+        fp32 = alternating_rates(ours, theirs, n, args.repeats)
+        half = alternating_rates(bf16, theirs, n, max(1, args.repeats // 2))
+        record["sets"][name] = {"sentences": n, "fp32": fp32, "bf16": half,
+                                "compile_s": max(first - warm, 0.0), "max_abs_diff": diff}
+        print(f"{name}: {n} texts, max |jaxsim - ST| {diff:.1e}, compile {first - warm:.1f} s")
+        print(f"  fp32 jaxsim {fp32['ours_per_s']:7.1f}/s  ST {fp32['reference_per_s']:7.1f}/s  "
+              f"ratio median {fp32['ratio']:.2f}x (min {fp32['ratio_min']:.2f}, "
+              f"max {fp32['ratio_max']:.2f}, {args.repeats} alternating repeats)")
+        print(f"  bf16 jaxsim {half['ours_per_s']:7.1f}/s  ratio vs ST fp32 {half['ratio']:.2f}x")
+    record["ratio"] = record["sets"]["stsb_test"]["fp32"]["ratio"]
+    write_json(args.json, record)
 
 
 if __name__ == "__main__":
