@@ -6,8 +6,9 @@
     index.search(model, "A man plays guitar.", threshold=0.6, top_k=5)
     index.save(folder)
 """
-from jaxsim.search.index import (IndexFileError, IndexInfo, ModelMismatchError, SearchIndex,
-                                 TopK, build_index, load_index)
+from jaxsim.search.index import (IndexInfo, ModelMismatchError, SearchIndex, TopK, build_index,
+                                 load_index)
+from jaxsim.search.storage import IndexFileError
 from jaxsim.search.vectors import SearchError, VectorError, model_ref, similarity
 
 __all__ = ["IndexFileError", "IndexInfo", "ModelMismatchError", "SearchError", "SearchIndex",

@@ -10,14 +10,11 @@ fixed probe sentence. Every query is encoded together with the probe, and a mode
 vector differs (another checkpoint, another pooler, another width) is refused with an error
 naming both models, instead of returning meaningless neighbours.
 
-On disk (`save` / `load`): vectors.npy (float32 [n, dim], already normalized when the index
-normalizes), sentences.jsonl (one JSON string a line; sentences may hold newlines) and
-index.json (format, count, dim, normalize, model, pooler, probe), written last.
+`save` / `load` use the folder format of `jaxsim.search.storage`.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Sequence, Union
@@ -25,15 +22,13 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxsim.data.readers import read_corpus
+from jaxsim.data.readers import read_sentences
+from jaxsim.search.storage import read_index, write_index
 from jaxsim.search.topk import (DEFAULT_BLOCK_ROWS, DEFAULT_QUERY_BATCH, place_corpus,
                                 plan_layout, top_k_search)
 from jaxsim.search.vectors import SearchError, as_matrix, embed, model_ref, normalize_rows
 from jaxsim.sharding import make_mesh
 
-FORMAT = "jaxsim-search-index"
-VERSION = 1
-INDEX_FILE, VECTORS_FILE, SENTENCES_FILE = "index.json", "vectors.npy", "sentences.jsonl"
 # Encoded beside every query batch; its vector fingerprints the model + pooler.
 PROBE_SENTENCE = "A man is playing a guitar on a quiet street."
 # The same model on another device or XLA build agrees to ~1e-6; another model is far below.
@@ -42,10 +37,6 @@ PROBE_MIN_COSINE = 0.999
 
 class ModelMismatchError(SearchError):
     """A model other than the one that built the index."""
-
-
-class IndexFileError(SearchError):
-    """A saved index that cannot be read; the message names the file (and line)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,21 +276,10 @@ class SearchIndex:
         return results[0] if single else results
 
     def save(self, folder: Union[str, os.PathLike]) -> Path:
-        """Writes vectors.npy, sentences.jsonl and (last) index.json into `folder`."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        np.save(folder / VECTORS_FILE, self._buffer[: self._size])
-        sentences_file = folder / SENTENCES_FILE
-        if self._sentences is not None:
-            with sentences_file.open("w", encoding="utf-8") as f:
-                for s in self._sentences:
-                    f.write(json.dumps(s, ensure_ascii=False) + "\n")
-        elif sentences_file.exists():
-            sentences_file.unlink()  # a stale file from an earlier index in this folder
-        meta = {"format": FORMAT, "version": VERSION, "count": self._size,
-                "has_sentences": self._sentences is not None, **dataclasses.asdict(self.info)}
-        (folder / INDEX_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-        return folder
+        """Writes the index into `folder` (see `jaxsim.search.storage`)."""
+        meta = {"count": self._size, "has_sentences": self._sentences is not None,
+                **dataclasses.asdict(self.info)}
+        return write_index(folder, meta, self._buffer[: self._size], self._sentences)
 
     @classmethod
     def load(cls, folder: Union[str, os.PathLike], **options) -> "SearchIndex":
@@ -308,88 +288,13 @@ class SearchIndex:
         Raises:
           IndexFileError: a missing or inconsistent file, named with the line at fault.
         """
-        folder = Path(folder)
-        meta = _read_meta(folder)
+        meta, vectors, sentences = read_index(folder)
         info = IndexInfo(dim=meta["dim"], normalize=meta["normalize"], model=meta["model"],
                          pooler=meta["pooler"],
                          probe=None if meta["probe"] is None else tuple(meta["probe"]))
-        index = cls(info, with_sentences=meta["has_sentences"], **options)
-        vectors = _read_vectors(folder / VECTORS_FILE, meta["count"], meta["dim"])
-        index._buffer, index._size = vectors, len(vectors)
-        if meta["has_sentences"]:
-            index._sentences = _read_sentences(folder / SENTENCES_FILE, meta["count"])
+        index = cls(info, with_sentences=sentences is not None, **options)
+        index._buffer, index._size, index._sentences = vectors, len(vectors), sentences
         return index
-
-
-def _read_meta(folder: Path) -> dict:
-    path = folder / INDEX_FILE
-    if not path.is_file():
-        raise IndexFileError(f"{folder}: not a search index (no {INDEX_FILE}; build one with "
-                             f"`python -m jaxsim index`)")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise IndexFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    except UnicodeDecodeError:
-        raise IndexFileError(f"{path}: not UTF-8 text") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise IndexFileError(f"{path}: not a {FORMAT} file")
-    if meta.get("version") != VERSION:
-        raise IndexFileError(f"{path}: format version {meta.get('version')!r}, this jaxsim "
-                             f"reads version {VERSION}")
-    expected = {"count": int, "dim": int, "normalize": bool, "has_sentences": bool,
-                "model": (str, type(None)), "pooler": (str, type(None)),
-                "probe": (list, type(None))}
-    for key, kind in expected.items():
-        value = meta.get(key, KeyError)
-        if value is KeyError or not isinstance(value, kind) or (
-                kind is int and (isinstance(value, bool) or value < 0)):
-            raise IndexFileError(f"{path}: field {key!r} is missing or invalid: {value!r:.60}")
-    if meta["dim"] < 1:
-        raise IndexFileError(f"{path}: field 'dim' must be positive, got {meta['dim']}")
-    if meta["probe"] is not None and (len(meta["probe"]) != meta["dim"] or not all(
-            isinstance(x, (int, float)) for x in meta["probe"])):
-        raise IndexFileError(f"{path}: field 'probe' must hold {meta['dim']} numbers")
-    return meta
-
-
-def _read_vectors(path: Path, count: int, dim: int) -> np.ndarray:
-    try:
-        vectors = np.load(path, mmap_mode="r", allow_pickle=False)
-    except FileNotFoundError:
-        raise IndexFileError(f"{path}: missing") from None
-    except (ValueError, OSError) as e:
-        raise IndexFileError(f"{path}: unreadable .npy file ({e})") from None
-    if vectors.shape != (count, dim) or vectors.dtype != np.float32:
-        raise IndexFileError(f"{path}: holds {vectors.dtype} {tuple(vectors.shape)}, but "
-                             f"{INDEX_FILE} says float32 ({count}, {dim})")
-    vectors = np.array(vectors)  # into memory: searches copy it to the devices
-    try:
-        as_matrix(vectors, str(path))
-    except SearchError as e:
-        raise IndexFileError(str(e)) from None
-    return vectors
-
-
-def _read_sentences(path: Path, count: int) -> list[str]:
-    sentences = []
-    try:
-        with path.open("r", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                try:
-                    s = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise IndexFileError(f"{path}:{lineno}: not a JSON string ({e.msg})") from None
-                if not isinstance(s, str):
-                    raise IndexFileError(f"{path}:{lineno}: not a JSON string: {line:.60}")
-                sentences.append(s)
-    except FileNotFoundError:
-        raise IndexFileError(f"{path}: missing") from None
-    except UnicodeDecodeError:
-        raise IndexFileError(f"{path}: not UTF-8 text") from None
-    if len(sentences) != count:
-        raise IndexFileError(f"{path}: {len(sentences)} sentences, but {INDEX_FILE} says {count}")
-    return sentences
 
 
 def build_index(model: Any, sentences_or_file: Union[str, os.PathLike, Sequence[str]], *,
@@ -401,7 +306,7 @@ def build_index(model: Any, sentences_or_file: Union[str, os.PathLike, Sequence[
     (mesh, block_rows, query_batch).
     """
     if isinstance(sentences_or_file, (str, os.PathLike)):
-        sentences = read_corpus(sentences_or_file)
+        sentences = read_sentences(sentences_or_file)
     else:
         sentences = _sentence_list(sentences_or_file, "sentences")
     ref = model_ref(model, pooler)

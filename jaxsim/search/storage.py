@@ -1,0 +1,130 @@
+"""The on-disk form of a search index: one folder, three files.
+
+  vectors.npy      float32 [count, dim] (already unit-norm when the index normalizes)
+  sentences.jsonl  one JSON string a line (sentences may hold newlines); absent for an index
+                   of bare vectors
+  index.json       format, version, count, dim, normalize, has_sentences, model, pooler, probe;
+                   written last, so a half-written folder is refused rather than half-read
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from jaxsim.search.vectors import SearchError, as_matrix
+
+FORMAT = "jaxsim-search-index"
+VERSION = 1
+INDEX_FILE, VECTORS_FILE, SENTENCES_FILE = "index.json", "vectors.npy", "sentences.jsonl"
+
+
+class IndexFileError(SearchError):
+    """A saved index that cannot be read; the message names the file (and line)."""
+
+
+def write_index(folder: Union[str, os.PathLike], meta: dict, vectors: np.ndarray,
+                sentences: Optional[Sequence[str]]) -> Path:
+    """Writes the three files; `meta` holds every index.json field but format and version."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / VECTORS_FILE, vectors)
+    sentences_file = folder / SENTENCES_FILE
+    if sentences is not None:
+        with sentences_file.open("w", encoding="utf-8") as f:
+            for s in sentences:
+                f.write(json.dumps(s, ensure_ascii=False) + "\n")
+    elif sentences_file.exists():
+        sentences_file.unlink()  # a stale file from an earlier index in this folder
+    meta = {"format": FORMAT, "version": VERSION, **meta}
+    (folder / INDEX_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    return folder
+
+
+def read_index(folder: Union[str, os.PathLike]
+               ) -> tuple[dict, np.ndarray, Optional[list[str]]]:
+    """(index.json fields, vectors [count, dim] in memory, sentences or None), all checked.
+
+    Raises:
+      IndexFileError: a missing or inconsistent file, named with the line at fault.
+    """
+    folder = Path(folder)
+    meta = _read_meta(folder)
+    vectors = _read_vectors(folder / VECTORS_FILE, meta["count"], meta["dim"])
+    sentences = (_read_sentences(folder / SENTENCES_FILE, meta["count"])
+                 if meta["has_sentences"] else None)
+    return meta, vectors, sentences
+
+
+def _read_meta(folder: Path) -> dict:
+    path = folder / INDEX_FILE
+    if not path.is_file():
+        raise IndexFileError(f"{folder}: not a search index (no {INDEX_FILE}; build one with "
+                             f"`python -m jaxsim index`)")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise IndexFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise IndexFileError(f"{path}: not UTF-8 text") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise IndexFileError(f"{path}: not a {FORMAT} file")
+    if meta.get("version") != VERSION:
+        raise IndexFileError(f"{path}: format version {meta.get('version')!r}, this jaxsim "
+                             f"reads version {VERSION}")
+    expected = {"count": int, "dim": int, "normalize": bool, "has_sentences": bool,
+                "model": (str, type(None)), "pooler": (str, type(None)),
+                "probe": (list, type(None))}
+    for key, kind in expected.items():
+        value = meta.get(key, KeyError)
+        if value is KeyError or not isinstance(value, kind) or (
+                kind is int and (isinstance(value, bool) or value < 0)):
+            raise IndexFileError(f"{path}: field {key!r} is missing or invalid: {value!r:.60}")
+    if meta["dim"] < 1:
+        raise IndexFileError(f"{path}: field 'dim' must be positive, got {meta['dim']}")
+    if meta["probe"] is not None and (len(meta["probe"]) != meta["dim"] or not all(
+            isinstance(x, (int, float)) for x in meta["probe"])):
+        raise IndexFileError(f"{path}: field 'probe' must hold {meta['dim']} numbers")
+    return meta
+
+
+def _read_vectors(path: Path, count: int, dim: int) -> np.ndarray:
+    try:
+        vectors = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise IndexFileError(f"{path}: missing") from None
+    except (ValueError, OSError) as e:
+        raise IndexFileError(f"{path}: unreadable .npy file ({e})") from None
+    if vectors.shape != (count, dim) or vectors.dtype != np.float32:
+        raise IndexFileError(f"{path}: holds {vectors.dtype} {tuple(vectors.shape)}, but "
+                             f"{INDEX_FILE} says float32 ({count}, {dim})")
+    vectors = np.array(vectors)  # into memory: searches copy it to the devices
+    try:
+        as_matrix(vectors, str(path))
+    except SearchError as e:
+        raise IndexFileError(str(e)) from None
+    return vectors
+
+
+def _read_sentences(path: Path, count: int) -> list[str]:
+    sentences = []
+    try:
+        with path.open("r", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                try:
+                    s = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise IndexFileError(f"{path}:{lineno}: not a JSON string ({e.msg})") from None
+                if not isinstance(s, str):
+                    raise IndexFileError(f"{path}:{lineno}: not a JSON string: {line:.60}")
+                sentences.append(s)
+    except FileNotFoundError:
+        raise IndexFileError(f"{path}: missing") from None
+    except UnicodeDecodeError:
+        raise IndexFileError(f"{path}: not UTF-8 text") from None
+    if len(sentences) != count:
+        raise IndexFileError(f"{path}: {len(sentences)} sentences, but {INDEX_FILE} says {count}")
+    return sentences
