@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from jaxsim.calibration import blas_single_thread
+from jaxsim.calibrate import blas_single_thread
 
 
 def _unit(x) -> np.ndarray:

@@ -1,74 +1,148 @@
-"""Typed configuration of a normalizing flow and of its fitting loop.
+"""Typed configuration of a flow (layers by registry name) and of its fitting loop.
 
-The defaults are the BERT-flow reference (bohanli/BERT-flow, `flow/config/config_l2_d3_w32.json`):
-Glow with 2 levels of depth 3, additive coupling, shift nets of width 32, Adam at lr 1e-3.
+A flow is `levels` levels of `depth` steps; a step is a sequence of registered layers
+(`FLOW_LAYERS`); between two levels the second half of the channels is factored out to the
+standard-normal prior (Glow's multi-scale split). The defaults are BERT-flow as its code
+executes it (bohanli/BERT-flow `run_siamese.py` with `flow/config/config_l3_d3_w32.json`); see
+configs/flow_bert_flow.py for the reasoning behind each value.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import pathlib
 from typing import Any
 
-ARCHITECTURES = ('glow', 'realnvp')
-COUPLINGS = ('additive', 'affine')
+from jaxsim.errors import JaxsimError
+from jaxsim.flows import couplings  # noqa: F401  (registers the coupling layers)
+from jaxsim.flows.layers import FLOW_LAYERS
+
+OBJECTIVES = ('bits_per_dim', 'nats')
+OPTIMIZERS = ('bert_adamw', 'adam')
+_SCALARS = (str, int, float, bool, type(None))
+
+
+class FlowError(JaxsimError):
+    """A flow config, input or fit that cannot work (the message says which and why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """One layer of a flow step: a `FLOW_LAYERS` name and its constructor options.
+
+    Attributes:
+      layer: registered layer name.
+      options: sorted (name, value) pairs of JSON scalars (hashable, so configs are too).
+    """
+
+    layer: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.layer, str) or not self.layer:
+            raise FlowError(f'flow layer name must be a non-empty string, got {self.layer!r}')
+        for item in self.options:
+            if (not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str)
+                    or not isinstance(item[1], _SCALARS)):
+                raise FlowError(f'flow layer {self.layer!r}: options must be (name, scalar) '
+                                f'pairs, got {item!r}')
+
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {'layer': self.layer, 'options': self.kwargs()}
+
+
+def layer(name: str, **options) -> LayerSpec:
+    """`layer('actnorm', initialization='data')` -> LayerSpec, the way configs list a step's layers."""
+    return LayerSpec(name, tuple(sorted(options.items())))
+
+
+BERT_FLOW_STEP = (
+    layer('actnorm', initialization='tf_default', logscale_factor=3.0, bias='input'),
+    layer('reverse'),
+    layer('additive_coupling', width=32, hidden_layers=2, net='glow'),
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class FlowConfig:
-    """Architecture and optimisation settings of a flow.
+    """Architecture and fitting settings of a flow.
 
     Attributes:
-      arch: 'glow' (multi-level, actnorm + invertible linear + coupling, split between levels) or
-        'realnvp' (one level of affine couplings with alternating parity masks).
-      levels: Glow levels; between two levels half of the channels go to the prior.
-      depth: flow steps per Glow level.
-      coupling: 'additive' (volume preserving, the reference) or 'affine'.
-      width: hidden width of the coupling nets.
-      hidden_layers: hidden Dense+ReLU layers in each coupling net.
-      lu: parameterize the invertible linear map by an LU decomposition (Glow's O(D) logdet).
-      num_couplings: number of affine couplings of the RealNVP (alternating masks).
-      actnorm_in_realnvp: put an actnorm before each RealNVP coupling (RealNVP's batch-norm role).
-      learning_rate: Adam learning rate.
-      batch_size: examples per optimizer step.
-      max_epochs: upper bound on passes over the training split.
-      val_fraction: fraction of the rows held out for the early-stopping NLL.
-      patience: stop after this many evaluations without a held-out improvement.
-      evals_per_epoch: held-out evaluations per epoch (early stopping granularity).
-      init_batch_size: rows used by the data-dependent actnorm initialisation.
+      name: short label used in descriptions.
+      levels: multi-scale levels; between two levels half of the channels go to the prior.
+      depth: steps per level.
+      step: the layers of one step, applied in order (each `features=` the level's width).
+      data_init: before training, run `init_from_batch` of the layers that have one (actnorm
+        init='data') on `init_batch_size` rows.
+      init_batch_size: rows of the data-dependent initialisation.
+      objective: 'bits_per_dim' (NLL / (D ln 2), BERT-flow) or 'nats' (NLL per row).
+      loss_scale: the loss is loss_scale * the batch mean of the objective (BERT-flow adds the
+        means of the two sentences of its pairs: 2).
+      optimizer: 'bert_adamw' (BERT's AdamWeightDecayOptimizer: no bias correction, decoupled
+        weight decay) or 'adam' (optax.adam; weight_decay > 0 makes it AdamW).
+      learning_rate: constant learning rate.
+      weight_decay: decoupled weight-decay rate.
+      weight_decay_exclude: regexes on '/'-joined param paths exempt from weight decay.
+      adam_eps: epsilon added to sqrt(v).
+      clip_norm: clip gradients to this global norm (0: no clipping).
+      batch_size: rows per optimizer step (the global batch, split over the mesh).
+      max_epochs: passes over the rows.
+      val_fraction: rows held out for early stopping (0: none, fit on everything).
+      patience: stop after this many held-out evaluations without improvement.
+      evals_per_epoch: held-out evaluations per epoch.
+      dropout_noise: fit on dropout-noised embeddings, fresh each epoch, from the `embed`
+        callable the caller passes (the encoder in train mode, as BERT-flow trains).
     """
 
-    arch: str = 'glow'
-    levels: int = 2
+    name: str = 'bert_flow'
+    levels: int = 3
     depth: int = 3
-    coupling: str = 'additive'
-    width: int = 32
-    hidden_layers: int = 2
-    lu: bool = True
-    num_couplings: int = 6
-    actnorm_in_realnvp: bool = True
+    step: tuple[LayerSpec, ...] = BERT_FLOW_STEP
+    data_init: bool = False
+    init_batch_size: int = 512
+    objective: str = 'bits_per_dim'
+    loss_scale: float = 2.0
+    optimizer: str = 'bert_adamw'
     learning_rate: float = 1e-3
+    weight_decay: float = 0.01
+    weight_decay_exclude: tuple[str, ...] = ()
+    adam_eps: float = 1e-6
+    clip_norm: float = 1.0
     batch_size: int = 64
     max_epochs: int = 1
-    val_fraction: float = 0.1
+    val_fraction: float = 0.0
     patience: int = 2
-    evals_per_epoch: int = 4
-    init_batch_size: int = 512
+    evals_per_epoch: int = 1
+    dropout_noise: bool = False
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
             if not ok:
-                raise ValueError(f'FlowConfig: {msg}')
+                raise FlowError(f'FlowConfig: {msg}')
 
-        check(self.arch in ARCHITECTURES, f'arch={self.arch!r}, expected one of {ARCHITECTURES}')
-        check(self.coupling in COUPLINGS,
-              f'coupling={self.coupling!r}, expected one of {COUPLINGS}')
+        check(isinstance(self.step, tuple) and len(self.step) > 0
+              and all(isinstance(s, LayerSpec) for s in self.step),
+              'step must be a non-empty tuple of LayerSpec (use flows.layer(name, **options))')
+        for s in self.step:
+            check(s.layer in FLOW_LAYERS, f'unknown flow layer {s.layer!r}; registered: '
+                  f'{", ".join(FLOW_LAYERS.names())} (register yours with '
+                  '@FLOW_LAYERS.register before building the config)')
         check(self.levels >= 1, f'levels={self.levels} must be >= 1')
         check(self.depth >= 1, f'depth={self.depth} must be >= 1')
-        check(self.width >= 1, f'width={self.width} must be >= 1')
-        check(self.hidden_layers >= 1, f'hidden_layers={self.hidden_layers} must be >= 1')
-        check(self.num_couplings >= 1, f'num_couplings={self.num_couplings} must be >= 1')
+        check(self.objective in OBJECTIVES, f'objective={self.objective!r}, expected one of '
+              f'{OBJECTIVES}')
+        check(self.optimizer in OPTIMIZERS, f'optimizer={self.optimizer!r}, expected one of '
+              f'{OPTIMIZERS}')
+        check(self.loss_scale > 0, f'loss_scale={self.loss_scale} must be > 0')
         check(self.learning_rate > 0, f'learning_rate={self.learning_rate} must be > 0')
-        check(self.batch_size >= 1, f'batch_size={self.batch_size} must be >= 1')
+        check(self.weight_decay >= 0, f'weight_decay={self.weight_decay} must be >= 0')
+        check(self.adam_eps > 0, f'adam_eps={self.adam_eps} must be > 0')
+        check(self.clip_norm >= 0, f'clip_norm={self.clip_norm} must be >= 0 (0: off)')
+        check(self.batch_size >= 2, f'batch_size={self.batch_size} must be >= 2')
         check(self.max_epochs >= 1, f'max_epochs={self.max_epochs} must be >= 1')
         check(0.0 <= self.val_fraction < 1.0,
               f'val_fraction={self.val_fraction} must be in [0, 1)')
@@ -76,26 +150,30 @@ class FlowConfig:
         check(self.evals_per_epoch >= 1, f'evals_per_epoch={self.evals_per_epoch} must be >= 1')
         check(self.init_batch_size >= 2, f'init_batch_size={self.init_batch_size} must be >= 2')
 
-    def min_dim(self) -> int:
-        """Smallest embedding size the architecture accepts (every coupling needs 2 channels)."""
-        return 2 ** (self.levels - 1) * 2 if self.arch == 'glow' else 2
+    def level_dims(self, dim: int) -> list[int]:
+        """Channels at each level: dim, dim/2, ..., dim/2^(levels-1)."""
+        return [dim // 2 ** l for l in range(self.levels)]
 
     def check_dim(self, dim: int) -> None:
-        """Raises ValueError if `dim` channels cannot go through this architecture."""
-        if self.arch == 'glow':
-            factor = 2 ** (self.levels - 1)
-            # Each split halves the channels exactly, so D must divide by 2^(levels-1) and the
-            # last level still needs two channels for its couplings.
-            if dim % factor != 0 or dim // factor < 2:
-                raise ValueError(
-                    f'FlowConfig: a Glow with levels={self.levels} halves the channels '
-                    f'{self.levels - 1} time(s), so the embedding size must be a multiple of '
-                    f'{factor} and at least {2 * factor}; got {dim}.')
-        elif dim < 2:
-            raise ValueError(f'FlowConfig: a coupling needs at least 2 channels; got {dim}.')
+        """Raises FlowError if `dim` channels cannot go through the levels' splits."""
+        factor = 2 ** (self.levels - 1)
+        # Each split halves the channels exactly, and the last level's couplings still need
+        # two channels.
+        if dim % factor != 0 or dim // factor < 2:
+            raise FlowError(
+                f'FlowConfig {self.name!r}: {self.levels} level(s) halve the channels '
+                f'{self.levels - 1} time(s), so the embedding size must be a multiple of '
+                f'{factor} and at least {2 * factor}; got {dim}.')
+
+    def describe(self) -> str:
+        layers = '+'.join(s.layer for s in self.step)
+        return f'{self.name} ({self.levels}x{self.depth} steps of {layers})'
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d['step'] = [s.to_dict() for s in self.step]
+        d['weight_decay_exclude'] = list(self.weight_decay_exclude)
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -105,7 +183,15 @@ class FlowConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f'FlowConfig: unknown field(s) {unknown}')
+            raise FlowError(f'FlowConfig: unknown field(s) {unknown}')
+        d = dict(d)
+        try:
+            if 'step' in d:
+                d['step'] = tuple(layer(s['layer'], **s.get('options', {})) for s in d['step'])
+            if 'weight_decay_exclude' in d:
+                d['weight_decay_exclude'] = tuple(d['weight_decay_exclude'])
+        except (TypeError, KeyError) as e:
+            raise FlowError(f'FlowConfig: malformed step list ({e!r})') from None
         return cls(**d)
 
     def replace(self, **kw) -> 'FlowConfig':
@@ -113,17 +199,18 @@ class FlowConfig:
 
 
 def load_config_file(path) -> FlowConfig:
-    """Runs `get_config()` of a config file such as `configs/flow_realnvp.py`."""
-    import importlib.util
-    import pathlib
-
+    """Runs `get_config()` of a config file such as `configs/flow_glow.py`."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ValueError(f'{path}: flow config file not found')
+        raise FlowError(f'{path}: flow config file not found')
     spec = importlib.util.spec_from_file_location(f'flow_config_{path.stem}', path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    config = module.get_config()
+    get_config = getattr(module, 'get_config', None)
+    if get_config is None:
+        raise FlowError(f'{path}: a flow config file must define get_config()')
+    config = get_config()
     if not isinstance(config, FlowConfig):
-        raise ValueError(f'{path}: get_config() must return a FlowConfig, got {type(config).__name__}')
+        raise FlowError(f'{path}: get_config() must return a FlowConfig, got '
+                        f'{type(config).__name__}')
     return config

@@ -1,18 +1,22 @@
-"""Bijectors for flows over vectors, as Flax linen modules.
+"""Bijectors over vectors, as Flax linen modules, and the registry flow configs name them by.
 
-Every bijector maps data x [batch, dim] to a latent z [batch, dim] ("normalizing" direction, the
-direction BERT-flow trains: log p(u) = log p_Z(f^-1(u)) + log|det d f^-1(u) / du|) and exposes
+Every bijector maps data x [batch, dim] to a latent z [batch, dim] (the "normalizing" direction,
+the one BERT-flow trains) and exposes
 
   forward(x) -> FlowOutput(z, logdet)   # logdet = log|det dz/dx| per row, [batch]
   inverse(z) -> x
 
-A sentence vector is treated as a 1x1 image with `dim` channels, so Glow's 1x1 convolution is a
-dim x dim matrix and its couplings split channels. Data-dependent actnorm initialisation is the
-explicit `init_from_batch` method (run with `mutable=['params']`), never a side effect of a call.
+and may expose `init_from_batch(x) -> FlowOutput` for data-dependent initialisation (applied with
+`mutable=['params']`, never a side effect of a call). A sentence vector is treated as a 1x1
+image with `dim` channels, so Glow's 1x1 convolution is a dim x dim matrix.
+
+`FLOW_LAYERS` maps a name to a module class built as `cls(features=dim, **options)`; user code
+adds a bijector with `@FLOW_LAYERS.register('name')` and names it in a flow config.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterator
 
 import flax.linen as nn
@@ -22,16 +26,18 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 
-# Actnorm divides by the batch std, floored at this fraction of the median channel std (plus an
-# absolute epsilon) so constant channels stay finite and well conditioned.
-_ACTNORM_REL_FLOOR = 1e-3
-_ACTNORM_EPS = 1e-12
+from jaxsim.registry import Registry
+
+FLOW_LAYERS: Registry = Registry('flow layer')
+
+# Data-dependent actnorm init standardizes only channels whose batch std exceeds this fraction of
+# the median channel std. A channel below it is (near-)constant in the batch: it is centered but
+# not amplified (gain 1). See `ActNorm.init_from_batch` for why amplifying it diverges.
+ACTNORM_REL_FLOOR = 1e-3
 
 
 class FlowOutput(flax.struct.PyTreeNode):
-    """Result of a bijector's forward pass.
-
-    Unpacks like a tuple: `z, logdet = layer.forward(x)`.
+    """Result of a bijector's forward pass; unpacks like a tuple: `z, logdet = out`.
 
     Attributes:
       z: [batch, dim] the transformed rows.
@@ -46,16 +52,114 @@ class FlowOutput(flax.struct.PyTreeNode):
         yield self.logdet
 
 
-def _zeros_logdet(x: jax.Array) -> jax.Array:
-    return jnp.zeros(x.shape[:1], jnp.float32)
+def constant_logdet(x: jax.Array, value) -> jax.Array:
+    """[batch] float32 filled with `value` (a layer whose logdet does not depend on the row)."""
+    return jnp.full(x.shape[:1], value, jnp.float32)
 
 
+def tf_default_uniform(fan_out: int):
+    """TF1's default variable initializer (glorot uniform) for a [1, 1, 1, C] variable.
+
+    `tf.get_variable` without an initializer draws U(-l, l) with l = sqrt(6 / (fan_in +
+    fan_out)); for Glow's (1, 1, 1, C) actnorm variables fan_in = 1 and fan_out = C.
+    """
+    limit = math.sqrt(6.0 / (1 + fan_out))
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -limit, limit)
+
+    return init
+
+
+ACTNORM_INITS = ('data', 'zeros', 'tf_default')
+
+
+@FLOW_LAYERS.register('actnorm')
 class ActNorm(nn.Module):
-    """Per-channel affine map z = x * exp(logscale) + bias (Glow's actnorm, Kingma & Dhariwal 2018).
+    """Per-channel affine map (Glow's actnorm, Kingma & Dhariwal 2018).
 
-    Unlike Glow's (x + bias) * exp(logscale), the bias lives in output units: sentence vectors
-    have channels with tiny spread (all-MiniLM-L6-v2 avg has exactly constant ones), where an
-    input-unit bias turns each Adam step of 1e-3 into a jump of 1e-3 / std in z and diverges.
+    With s = logscale_factor * logs:
+      bias='output': z = x * exp(s) + b   (bias in output units)
+      bias='input':  z = (x + b) * exp(s) (Glow / BERT-flow: centre, then scale)
+
+    Attributes:
+      features: number of channels `dim`.
+      initialization: 'data' (params start at the identity; `init_from_batch` standardizes a batch),
+        'zeros' (identity, no data init) or 'tf_default' (BERT-flow as executed: its data
+        init op is never run, so b and logs keep TF's default glorot-uniform draw).
+      logscale_factor: s = factor * logs (Glow/BERT-flow use 3: faster convergence of the
+        scale).
+      bias: 'output' or 'input', see above.
+    """
+
+    features: int
+    initialization: str = 'data'
+    logscale_factor: float = 1.0
+    bias: str = 'output'
+
+    def setup(self):
+        if self.initialization not in ACTNORM_INITS:
+            raise ValueError(f'actnorm: initialization={self.initialization!r}, expected one '
+                             f'of {ACTNORM_INITS}')
+        if self.bias not in ('output', 'input'):
+            raise ValueError(f"actnorm: bias={self.bias!r}, expected 'output' or 'input'")
+        init = (tf_default_uniform(self.features) if self.initialization == 'tf_default'
+                else nn.initializers.zeros)
+        self.b = self.param('b', init, (self.features,))  # [dim]
+        self.logs = self.param('logs', init, (self.features,))  # [dim]
+
+    def _forward(self, x, b, logs) -> FlowOutput:
+        s = self.logscale_factor * logs
+        z = (x + b) * jnp.exp(s) if self.bias == 'input' else x * jnp.exp(s) + b
+        return FlowOutput(z, constant_logdet(x, jnp.sum(s)))
+
+    def forward(self, x: jax.Array) -> FlowOutput:
+        """x: [batch, dim] -> FlowOutput(z [batch, dim], logdet [batch])."""
+        return self._forward(x, self.b, self.logs)
+
+    def inverse(self, z: jax.Array) -> jax.Array:
+        """z: [batch, dim] -> x [batch, dim]."""
+        s = self.logscale_factor * self.logs
+        if self.bias == 'input':
+            return z * jnp.exp(-s) - self.b
+        return (z - self.b) * jnp.exp(-s)
+
+    def init_from_batch(self, x: jax.Array) -> FlowOutput:
+        """Sets b/logs so this batch comes out zero-mean, unit-variance per channel.
+
+        A channel with (near-)zero spread in the batch is only centered, gain 1. In a flow
+        whose couplings start as identities, a constant input channel stays constant through
+        every layer at init, so each later actnorm would see zero spread and, if it divided by
+        a floored std, get a huge gain (1e3 per layer). Once training moves a coupling shift
+        by ~lr, that channel is no longer constant and the stacked gains multiply it: RealNVP
+        (6 actnorms, nothing mixing channels) reached |z| ~ 1e15 and an NLL ~ 1e30 after one
+        step. Gain 1 keeps every layer's Lipschitz constant at init independent of the data's
+        degeneracy; the likelihood then grows the scale at the optimizer's pace.
+
+        Apply with `mutable=['params']`; returns the forward pass with the new values.
+
+        Args:
+          x: [batch, dim] the initialisation batch.
+        """
+        if self.initialization != 'data':
+            return self.forward(x)
+        mean = jnp.mean(x, axis=0)  # [dim]
+        std = jnp.std(x, axis=0)  # [dim]
+        live = std > ACTNORM_REL_FLOOR * jnp.median(std)
+        scale = jnp.where(live, std, 1.0)
+        logs = -jnp.log(scale) / self.logscale_factor
+        b = -mean if self.bias == 'input' else -mean / scale
+        self.put_variable('params', 'b', b)
+        self.put_variable('params', 'logs', logs)
+        return self._forward(x, b, logs)
+
+
+@FLOW_LAYERS.register('reverse')
+class Reverse(nn.Module):
+    """Fixed channel reversal z[:, j] = x[:, dim-1-j]: no params, logdet 0.
+
+    This is what BERT-flow's `invertible_1x1_conv(permutation=True)` executes (its configs all
+    set "permutation": true): a non-trainable 1x1 conv whose kernel is the anti-identity.
 
     Attributes:
       features: number of channels `dim`.
@@ -63,42 +167,16 @@ class ActNorm(nn.Module):
 
     features: int
 
-    def setup(self):
-        self.bias = self.param('bias', nn.initializers.zeros, (self.features,))  # [dim]
-        self.logscale = self.param('logscale', nn.initializers.zeros, (self.features,))  # [dim]
-
-    def _forward(self, x, bias, logscale) -> FlowOutput:
-        z = x * jnp.exp(logscale) + bias
-        return FlowOutput(z, jnp.full(x.shape[:1], jnp.sum(logscale), jnp.float32))
-
     def forward(self, x: jax.Array) -> FlowOutput:
-        """x: [batch, dim] -> FlowOutput(z [batch, dim], logdet [batch])."""
-        return self._forward(x, self.bias, self.logscale)
+        """x: [batch, dim] -> FlowOutput(z [batch, dim], logdet [batch] = 0)."""
+        return FlowOutput(x[:, ::-1], constant_logdet(x, 0.0))
 
     def inverse(self, z: jax.Array) -> jax.Array:
         """z: [batch, dim] -> x [batch, dim]."""
-        return (z - self.bias) * jnp.exp(-self.logscale)
-
-    def init_from_batch(self, x: jax.Array) -> FlowOutput:
-        """Sets bias/logscale so that this batch comes out zero-mean, unit-variance per channel.
-
-        Must be applied with `mutable=['params']`; returns the forward pass with the new values.
-
-        Args:
-          x: [batch, dim] the initialisation batch.
-        """
-        mean = jnp.mean(x, axis=0)
-        std = jnp.std(x, axis=0)
-        # Floor (near-)constant channels relative to the typical spread: dividing by ~0 makes
-        # the channel's density unbounded and the fit diverge.
-        std = jnp.maximum(std, _ACTNORM_REL_FLOOR * jnp.median(std) + _ACTNORM_EPS)
-        logscale = -jnp.log(std)
-        bias = -mean / std
-        self.put_variable('params', 'bias', bias)
-        self.put_variable('params', 'logscale', logscale)
-        return self._forward(x, bias, logscale)
+        return z[:, ::-1]
 
 
+@FLOW_LAYERS.register('linear')
 class InvertibleLinear(nn.Module):
     """z = x @ W with a dense invertible W (Glow's 1x1 conv on a 1x1 image); O(D^3) logdet.
 
@@ -116,28 +194,31 @@ class InvertibleLinear(nn.Module):
     def forward(self, x: jax.Array) -> FlowOutput:
         """x: [batch, dim] -> FlowOutput(z [batch, dim], logdet [batch])."""
         _, logabsdet = jnp.linalg.slogdet(self.kernel)
-        return FlowOutput(x @ self.kernel, jnp.full(x.shape[:1], logabsdet, jnp.float32))
+        return FlowOutput(x @ self.kernel, constant_logdet(x, logabsdet))
 
     def inverse(self, z: jax.Array) -> jax.Array:
         """z: [batch, dim] -> x [batch, dim], solving x W = z."""
         return jnp.linalg.solve(self.kernel.T, z.T).T
 
 
-def _single_threaded_blas():
+def single_threaded_blas():
     """Limits host BLAS to one thread: on a busy machine OpenBLAS's thread pool makes a 384x384
     QR 50x slower (seconds instead of milliseconds). No-op without threadpoolctl."""
     try:
         import threadpoolctl
     except ImportError:
         return contextlib.nullcontext()
-    return threadpoolctl.threadpool_limits(1)
+    return threadpoolctl.threadpool_limits(1, user_api='blas')
+
+
+def _host_rng(key_data) -> np.random.Generator:
+    return np.random.default_rng(np.asarray(key_data).astype(np.uint64))
 
 
 def _host_rotation(key_data: np.ndarray, features: int) -> np.ndarray:
     """A Haar-random rotation [features, features] drawn on the host from raw key data."""
-    rng = np.random.default_rng(np.asarray(key_data).astype(np.uint64))
-    with _single_threaded_blas():
-        q, r = np.linalg.qr(rng.standard_normal((features, features)))
+    with single_threaded_blas():
+        q, r = np.linalg.qr(_host_rng(key_data).standard_normal((features, features)))
     return q * np.sign(np.diag(r))
 
 
@@ -153,16 +234,23 @@ def _random_rotation(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
         jax.ShapeDtypeStruct(shape, jnp.float32), jax.random.key_data(key))
 
 
-def _host_lecun_normal(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
-    """N(0, 1/fan_in) kernel drawn on the host (same reason as `_random_rotation`)."""
-    del dtype
+def host_normal(stddev: float | None = None):
+    """Initializer: N(0, stddev^2) drawn on the host (default stddev 1/sqrt(fan_in)).
 
-    def host(kd):
-        rng = np.random.default_rng(np.asarray(kd).astype(np.uint64))
-        return (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32)
+    Host-side for the same reason as `_random_rotation`: no per-layer RNG kernels to compile.
+    """
 
-    return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, jnp.float32),
-                             jax.random.key_data(key))
+    def init(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
+        del dtype
+        std = stddev if stddev is not None else 1.0 / math.sqrt(shape[0])
+
+        def host(kd):
+            return (_host_rng(kd).standard_normal(shape) * std).astype(np.float32)
+
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, jnp.float32),
+                                 jax.random.key_data(key))
+
+    return init
 
 
 def _lu_init(key: jax.Array, features: int) -> dict[str, jax.Array]:
@@ -170,7 +258,7 @@ def _lu_init(key: jax.Array, features: int) -> dict[str, jax.Array]:
 
     def host(key_data):
         w = _host_rotation(key_data, features)
-        with _single_threaded_blas():
+        with single_threaded_blas():
             p, l, u = scipy.linalg.lu(w)
         s = np.diag(u)
         out = {
@@ -189,12 +277,12 @@ def _lu_init(key: jax.Array, features: int) -> dict[str, jax.Array]:
         jax.random.key_data(key))
 
 
+@FLOW_LAYERS.register('linear_lu')
 class InvertibleLinearLU(nn.Module):
     """LU-parameterized invertible linear map (Glow section 3.2): logdet = sum(log_s) in O(D).
 
     The permutation and the signs of the diagonal are fixed at init; they sit in the params tree
-    (so they are saved) behind `stop_gradient`, so Adam never moves them (zero gradients give
-    zero Adam updates).
+    (so they are saved) behind `stop_gradient`, so the optimizer never moves them.
 
     Attributes:
       features: number of channels `dim`.
@@ -226,8 +314,7 @@ class InvertibleLinearLU(nn.Module):
         # would cost 2 dim^3 per call, more than this whenever batch < dim.
         src = jnp.argmax(perm, axis=0)  # [dim] z[:, j] = x[:, src[j]]
         z = (x[:, src] @ lower) @ upper
-        logdet = jnp.sum(self.lu['log_s'])
-        return FlowOutput(z, jnp.full(x.shape[:1], logdet, jnp.float32))
+        return FlowOutput(z, constant_logdet(x, jnp.sum(self.lu['log_s'])))
 
     def inverse(self, z: jax.Array) -> jax.Array:
         """z: [batch, dim] -> x [batch, dim] by two triangular solves (x P L U = z)."""
@@ -236,137 +323,3 @@ class InvertibleLinearLU(nn.Module):
         y = solve(upper.T, z.T, lower=True).T  # y = z U^-1
         y = solve(lower.T, y.T, lower=False, unit_diagonal=True).T  # y = z U^-1 L^-1
         return y @ perm.T
-
-
-def coupling_indices(dim: int, mask: str, flip: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Static channel indices (conditioning part a, transformed part b) of a coupling.
-
-    Args:
-      dim: number of channels.
-      mask: 'half' (first half conditions the second, Glow's channel split) or 'parity'
-        (even channels condition odd ones, RealNVP's alternating mask on a 1x1 image).
-      flip: swap the roles of the two parts.
-    """
-    if dim < 2:
-        raise ValueError(f'a coupling needs at least 2 channels; got {dim}')
-    idx = np.arange(dim)
-    if mask == 'half':
-        a, b = idx[: dim // 2], idx[dim // 2:]
-    elif mask == 'parity':
-        a, b = idx[0::2], idx[1::2]
-    else:
-        raise ValueError(f"mask={mask!r}, expected 'half' or 'parity'")
-    return (b, a) if flip else (a, b)
-
-
-class CouplingNet(nn.Module):
-    """ReLU MLP whose last layer starts at zero, so a new coupling is the identity (Glow's
-    ZeroConv2d).
-
-    Attributes:
-      width: hidden width.
-      hidden_layers: number of hidden Dense+ReLU layers.
-      out_features: output size.
-    """
-
-    width: int
-    hidden_layers: int
-    out_features: int
-
-    @nn.compact
-    def __call__(self, h: jax.Array) -> jax.Array:
-        for _ in range(self.hidden_layers):
-            h = nn.relu(nn.Dense(self.width, kernel_init=_host_lecun_normal)(h))
-        return nn.Dense(self.out_features, kernel_init=nn.initializers.zeros)(h)
-
-
-class _Coupling(nn.Module):
-    """Shared plumbing: split channels into (a, b), transform b conditioned on a, reassemble."""
-
-    features: int
-    width: int = 32
-    hidden_layers: int = 2
-    mask: str = 'half'
-    flip: bool = False
-
-    def _split(self, x):
-        """x [batch, dim] -> (a [batch, n_a], b [batch, n_b], merge info, n_b)."""
-        d, h = self.features, self.features // 2
-        # Slices and reshapes instead of gathers: a gather's gradient is a scatter, slow on CPU.
-        if self.mask == 'half':
-            a, b = x[:, :h], x[:, h:]
-            return (b, a, 'half_flip', h) if self.flip else (a, b, 'half', d - h)
-        if d % 2 == 0:
-            pairs = x.reshape(x.shape[0], h, 2)  # [batch, dim/2, (even, odd)]
-            a, b = pairs[..., 0], pairs[..., 1]
-            return (b, a, 'pairs_flip', h) if self.flip else (a, b, 'pairs', h)
-        a_idx, b_idx = coupling_indices(d, self.mask, self.flip)
-        # inv puts the concatenation [a, b] back into channel order.
-        inv = np.argsort(np.concatenate([a_idx, b_idx]))
-        return x[:, a_idx], x[:, b_idx], inv, len(b_idx)
-
-    @staticmethod
-    def _merge(a, b, how):
-        if isinstance(how, str):
-            if how.endswith('_flip'):
-                a, b = b, a
-            if how.startswith('half'):
-                return jnp.concatenate([a, b], axis=-1)
-            return jnp.stack([a, b], axis=-1).reshape(a.shape[0], -1)
-        return jnp.concatenate([a, b], axis=-1)[:, how]
-
-
-class AdditiveCoupling(_Coupling):
-    """z_b = x_b + t(x_a), z_a = x_a; volume preserving (logdet 0), Glow's additive coupling.
-
-    Attributes:
-      features: channels; width / hidden_layers: the shift net; mask / flip: see
-        `coupling_indices`.
-    """
-
-    def setup(self):
-        _, b_idx = coupling_indices(self.features, self.mask, self.flip)
-        self.net = CouplingNet(self.width, self.hidden_layers, len(b_idx))
-
-    def forward(self, x: jax.Array) -> FlowOutput:
-        """x: [batch, dim] -> FlowOutput(z [batch, dim], logdet [batch] = 0)."""
-        a, b, inv, _ = self._split(x)
-        return FlowOutput(self._merge(a, b + self.net(a), inv), _zeros_logdet(x))
-
-    def inverse(self, z: jax.Array) -> jax.Array:
-        """z: [batch, dim] -> x [batch, dim]."""
-        a, b, inv, _ = self._split(z)
-        return self._merge(a, b - self.net(a), inv)
-
-
-class AffineCoupling(_Coupling):
-    """z_b = x_b * exp(s(x_a)) + t(x_a) with s = tanh(.) bounded (RealNVP, Dinh et al. 2017).
-
-    tanh keeps each step's scale in [1/e, e] so early training cannot blow up; actnorm handles
-    the large per-channel rescaling.
-
-    Attributes:
-      features: channels; width / hidden_layers: the scale/shift net; mask / flip: see
-        `coupling_indices`.
-    """
-
-    def setup(self):
-        _, b_idx = coupling_indices(self.features, self.mask, self.flip)
-        self.net = CouplingNet(self.width, self.hidden_layers, 2 * len(b_idx))
-
-    def _scale_shift(self, a, n_b):
-        h = self.net(a)  # [batch, 2 * n_b]
-        return jnp.tanh(h[:, :n_b]), h[:, n_b:]
-
-    def forward(self, x: jax.Array) -> FlowOutput:
-        """x: [batch, dim] -> FlowOutput(z [batch, dim], logdet [batch])."""
-        a, b, inv, n_b = self._split(x)
-        log_s, t = self._scale_shift(a, n_b)
-        z = self._merge(a, b * jnp.exp(log_s) + t, inv)
-        return FlowOutput(z, jnp.sum(log_s, axis=-1))
-
-    def inverse(self, z: jax.Array) -> jax.Array:
-        """z: [batch, dim] -> x [batch, dim]."""
-        a, b, inv, n_b = self._split(z)
-        log_s, t = self._scale_shift(a, n_b)
-        return self._merge(a, (b - t) * jnp.exp(-log_s), inv)

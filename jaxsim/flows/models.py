@@ -1,9 +1,8 @@
-"""Whole flows: Glow (multi-level with split) and RealNVP, over [batch, dim] vectors.
+"""A whole flow built from its config: levels of steps of registered layers, multi-scale split.
 
-Both expose `forward(x) -> FlowOutput(z, logdet)`, `inverse(z) -> x` and
-`init_from_batch(x) -> FlowOutput` (data-dependent actnorm init, apply with
-`mutable=['params']`). The latent z has the same size as x: Glow concatenates the channels split
-off at every level with the last level's output (BERT-flow uses that full z as the embedding).
+The latent z has the size of x and is laid out as BERT-flow's Glow returns it
+(`tf.concat(eps + [z], -1)`): the half factored out after level 0, then the one after level 1,
+..., then the last level's output. The prior is a standard normal on all of z.
 """
 from __future__ import annotations
 
@@ -11,140 +10,102 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxsim.flows.config import FlowConfig
-from jaxsim.flows.layers import (ActNorm, AdditiveCoupling, AffineCoupling, FlowOutput,
-                                 InvertibleLinear, InvertibleLinearLU)
+from jaxsim.flows.config import FlowConfig, FlowError
+from jaxsim.flows.layers import FLOW_LAYERS, FlowOutput
 
 
-def _run_forward(layers, x, init: bool) -> FlowOutput:
-    """Chains `layers` on x [batch, d]; with init=True actnorms initialise from x first."""
-    logdet = jnp.zeros(x.shape[:1], jnp.float32)
-    for layer in layers:
-        if init and isinstance(layer, ActNorm):
-            x, ld = layer.init_from_batch(x)
-        else:
-            x, ld = layer.forward(x)
-        logdet = logdet + ld
-    return FlowOutput(x, logdet)
+def layer_keys(config: FlowConfig) -> list[list[str]]:
+    """Per level, the submodule keys of its layers in application order (also param names)."""
+    return [[f'l{l}_s{s}_{j}_{spec.layer}' for s in range(config.depth)
+             for j, spec in enumerate(config.step)] for l in range(config.levels)]
 
 
-def _run_inverse(layers, z):
-    for layer in reversed(layers):
-        z = layer.inverse(z)
-    return z
+class Flow(nn.Module):
+    """`config.levels` levels of `config.depth` steps over [batch, dim] vectors.
 
-
-class Glow(nn.Module):
-    """Glow on a 1x1 image with `dim` channels (Kingma & Dhariwal 2018, as in BERT-flow).
-
-    Level l works on d_l = dim / 2^l channels with `depth` steps of
-    actnorm -> invertible linear (LU or dense) -> coupling (channel halves); between levels the
-    second half of the channels is factored out to the standard-normal prior.
+    Level l works on dim / 2^l channels; after every level but the last, the second half of
+    the channels is factored out to the prior (Glow's split, as in BERT-flow).
 
     Attributes:
-      config: the architecture (`levels`, `depth`, `coupling`, `width`, `hidden_layers`, `lu`).
+      config: the flow config (layers by registry name).
       dim: the embedding size; must pass `config.check_dim`.
     """
 
     config: FlowConfig
     dim: int
 
-    def level_dims(self) -> list[int]:
-        return [self.dim // 2 ** l for l in range(self.config.levels)]
-
     def setup(self):
         cfg = self.config
-        cfg.check_dim(self.dim)
-        coupling_cls = AdditiveCoupling if cfg.coupling == 'additive' else AffineCoupling
-        linear_cls = InvertibleLinearLU if cfg.lu else InvertibleLinear
-        levels = []
-        for d in self.level_dims():
-            steps = []
-            for _ in range(cfg.depth):
-                steps += [ActNorm(d), linear_cls(d),
-                          coupling_cls(d, width=cfg.width, hidden_layers=cfg.hidden_layers)]
-            levels.append(steps)
-        # A list of lists: linen names them levels_<l>_<i>.
-        self.levels = levels
+        layers = {}
+        for keys, d in zip(layer_keys(cfg), cfg.level_dims(self.dim)):
+            for key, spec in zip(keys, cfg.step * cfg.depth):
+                layers[key] = FLOW_LAYERS.get(spec.layer)(features=d, **spec.kwargs())
+        self.layers = layers  # param names: layers_l<level>_s<step>_<index>_<layer name>
+
+    def _run(self, keys, x, init: bool):
+        logdet = jnp.zeros(x.shape[:1], jnp.float32)
+        for key in keys:
+            layer = self.layers[key]
+            if init and hasattr(layer, 'init_from_batch'):
+                x, ld = layer.init_from_batch(x)
+            else:
+                x, ld = layer.forward(x)
+            logdet = logdet + jnp.broadcast_to(ld, x.shape[:1])
+        return x, logdet
 
     def _forward(self, x: jax.Array, init: bool) -> FlowOutput:
-        outs = []  # factored-out halves, level 0 first
+        eps = []  # factored-out halves, level 0 first
         logdet = jnp.zeros(x.shape[:1], jnp.float32)
-        for l, steps in enumerate(self.levels):
-            x, ld = _run_forward(steps, x, init)
+        keys = layer_keys(self.config)
+        for l in range(self.config.levels):
+            x, ld = self._run(keys[l], x, init)
             logdet = logdet + ld
-            if l < len(self.levels) - 1:
+            if l < self.config.levels - 1:
                 half = x.shape[-1] // 2
                 x, out = x[:, :half], x[:, half:]
-                outs.append(out)
-        # z = [last level, ..., level-0 split]: each level's kept half stays in front.
-        z = jnp.concatenate([x] + outs[::-1], axis=-1)
-        return FlowOutput(z, logdet)
+                eps.append(out)
+        return FlowOutput(jnp.concatenate(eps + [x], axis=-1), logdet)
 
     def forward(self, x: jax.Array) -> FlowOutput:
         """x: [batch, dim] -> FlowOutput(z [batch, dim], logdet [batch])."""
         return self._forward(x, init=False)
 
     def init_from_batch(self, x: jax.Array) -> FlowOutput:
-        """Data-dependent actnorm init on x [batch, dim]; apply with mutable=['params']."""
+        """Data-dependent init of the layers that have one, on x [batch, dim]; apply with
+        mutable=['params']."""
         return self._forward(x, init=True)
 
     def inverse(self, z: jax.Array) -> jax.Array:
         """z: [batch, dim] -> x [batch, dim]."""
-        dims = self.level_dims()
-        # Peel z back into the kept part and the split-off halves (see `_forward`).
-        x = z[:, : dims[-1]]
-        offset = dims[-1]
-        for l in range(len(dims) - 1, -1, -1):
-            x = _run_inverse(self.levels[l], x)
+        dims = self.config.level_dims(self.dim)
+        keys = layer_keys(self.config)
+        x = z[:, z.shape[-1] - dims[-1]:]
+        for l in range(self.config.levels - 1, -1, -1):
+            for key in reversed(keys[l]):
+                x = self.layers[key].inverse(x)
             if l > 0:
-                out = z[:, offset: offset + dims[l]]
-                offset += dims[l]
-                x = jnp.concatenate([x, out], axis=-1)
+                start = sum(dims[1:l])  # eps of level l-1 has dims[l] channels
+                x = jnp.concatenate([x, z[:, start: start + dims[l]]], axis=-1)
         return x
 
 
-class RealNVP(nn.Module):
-    """RealNVP on vectors (Dinh et al. 2017): couplings with alternating parity masks.
+def make_flow(config: FlowConfig, dim: int) -> Flow:
+    """The flow of `config` for `dim`-channel inputs, checked before anything is compiled.
 
-    Each of the `num_couplings` steps is [actnorm ->] coupling whose mask flips parity every
-    step, so every channel is transformed every other step. Actnorm replaces RealNVP's batch norm
-    (same role, no batch statistics at inference).
-
-    Attributes:
-      config: `num_couplings`, `coupling`, `width`, `hidden_layers`, `actnorm_in_realnvp`.
-      dim: the embedding size (>= 2).
+    Raises:
+      FlowError: `dim` cannot be split by the levels, or a layer rejects its options (the
+        message names the layer).
     """
-
-    config: FlowConfig
-    dim: int
-
-    def setup(self):
-        cfg = self.config
-        cfg.check_dim(self.dim)
-        coupling_cls = AdditiveCoupling if cfg.coupling == 'additive' else AffineCoupling
-        layers = []
-        for i in range(cfg.num_couplings):
-            if cfg.actnorm_in_realnvp:
-                layers.append(ActNorm(self.dim))
-            layers.append(coupling_cls(self.dim, width=cfg.width, hidden_layers=cfg.hidden_layers,
-                                       mask='parity', flip=bool(i % 2)))
-        self.layers = layers
-
-    def forward(self, x: jax.Array) -> FlowOutput:
-        """x: [batch, dim] -> FlowOutput(z [batch, dim], logdet [batch])."""
-        return _run_forward(self.layers, x, init=False)
-
-    def init_from_batch(self, x: jax.Array) -> FlowOutput:
-        """Data-dependent actnorm init on x [batch, dim]; apply with mutable=['params']."""
-        return _run_forward(self.layers, x, init=True)
-
-    def inverse(self, z: jax.Array) -> jax.Array:
-        """z: [batch, dim] -> x [batch, dim]."""
-        return _run_inverse(self.layers, z)
-
-
-def make_flow(config: FlowConfig, dim: int) -> nn.Module:
-    """The flow module of `config` for `dim`-channel inputs; raises ValueError if dim won't fit."""
     config.check_dim(dim)
-    return Glow(config, dim) if config.arch == 'glow' else RealNVP(config, dim)
+    flow = Flow(config, dim)
+    for keys, d in zip(layer_keys(config), config.level_dims(dim)):
+        for key, spec in zip(keys[: len(config.step)], config.step):
+            module = FLOW_LAYERS.get(spec.layer)
+            try:
+                # Abstract init of one layer: runs its setup (option checks) without compiling.
+                jax.eval_shape(lambda m=module, s=spec, d=d: m(features=d, **s.kwargs()).init(
+                    jax.random.key(0), jnp.zeros((2, d), jnp.float32), method='forward'))
+            except (TypeError, ValueError) as e:
+                raise FlowError(f'flow layer {spec.layer!r} with options {spec.kwargs()} on '
+                                f'{d} channels: {e}') from None
+    return flow

@@ -1,0 +1,312 @@
+"""Calibrations of sentence embeddings behind one interface, and the registry of their names.
+
+A calibration is fitted on unlabeled embeddings and then maps every embedding row-wise:
+
+  name, arg = parse_spec('whitening:256')    # the one parser of '--post' values
+  cal = fit('whitening:256', x)              # [N, D] -> a fitted Calibration
+  z = cal.apply(x)                           # [N, K] numpy
+  cal.save(folder); cal = load(folder)       # calibration.json + arrays.safetensors
+  cal.affine()                               # (mu [D], W [D, K]) for an affine map, else None
+
+A new calibration is one decorated class, usable by name from `eval.py --post name[:arg]`:
+
+  @CALIBRATIONS.register('mycal')
+  class MyCal(Calibration):
+      arg = 'required'                       # 'none' | 'optional' | 'required'
+      @classmethod
+      def fit(cls, x, arg, **options): ...   # keyword options it takes, e.g. eps=0.0
+      def apply(self, x): ...
+      def describe(self): ...
+      def state(self): ...                   # (JSON-able meta, {name: array}) for save
+      @classmethod
+      def from_state(cls, meta, arrays): ...
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+import pathlib
+from typing import Any, ClassVar, Optional, Union
+
+import numpy as np
+import safetensors.numpy
+
+from jaxsim.errors import JaxsimError
+from jaxsim.registry import Registry
+
+FORMAT = 'jaxsim.calibration/1'
+META_FILE = 'calibration.json'
+ARRAYS_FILE = 'arrays.safetensors'
+ARG_MODES = ('none', 'optional', 'required')
+
+
+class CalibrationError(JaxsimError):
+    """A calibration that cannot be parsed, fitted, applied, saved or loaded as asked."""
+
+
+CALIBRATIONS: Registry = Registry('calibration')
+
+
+class Calibration:
+    """Base class of fitted calibrations (subclass it and register it in `CALIBRATIONS`).
+
+    Class attributes:
+      arg: whether the spec takes ':arg' ('none', 'optional' or 'required').
+      arg_type: int (a positive integer, e.g. whitening:256) or str (e.g. flow:glow).
+      linear: fitted instances are affine maps (`affine()` returns arrays); export can bake
+        them into a sentence-transformers Dense layer.
+
+    Instance attributes:
+      spec: the spec it was fitted from, e.g. 'whitening:256' (set by `fit` and `load`).
+      note: non-empty when the fit had to deviate from the plain method (dropped directions).
+    """
+
+    arg: ClassVar[str] = 'none'
+    arg_type: ClassVar[type] = int
+    linear: ClassVar[bool] = False
+    spec = ''
+    note = ''
+
+    @classmethod
+    def fit(cls, x: np.ndarray, arg: Any = None, **options) -> 'Calibration':
+        """Fits on x [N, D]; `arg` is the parsed ':arg' of the spec (None when absent)."""
+        raise NotImplementedError
+
+    def apply(self, x: Any) -> np.ndarray:
+        """Maps x [N, D] to calibrated rows [N, K]."""
+        raise NotImplementedError
+
+    def affine(self) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """(mu [D], W [D, K]) such that apply(x) = (x - mu) @ W, or None when not affine."""
+        return None
+
+    def describe(self) -> str:
+        """One short line for logs and reports (never a parameter dump)."""
+        return self.spec or type(self).__name__
+
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """(JSON-serialisable metadata, named numpy arrays) that `from_state` rebuilds from."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_state(cls, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> 'Calibration':
+        raise NotImplementedError
+
+    def save(self, folder: Union[str, pathlib.Path]) -> pathlib.Path:
+        """Writes folder/calibration.json (kind, spec, metadata) and folder/arrays.safetensors."""
+        return save(self, folder)
+
+    def __repr__(self) -> str:
+        return f'{type(self).__name__}({self.describe()})'
+
+
+def check_embeddings(x: Any, what: str = 'embeddings', dtype=np.float64,
+                     min_rows: int = 1) -> np.ndarray:
+    """Validates a [N, D] embedding matrix; returns it as `dtype` numpy.
+
+    Raises:
+      CalibrationError: not 2-D, too few rows, or holding NaN/inf (naming the first bad row
+        and column).
+    """
+    try:
+        arr = np.asarray(x, dtype=dtype)
+    except (TypeError, ValueError) as e:
+        raise CalibrationError(f'{what}: cannot be read as a float array ({e})') from None
+    if arr.ndim != 2 or arr.shape[1] == 0:
+        raise CalibrationError(
+            f'{what}: expected a [num_sentences, dim] matrix, got shape {arr.shape}')
+    if arr.shape[0] < min_rows:
+        raise CalibrationError(f'{what}: need at least {min_rows} sentences to fit, got '
+                               f'{arr.shape[0]}')
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        row, col = np.argwhere(bad)[0]
+        raise CalibrationError(
+            f'{what}: embeddings contain non-finite values (NaN or inf) in '
+            f'{int(bad.any(axis=1).sum())} row(s); the first is row {row}, column {col}')
+    return arr
+
+
+def check_dim(x: np.ndarray, dim: int, spec: str) -> None:
+    if x.shape[1] != dim:
+        raise CalibrationError(f'{spec}: fitted on {dim}-dim embeddings, got {x.shape[1]}-dim '
+                               'input')
+
+
+def blas_single_thread():
+    """Context limiting BLAS/LAPACK to one thread (when threadpoolctl is installed).
+
+    Why: a [384, 384] eigh takes ~0.05 s on one thread but ~5 s when OpenBLAS's threads spin
+    against other busy processes on a small shared CPU; these matrices are too small to gain
+    from threads anyway.
+    """
+    try:
+        import threadpoolctl
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpoolctl.threadpool_limits(1, user_api='blas')
+
+
+def _entry(name: str, spec: str) -> type[Calibration]:
+    if name not in CALIBRATIONS:
+        raise CalibrationError(f'unknown calibration {name!r} in {spec!r}; choose one of '
+                               f'{", ".join(CALIBRATIONS.names())}')
+    cls = CALIBRATIONS.get(name)
+    if not (isinstance(cls, type) and issubclass(cls, Calibration)):
+        raise CalibrationError(f'calibration {name!r} is registered as {cls!r}, which is not '
+                               'a jaxsim.calibrate.Calibration subclass')
+    return cls
+
+
+def parse_spec(spec: str) -> tuple[str, Any]:
+    """Parses a calibration spec 'name[:arg]', e.g. 'whitening:256' -> ('whitening', 256).
+
+    Returns:
+      (registered name, arg): arg is None when absent, else an int > 0 or a string,
+      as the calibration's `arg_type` says.
+
+    Raises:
+      CalibrationError: unknown name, or an arg missing, present where none is taken, or
+        not of the right type.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise CalibrationError(f'a calibration spec must be a non-empty string, got {spec!r}')
+    name, colon, raw = spec.strip().partition(':')
+    cls = _entry(name.strip(), spec)
+    raw = raw.strip()
+    if colon and not raw:
+        raise CalibrationError(f'{spec!r}: empty argument after ":"')
+    if cls.arg not in ARG_MODES:
+        raise CalibrationError(f'calibration {name!r}: arg={cls.arg!r}, expected one of '
+                               f'{ARG_MODES}')
+    if not raw:
+        if cls.arg == 'required':
+            raise CalibrationError(f'calibration {name!r} needs an argument, e.g. {name}:5')
+        return name.strip(), None
+    if cls.arg == 'none':
+        raise CalibrationError(f'calibration {name!r} takes no ":arg" (got {spec!r})')
+    if cls.arg_type is int:
+        try:
+            arg = int(raw)
+        except ValueError:
+            raise CalibrationError(f'{spec!r}: the argument must be an integer') from None
+        if arg < 1:
+            raise CalibrationError(f'{spec!r}: the argument must be positive')
+        return name.strip(), arg
+    return name.strip(), raw
+
+
+def spec_string(name: str, arg: Any) -> str:
+    """The canonical spec of (name, arg): ('whitening', 256) -> 'whitening:256'."""
+    return name if arg is None else f'{name}:{arg}'
+
+
+def label(spec: str) -> str:
+    """Row label of a spec for tables: 'whitening:256' -> 'whitening-256'."""
+    name, arg = parse_spec(spec)
+    return name if arg is None else f'{name}-{arg}'
+
+
+def _accepted_options(cls: type[Calibration]) -> Optional[set[str]]:
+    """Keyword options `cls.fit` takes (None: it takes **options, i.e. anything)."""
+    params = list(inspect.signature(cls.fit).parameters.values())[2:]  # after x, arg
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
+
+
+def _stamp(cal: Calibration, **attrs: str) -> Calibration:
+    """Sets spec (and note) on a fitted instance, frozen dataclass or plain object."""
+    fields = {f.name for f in dataclasses.fields(cal)} if dataclasses.is_dataclass(cal) else ()
+    if fields and set(attrs) <= set(fields):
+        return dataclasses.replace(cal, **attrs)
+    for k, v in attrs.items():
+        object.__setattr__(cal, k, v)
+    return cal
+
+
+def fit(spec: str, x: Any, **options) -> Calibration:
+    """Fits the calibration named by `spec` on embeddings x [N, D].
+
+    Args:
+      spec: 'name[:arg]' (see `parse_spec`).
+      x: [N, D] fit embeddings.
+      **options: keyword options of the calibrations (eps for whitening/sn; config, seed,
+        embed, mesh, progress for flow). One call site can pass the options of several
+        kinds: a calibration receives those its `fit` takes; an option set to None counts
+        as not given; an option that no registered calibration takes is an error (a typo).
+
+    Returns:
+      The fitted Calibration, with `.spec` set to the canonical spec.
+    """
+    name, arg = parse_spec(spec)
+    cls = _entry(name, spec)
+    options = {k: v for k, v in options.items() if v is not None}
+    known: set[str] = set()
+    for other in CALIBRATIONS.names():
+        accepted = _accepted_options(CALIBRATIONS.get(other))
+        if accepted is not None:
+            known |= accepted
+    accepted = _accepted_options(cls)
+    typos = sorted(k for k in options if k not in known and (accepted is None
+                                                              or k not in accepted))
+    if typos and accepted is not None:
+        raise CalibrationError(f'unknown calibration option(s) {typos}; the registered '
+                               f'calibrations take {sorted(known)}')
+    if accepted is not None:
+        options = {k: v for k, v in options.items() if k in accepted}
+    cal = cls.fit(x, arg, **options)
+    if not isinstance(cal, Calibration):
+        raise CalibrationError(f'{cls.__name__}.fit returned {type(cal).__name__}, not a '
+                               'Calibration')
+    return _stamp(cal, spec=spec_string(name, arg))
+
+
+def save(cal: Calibration, folder: Union[str, pathlib.Path]) -> pathlib.Path:
+    """Writes a fitted calibration to folder (created; earlier files overwritten)."""
+    if not cal.spec:
+        raise CalibrationError(f'{cal!r} has no spec: fit it with jaxsim.calibrate.fit')
+    name, _ = parse_spec(cal.spec)
+    meta, arrays = cal.state()
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: np.ascontiguousarray(np.asarray(v)) for k, v in arrays.items()}
+    safetensors.numpy.save_file(tensors, str(folder / ARRAYS_FILE))
+    record = {'format': FORMAT, 'kind': name, 'spec': cal.spec, 'note': cal.note,
+              'meta': meta}
+    (folder / META_FILE).write_text(json.dumps(record, indent=2))
+    return folder
+
+
+def load(folder: Union[str, pathlib.Path]) -> Calibration:
+    """Loads a calibration written by `Calibration.save`.
+
+    Raises:
+      CalibrationError naming the file when the folder does not hold a saved calibration, or
+      its kind is not registered in this process.
+    """
+    folder = pathlib.Path(folder)
+    meta_path = folder / META_FILE
+    if not meta_path.is_file():
+        raise CalibrationError(f'{meta_path}: not found; is {folder} a saved calibration '
+                               '(written by Calibration.save)?')
+    try:
+        record = json.loads(meta_path.read_text())
+        kind, spec, meta = record['kind'], record['spec'], record['meta']
+        note = str(record.get('note', ''))
+        if record.get('format') != FORMAT:
+            raise ValueError(f"format {record.get('format')!r}, expected {FORMAT!r}")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CalibrationError(f'{meta_path}: malformed ({type(e).__name__}: {e})') from None
+    cls = _entry(kind, f'{meta_path} kind')
+    arrays_path = folder / ARRAYS_FILE
+    if not arrays_path.is_file():
+        raise CalibrationError(f'{arrays_path}: not found (the arrays of {meta_path})')
+    try:
+        arrays = safetensors.numpy.load_file(str(arrays_path))
+        cal = cls.from_state(meta, arrays)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
+    return _stamp(cal, spec=spec, note=note)
