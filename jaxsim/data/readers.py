@@ -1,118 +1,198 @@
-"""Readers of training data: sentence files, NLI CSV, SentEval SNLI triplets, TFDS, corpora.
+"""Readers of text data: sentence files, NLI CSV, SentEval SNLI triplets, TFDS, corpora.
 
 Every reader returns plain Python data (strings, or tuples of strings) and raises DataError
-naming the file and line for bad input.
+naming the file and 1-based line for bad input: a missing or unreadable file, bytes that are
+not UTF-8, a NUL byte (a binary file), a line over MAX_LINE_CHARS characters, malformed rows.
+
+`read_sentences` is THE sentence-file reader: the encode command, calibration and export fit
+sets, the unsupervised training corpus and search indexes all read sentence files with it, so a
+file means the same sentences everywhere.
 """
 from __future__ import annotations
 
 import csv
+import io
 import logging
+import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, Union
 
 from jaxsim.errors import JaxsimError
 
 log = logging.getLogger(__name__)
 
+PathLike = Union[str, os.PathLike]
 NLI_COLUMNS = ('sent0', 'sent1', 'hard_neg')
+SNLI_LABELS = ('entailment', 'neutral', 'contradiction')
+# No sentence is this long; a longer line is a file without line breaks (or not text at all).
+MAX_LINE_CHARS = 100_000
+_BOM = b'\xef\xbb\xbf'
 
 
 class DataError(JaxsimError):
-    """Bad training data; the message names the file (and line)."""
+    """Bad data; the message names the file (and line)."""
 
 
 # ---------------------------------------------------------------------------------------------
-# Readers.
+# Text files.
 # ---------------------------------------------------------------------------------------------
 
-def read_corpus(path: str | Path) -> list[str]:
-    """Unsupervised corpus: a text file with one sentence per line; blank lines are skipped.
+def read_text(path: PathLike, what: str = 'file') -> str:
+    """A file's text, validated: UTF-8 (a leading byte-order mark is dropped), no NUL byte,
+    no line longer than MAX_LINE_CHARS characters.
+
+    Args:
+      path: the file.
+      what: what the file is, for messages ('sentence file', 'NLI CSV', ...).
 
     Raises:
-      DataError: missing/undecodable file, or a file without any sentence.
+      DataError: naming the file, and the line for bad content.
     """
+    return decode_text(read_bytes(path, what), path)
+
+
+def read_bytes(path: PathLike, what: str = 'file') -> bytes:
+    """A file's bytes; a missing, unreadable or non-regular path is a DataError naming it."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f'{path}: corpus file not found')
-    sentences = []
-    with path.open('rb') as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode('utf-8').strip()
-            except UnicodeDecodeError as e:
-                raise DataError(f'{path}:{lineno}: not valid UTF-8 ({e.reason})') from None
-            if line:
-                sentences.append(line)
+    if path.is_dir():
+        raise DataError(f'{path}: is a directory, not a {what}')
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f'{path}: {what} not found') from None
+    except OSError as e:
+        raise DataError(f'{path}: cannot read {what}: {e.strerror or e}') from None
+
+
+def decode_text(data: bytes, path: PathLike) -> str:
+    """Decodes a file's bytes as UTF-8 with the checks of `read_text` (errors name `path`)."""
+    skip = len(_BOM) if data.startswith(_BOM) else 0
+    try:
+        text = data[skip:].decode('utf-8')
+    except UnicodeDecodeError as e:
+        at = e.start + skip
+        line = data.count(b'\n', 0, at) + 1
+        raise DataError(f'{path}:{line}: not valid UTF-8 ({e.reason} at byte {at})') from None
+    nul = text.find('\x00')
+    if nul >= 0:
+        line = text.count('\n', 0, nul) + 1
+        raise DataError(f'{path}:{line}: NUL byte (a binary file, not text)')
+    if len(text) > MAX_LINE_CHARS:
+        for lineno, line in enumerate(text.split('\n'), 1):
+            if len(line) > MAX_LINE_CHARS:
+                raise DataError(f'{path}:{lineno}: line of {len(line)} characters exceeds '
+                                f'the {MAX_LINE_CHARS} limit (missing line breaks?)')
+    return text
+
+
+def text_lines(text: str) -> list[str]:
+    """Lines split at '\\n' only, each without a trailing '\\r'; a final '\\n' ends the last
+    line rather than starting an empty one."""
+    lines = text.split('\n')
+    if lines[-1] == '':
+        lines.pop()
+    return [ln[:-1] if ln.endswith('\r') else ln for ln in lines]
+
+
+def read_sentences(path: PathLike) -> list[str]:
+    """Reads a sentence file: UTF-8 text, one sentence a line.
+
+    The rule, the same for every command: lines are split at '\\n' only (a '\\r' before it
+    is dropped; U+2028 and other Unicode separators stay inside the sentence), surrounding
+    whitespace is stripped, and blank lines are skipped. Sentence i is the i-th non-blank line.
+
+    Raises:
+      DataError: the file is missing, unreadable, a directory, not UTF-8, holds a NUL byte or
+        an overlong line (naming file:line), or holds no sentence at all.
+    """
+    text = read_text(path, 'sentence file')
+    sentences = [s for s in (line.strip() for line in text.split('\n')) if s]
     if not sentences:
         raise DataError(f'{path}: no sentences (the file is empty or blank)')
     return sentences
 
 
-def read_nli_csv(path: str | Path) -> list[tuple[str, str, str]]:
+# The unsupervised training corpus is a sentence file.
+read_corpus = read_sentences
+
+
+def read_nli_csv(path: PathLike) -> list[tuple[str, str, str]]:
     """Supervised data: CSV with header `sent0,sent1,hard_neg` (the reference NLI format).
 
+    Blank lines are skipped; cells are stripped of surrounding whitespace.
+
     Raises:
-      DataError: missing file, wrong header, or a malformed row (wrong column count or an empty
-        field), naming the file and line.
+      DataError: naming the file and line: the checks of `read_text`, a wrong header, a row
+        with other than 3 columns or an empty cell, a quoted cell running over a line break
+        (an unbalanced quote), or no row at all.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f'{path}: NLI CSV file not found')
+    text = read_text(path, 'NLI CSV file')
+    reader = csv.reader(io.StringIO(text, newline=''), strict=True)
     rows = []
-    with path.open(encoding='utf-8', newline='') as f:
-        reader = csv.reader(f)
-        try:
-            header = next(reader)
-        except StopIteration:
+    try:
+        header = next(reader, None)
+        if header is None:
             raise DataError(f'{path}: empty file (expected header {",".join(NLI_COLUMNS)})')
         header = [h.strip() for h in header]
         if tuple(header) != NLI_COLUMNS:
             raise DataError(f'{path}:1: header {header} != {list(NLI_COLUMNS)}')
+        end = 1  # last physical line of the previous row
         for row in reader:
-            lineno = reader.line_num
+            start, end = end + 1, reader.line_num
             if not row:
                 continue
+            if end != start:
+                raise DataError(f'{path}:{start}: a quoted cell runs over {end - start + 1} '
+                                f'lines (unbalanced quote?)')
             if len(row) != 3:
-                raise DataError(f'{path}:{lineno}: expected 3 columns {NLI_COLUMNS}, got '
+                raise DataError(f'{path}:{start}: expected 3 columns {NLI_COLUMNS}, got '
                                 f'{len(row)}')
             row = [c.strip() for c in row]
             for name, cell in zip(NLI_COLUMNS, row):
                 if not cell:
-                    raise DataError(f'{path}:{lineno}: empty {name!r}')
+                    raise DataError(f'{path}:{start}: empty {name!r}')
             rows.append(tuple(row))
+    except csv.Error as e:
+        raise DataError(f'{path}:{reader.line_num}: malformed CSV ({e})') from None
     if not rows:
         raise DataError(f'{path}: no triplets after the header')
     return rows
 
 
-def build_snli_triplets(snli_dir: str | Path, splits: Sequence[str] = ('dev', 'test')
+def build_snli_triplets(snli_dir: PathLike, splits: Sequence[str] = ('dev', 'test')
                         ) -> list[tuple[str, str, str]]:
     """(premise, entailment, contradiction) triplets from SentEval's SNLI files.
 
     SentEval ships `s1.<split>` (premises), `s2.<split>` (hypotheses) and `labels.<split>`, one
     pair per line. Hypotheses are grouped by premise; each entailment is paired with a
     contradiction of the same premise (cycling when counts differ), the construction behind the
-    reference's `nli_for_simcse.csv`. Premises lacking either label are dropped.
+    reference's `nli_for_simcse.csv`. Premises lacking either label are dropped, and so are
+    lines whose premise or hypothesis is blank.
 
     Raises:
-      DataError: a missing file, or files of different lengths.
+      DataError: naming the file and line: the checks of `read_text`, files of different
+        lengths (at the first line one of them lacks), a label other than SNLI's three.
     """
     snli_dir = Path(snli_dir)
     triplets = []
     for split in splits:
         files = [snli_dir / f'{name}.{split}' for name in ('s1', 's2', 'labels')]
-        for f in files:
-            if not f.is_file():
-                raise DataError(f'{f}: SNLI file not found')
-        columns = [f.read_text(encoding='utf-8').splitlines() for f in files]
+        columns = [text_lines(read_text(f, 'SNLI file')) for f in files]
+        n = min(len(c) for c in columns)
         if len({len(c) for c in columns}) != 1:
-            raise DataError(f'{snli_dir}: {", ".join(f.name for f in files)} have different '
-                            f'line counts {[len(c) for c in columns]}')
+            short = next(f for f, c in zip(files, columns) if len(c) == n)
+            counts = ', '.join(f'{f.name}: {len(c)}' for f, c in zip(files, columns))
+            raise DataError(f'{short}:{n + 1}: line missing; the files must pair up line by '
+                            f'line ({counts} lines)')
         groups: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
         order = []
-        for s1, s2, label in zip(*columns):
+        for lineno, (s1, s2, label) in enumerate(zip(*columns), 1):
             s1, s2, label = s1.strip(), s2.strip(), label.strip()
+            if label not in SNLI_LABELS:
+                raise DataError(f'{files[2]}:{lineno}: label {label[:40]!r} is not one of '
+                                f'{", ".join(SNLI_LABELS)}')
             if not s1 or not s2:
                 continue
             if s1 not in groups:
@@ -191,28 +271,25 @@ CORPUS_FILES = ('SNLI/s1.dev', 'SNLI/s2.dev', 'SNLI/s1.test', 'SNLI/s2.test',
                 'MPQA/mpqa.pos', 'MPQA/mpqa.neg')
 
 
-def collect_corpus(senteval_root: str | Path, files: Sequence[str] = CORPUS_FILES,
+def collect_corpus(senteval_root: PathLike, files: Sequence[str] = CORPUS_FILES,
                    min_words: int = 3) -> list[str]:
-    """Deduplicated sentences (first-seen order) from shipped SentEval plain-text files.
+    """Deduplicated sentences (first-seen order) from shipped SentEval sentence files.
 
     Args:
       senteval_root: the SentEval data folder.
-      files: relative paths of one-sentence-per-line files (a missing one is an error).
+      files: relative paths of sentence files, read with `read_sentences` (a missing one is an
+        error).
       min_words: drop fragments shorter than this (MPQA holds many 1-2 word phrases).
     """
     root = Path(senteval_root)
     seen, sentences = set(), []
     for rel in files:
-        path = root / rel
-        if not path.is_file():
-            raise DataError(f'{path}: corpus source not found')
-        for line in path.read_text(encoding='utf-8', errors='replace').splitlines():
-            s = line.strip()
+        for s in read_sentences(root / rel):
             if len(s.split()) >= min_words and s not in seen:
                 seen.add(s)
                 sentences.append(s)
     if not sentences:
-        raise DataError(f'{root}: no sentences in {list(files)}')
+        raise DataError(f'{root}: no sentences of {min_words}+ words in {list(files)}')
     return sentences
 
 
@@ -227,9 +304,9 @@ def build_unsup_corpus(senteval_root: str | Path, out_path: str | Path,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m jaxsim.data.pipeline snli-csv SNLI_DIR OUT.csv` or `corpus ROOT OUT.txt`."""
+    """`python -m jaxsim.data.readers snli-csv SNLI_DIR OUT.csv` or `corpus ROOT OUT.txt`."""
     import argparse
-    ap = argparse.ArgumentParser(prog='python -m jaxsim.data.pipeline')
+    ap = argparse.ArgumentParser(prog='python -m jaxsim.data.readers')
     sub = ap.add_subparsers(dest='cmd', required=True)
     a = sub.add_parser('snli-csv', help='SentEval SNLI -> sent0,sent1,hard_neg CSV')
     a.add_argument('snli_dir')
