@@ -1,56 +1,119 @@
-"""Train SimCSE: `python train.py --config configs/NAME.py --workdir DIR [--config.key=value]`.
+"""Train a sentence encoder: `python train.py --config configs/NAME.py --workdir DIR`.
 
-  --seeds 1,2,3          one run per seed (DIR/seed_N) and mean/std of STS-B dev/test
+  --config.KEY=VALUE      override a config field (dict fields: --config.objective_kwargs.temp=0.1)
+  --allow-change=K1,K2    rerun a workdir with these run-defining keys changed (recorded there)
+  --seeds 1,2,3           one run per seed (DIR/seed_N) and mean/std of STS-B dev/test
   --coordinator H:P --num_processes N --process_id I    multi-process (multi-host) launch
-The logic lives in jaxsim.train_lib; this file only parses flags.
+The logic lives in jaxsim.train; this file parses flags and turns outcomes into exit codes:
+0 done, 1 bad input (one `error:` line), 130/143 interrupted by SIGINT/SIGTERM (state saved).
 """
-import sys
+import os
 
-from absl import app, flags
-from ml_collections import config_flags
+# Before JAX and transformers load: no "PyTorch was not found" advice (jaxsim uses
+# transformers for tokenizers only) and no libtpu / XLA start-up chatter.
+for _name, _value in {'TRANSFORMERS_NO_ADVISORY_WARNINGS': '1', 'TRANSFORMERS_VERBOSITY': 'error',
+                      'TF_CPP_MIN_LOG_LEVEL': '1', 'TPU_MIN_LOG_LEVEL': '2',
+                      'TPU_STDERR_LOG_LEVEL': '2', 'GRPC_VERBOSITY': 'ERROR'}.items():
+    os.environ.setdefault(_name, _value)
 
-config_flags.DEFINE_config_file('config', None, 'configs/NAME.py', lock_config=True)
-flags.DEFINE_string('workdir', None, 'output folder (config.json, metrics.jsonl, checkpoints/)')
-flags.DEFINE_string('seeds', '', 'comma-separated seeds; runs each and reports mean/std')
-flags.DEFINE_string('coordinator', None, 'jax.distributed coordinator address host:port')
-flags.DEFINE_integer('num_processes', None, 'number of processes (multi-process runs)')
-flags.DEFINE_integer('process_id', None, 'this process index (multi-process runs)')
-flags.DEFINE_boolean('progress', True, 'show a progress bar')
-flags.mark_flags_as_required(['config', 'workdir'])
-FLAGS = flags.FLAGS
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+from absl import logging as absl_logging  # noqa: E402
+
+from jaxsim import distributed, runtime  # noqa: E402
+from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS  # noqa: E402
+from jaxsim.train.config import (TrainConfig, apply_overrides, load_config_file,  # noqa: E402
+                                 parse_key_list)
+from jaxsim.train.loop import format_seed_summary, run_seeds, train_and_evaluate  # noqa: E402
+from jaxsim.train.records import DERIVED_KEYS  # noqa: E402
+from jaxsim.train.signals import Interrupted  # noqa: E402
+from jaxsim.train.step import configure_jax  # noqa: E402
 
 
-def main(argv):
-    del argv
-    from jaxsim import distributed
-    distributed.initialize(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
-    from jaxsim.runtime import enable_compilation_cache
-    enable_compilation_cache()  # the train step and eval buckets compile for seconds on CPU
-    from jaxsim import train_lib
-    from jaxsim.data.pipeline import DataError
-    from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every save step at INFO
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog='train.py', description=__doc__.split('\n')[0])
+    p.add_argument('--config', required=True, help='configs/NAME.py (or NAME.py:ARG)')
+    p.add_argument('--workdir', required=True, help='the run folder (becomes a loadable model)')
+    p.add_argument('--allow-change', default='', metavar='KEYS',
+                   help='comma-separated run-defining keys allowed to differ on a rerun')
+    p.add_argument('--seeds', default='', help='comma-separated seeds')
+    p.add_argument('--coordinator', default=None, help='jax.distributed coordinator host:port')
+    p.add_argument('--num_processes', type=int, default=None)
+    p.add_argument('--process_id', type=int, default=None)
+    p.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument('--noprogress', dest='progress', action='store_false', help=argparse.SUPPRESS)
+    args, rest = p.parse_known_args(argv)
+    overrides = []
+    for item in rest:
+        if not item.startswith('--config.'):
+            p.error(f'unrecognized argument {item}')
+        overrides.append(item[len('--config.'):])
+    return args, overrides
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum, None)
+
+
+def main(argv=None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    # orbax logs every save at INFO; JAX logs backend probing (libtpu) at INFO.
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)
+    for signum in (signal.SIGINT, signal.SIGTERM):  # before training: stop at once, cleanly
+        signal.signal(signum, _raise_interrupted)
+    main_process = True
     try:
-        cfg = train_lib.TrainConfig.from_dict(FLAGS.config)
-        if FLAGS.seeds:
-            seeds = [int(s) for s in FLAGS.seeds.split(',') if s.strip()]
-            summary = train_lib.run_seeds(cfg, FLAGS.workdir, seeds, FLAGS.progress)
-            print(train_lib.format_seed_summary(summary))
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        main_process = distributed.is_main_process()
+        configure_jax()
+        runtime.enable_compilation_cache()  # the step and eval buckets compile for seconds
+        fields = apply_overrides(load_config_file(args.config), overrides)
+        cfg = TrainConfig.from_dict(fields, source=args.config)
+        allow = parse_key_list(args.allow_change, extra=DERIVED_KEYS)
+        if args.seeds:
+            seeds = parse_seeds(args.seeds)
+            summary = run_seeds(cfg, args.workdir, seeds, progress=args.progress,
+                                allow_changes=allow)
+            if main_process:
+                print(format_seed_summary(summary))
             stopped = [r['stopped'] for r in summary['runs'].values() if r['stopped']]
         else:
-            r = train_lib.train_and_evaluate(cfg, FLAGS.workdir, FLAGS.progress)
-            print(f'steps {r.steps}  final loss {r.final_loss:.4f}  best STS-B dev '
-                  f'{r.best_dev} @ {r.best_step}  test@best {r.test_at_best}  '
-                  f'wall {r.wall_s:.0f}s')
-            stopped = [r.stopped] if r.stopped else []
-    except (ValueError, DataError, FileNotFoundError) as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
+            result = train_and_evaluate(cfg, args.workdir, progress=args.progress,
+                                        allow_changes=allow)
+            if main_process:
+                if result.already_finished:
+                    print(f'{args.workdir}: this run already finished ({result.steps} steps); '
+                          f'nothing to do', file=sys.stderr)
+                print(result.summary())
+            stopped = [result.stopped] if result.stopped else []
+    except Interrupted as e:
+        name = signal.Signals(e.signum).name
+        if e.step is None:
+            print(f'interrupted by {name} before training started; nothing to resume yet',
+                  file=sys.stderr)
+        else:
+            print(f'interrupted by {name}: state saved at step {e.step}; rerun the same command '
+                  f'to resume', file=sys.stderr)
+        return e.exit_code
+    except USER_ERRORS as e:
+        print('error: ' + ' '.join(str(e).split()), file=sys.stderr)
+        return USER_ERROR_EXIT
     if stopped:
         print(f'error: {stopped[0]}', file=sys.stderr)
-        return 1
+        return USER_ERROR_EXIT
     return 0
 
 
+def parse_seeds(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(',') if s.strip()]
+    except ValueError:
+        raise ValueError(f'--seeds {text}: expected comma-separated integers') from None
+
+
 if __name__ == '__main__':
-    app.run(lambda argv: sys.exit(main(argv)))
+    sys.exit(main())

@@ -5,33 +5,28 @@ with odd-ish sizes so shape bugs show. `train_file` must be set by the caller.
 """
 import ml_collections
 
-from jaxsim.train_lib import base_config
-
 
 def get_config() -> ml_collections.ConfigDict:
-    c = base_config()
-    c.model = 'bundled'
-    c.random_init = True
-    c.model_overrides = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                             intermediate_size=48, max_position_embeddings=64)
-    c.dropout = 0.1
-    c.pooler = 'cls'
-    c.mlp_only_train = True
-    c.objective = 'unsup'
-    c.temp = 0.05
-    c.train_file = ''
-    c.data_format = 'text'
-    c.max_len = 16
-    c.batch_size = 16
-    c.num_epochs = 1.0
-    c.max_steps = 3
-    c.learning_rate = 1e-3
-    c.seed = 0
-    c.senteval_root = ''  # no STS eval by default (fast)
-    c.eval_every = 0
-    c.eval_max_len = 32
-    c.eval_batch_size = 16
-    c.log_every = 1
-    c.checkpoint = True
-    c.fast_compile = True  # XLA -O0: compile time dominates such a tiny model
-    return c
+    return ml_collections.ConfigDict(dict(
+        model='bundled',
+        random_init=True,
+        model_overrides=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=48, max_position_embeddings=64),
+        dropout=0.1,
+        pooler='cls',
+        mlp_only_train=True,
+        objective='unsup',
+        objective_kwargs=dict(temp=0.05),
+        data_format='text',
+        max_len=16,
+        batch_size=16,
+        max_steps=3,
+        learning_rate=1e-3,
+        seed=0,
+        senteval_root='',  # no STS evaluation by default (fast)
+        eval_every=0,
+        eval_max_len=32,
+        eval_batch_size=16,
+        log_every=1,
+        fast_compile=True,  # XLA -O0: compile time dominates such a tiny model
+    ))

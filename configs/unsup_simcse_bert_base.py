@@ -1,32 +1,37 @@
-"""Unsupervised SimCSE, BERT-base, the paper's hyperparameters (Gao et al. 2021, Table D.1).
+"""Unsupervised SimCSE, BERT-base, as the reference trains it (Gao et al. 2021, Table D.1;
+princeton-nlp/SimCSE run_unsup_example.sh with the HF Trainer).
 
-Wiki1M corpus (one sentence per line), batch 64, lr 3e-5, max_len 32, 1 epoch, temp 0.05,
-'cls' pooler with the MLP head only in training, STS-B dev every 125 steps, best kept.
-Needs an accelerator and the bert-base-uncased weights (a local HF folder or hub id).
+Wiki1M (one sentence a line), batch 64, lr 3e-5, max_len 32, 1 epoch, temp 0.05, 'cls' pooler
+with the MLP head only in training, dropout 0.1, AdamW without weight decay, linear decay,
+clipping at 1.0. Like the HF Trainer: the last partial batch of the epoch is kept
+(last_batch='keep', steps = ceil(examples / batch)); STS-B dev is evaluated only at multiples
+of 125 steps (no step-0 and no final-step evaluation), and the best of those is kept. The
+reference runs on one GPU, so the gradient is that of the whole batch ('global_mean').
+Needs an accelerator and bert-base-uncased (a local HF folder or hub id).
 """
 import ml_collections
 
-from jaxsim.paths import SENTEVAL_ROOT
-from jaxsim.train_lib import base_config
-
 
 def get_config() -> ml_collections.ConfigDict:
-    c = base_config()
-    c.model = 'bert-base-uncased'
-    c.dropout = 0.1
-    c.pooler = 'cls'
-    c.mlp_only_train = True
-    c.objective = 'unsup'
-    c.temp = 0.05
-    c.train_file = 'data/wiki1m_for_simcse.txt'
-    c.data_format = 'text'
-    c.max_len = 32
-    c.batch_size = 64
-    c.num_epochs = 1.0
-    c.learning_rate = 3e-5
-    c.max_grad_norm = 1.0
-    c.seed = 42
-    c.senteval_root = str(SENTEVAL_ROOT)
-    c.eval_every = 125
-    c.log_every = 25
-    return c
+    return ml_collections.ConfigDict(dict(
+        model='bert-base-uncased',
+        dropout=0.1,
+        pooler='cls',
+        mlp_only_train=True,
+        objective='unsup',
+        objective_kwargs=dict(temp=0.05),
+        train_file='data/wiki1m_for_simcse.txt',
+        data_format='text',
+        max_len=32,
+        last_batch='keep',
+        batch_size=64,
+        num_epochs=1.0,
+        learning_rate=3e-5,
+        max_grad_norm=1.0,
+        grad_reduction='global_mean',
+        seed=42,
+        eval_every=125,
+        eval_at_start=False,
+        eval_at_end=False,
+        log_every=25,
+    ))

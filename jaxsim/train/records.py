@@ -1,0 +1,268 @@
+"""The run record of a train workdir: what run it holds, its metrics log and its result.
+
+WORKDIR/config.json records the config, a fingerprint of everything that determines what the
+run computes (the run-defining config keys, a digest of the tokenized data, the gradient
+divisor) and the history of changes the user allowed. A rerun in the same workdir is checked
+against it BEFORE anything is written: the same run resumes, a different one is refused in one
+line naming the differing keys, unless those keys are explicitly allowed.
+
+Every JSON file is written strictly (no NaN/inf) and atomically (temp file + rename), so a
+reader never sees half a file and a killed writer leaves the previous version.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from jaxsim.errors import JaxsimError
+from jaxsim.io.checkpoint import CHECKPOINT_DIR
+from jaxsim.io.workdir import CONFIG_FILE
+from jaxsim.train.config import (OPERATIONAL_KEYS, TrainConfig, differences, fingerprint,
+                                 run_defining)
+
+METRICS_FILE = 'metrics.jsonl'
+RESULT_FILE = 'result.json'
+RECORD_FORMAT = 'jaxsim-train-run'
+# Run-defining values that are not config keys: allowed like keys (--allow-change=data).
+DERIVED_KEYS = ('data', 'grad_divisor')
+
+
+class RunMismatchError(JaxsimError):
+    """A workdir that holds another run (or something else), or cannot be written."""
+
+
+def _finite(value: Any) -> Any:
+    """Non-finite floats -> None, recursively (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Strict JSON, written atomically."""
+    text = json.dumps(_finite(value), indent=1, allow_nan=False) + '\n'
+    tmp = path.with_name(path.name + '.tmp')
+    tmp.write_text(text, encoding='utf-8')
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Optional[dict]:
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding='utf-8'))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunMismatchError(f'{path}: unreadable JSON ({e})') from None
+    if not isinstance(value, dict):
+        raise RunMismatchError(f'{path}: expected a JSON object')
+    return value
+
+
+def check_writable(workdir: Path) -> None:
+    """Refuses a workdir (or its nearest existing parent) that cannot be written."""
+    probe = workdir
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise RunMismatchError(f'{workdir}: {probe} is not a folder')
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise RunMismatchError(f'{workdir}: not writable ({probe} is read-only)')
+
+
+def make_record(cfg: TrainConfig, derived: Mapping[str, Any], run: Mapping[str, Any]) -> dict:
+    """The content of config.json for a run.
+
+    Args:
+      cfg: the config.
+      derived: run-defining values computed from it (DERIVED_KEYS).
+      run: descriptive facts that may change between resumes (devices, mesh, total steps).
+    """
+    compared = {**run_defining(cfg), **derived}
+    return {'format': RECORD_FORMAT, 'version': 1, 'config': cfg.to_dict(),
+            'derived': dict(derived), 'fingerprint': fingerprint(compared), 'run': dict(run),
+            'changes': []}
+
+
+def _compared(record: Mapping[str, Any]) -> dict:
+    return {**run_defining(record.get('config') or {}), **(record.get('derived') or {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What a (re)run in a workdir does.
+
+    Attributes:
+      record: the record to write (the new one, with the old change history extended).
+      resume: the workdir already holds this run.
+      changed: run-defining keys that differ from the stored run (all allowed).
+    """
+
+    record: dict
+    resume: bool
+    changed: dict
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + '...'
+
+
+def check_workdir(workdir: Path, record: dict, allow: Sequence[str] = (),
+                  step: Optional[int] = None) -> Decision:
+    """Compares the run about to start with the one stored in `workdir`; writes nothing.
+
+    Args:
+      workdir: the folder.
+      record: `make_record(...)` of the run about to start.
+      allow: run-defining keys (config keys or DERIVED_KEYS) allowed to differ.
+      step: the step the run resumes from (noted in the change history).
+
+    Raises:
+      RunMismatchError: one line naming the differing keys and how to proceed.
+    """
+    old = read_json(workdir / CONFIG_FILE)
+    if old is None:
+        if (workdir / CHECKPOINT_DIR).is_dir():
+            raise RunMismatchError(f'{workdir}: holds checkpoints but no {CONFIG_FILE}; not a '
+                                   f'workdir this run can continue, choose another --workdir')
+        return Decision(record=record, resume=False, changed={})
+    if old.get('format') != RECORD_FORMAT:
+        raise RunMismatchError(f'{workdir / CONFIG_FILE}: not a jaxsim train record; choose an '
+                               f'empty or new --workdir')
+    changed = differences(_compared(old), _compared(record))
+    refused = [k for k in changed if k not in allow]
+    if refused:
+        what = ', '.join(f'{k} {_short(changed[k][0])} -> {_short(changed[k][1])}'
+                         for k in refused)
+        raise RunMismatchError(
+            f'{workdir} holds a run with other settings ({what}); rerun with the same config, '
+            f'use another --workdir, or allow it with --allow-change={",".join(refused)}')
+    operational = {k: v for k, v in differences(old.get('config') or {}, record['config']).items()
+                   if k in OPERATIONAL_KEYS}
+    history = list(old.get('changes') or [])
+    if changed or operational:
+        history.append({'at_step': step, 'allowed': {k: list(v) for k, v in changed.items()},
+                        'operational': {k: list(v) for k, v in operational.items()}})
+    return Decision(record={**record, 'changes': history}, resume=True, changed=changed)
+
+
+def read_result(workdir: Path) -> Optional[dict]:
+    return read_json(workdir / RESULT_FILE)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """Summary of a run (WORKDIR/result.json).
+
+    Attributes:
+      steps: optimizer steps done.
+      total_steps: steps the run was configured for.
+      final_loss: the last logged training loss (None if none was).
+      best_step, best_dev: the step with the best STS-B dev score and that score (None when
+        no evaluation ran).
+      test_at_best: STS-B test with the best step's parameters (None if not evaluated).
+      dev_curve: [[step, STS-B dev], ...].
+      wall_s: wall time of the last (re)run.
+      stopped: why training stopped early (non-finite loss), else None.
+      already_finished: the workdir held this finished run; nothing was done (not stored).
+    """
+
+    steps: int
+    total_steps: int
+    final_loss: Optional[float]
+    best_step: Optional[int]
+    best_dev: Optional[float]
+    test_at_best: Optional[float]
+    dev_curve: list
+    wall_s: float
+    stopped: Optional[str] = None
+    already_finished: bool = False
+
+    def summary(self) -> str:
+        """One line: 'best STS-B dev 86.55 @ step 2, test 84.12' (or what is known)."""
+        if self.stopped:
+            return f'stopped: {self.stopped}'
+        if self.best_dev is None:
+            loss = 'n/a' if self.final_loss is None else f'{self.final_loss:.4f}'
+            return f'trained {self.steps} steps, final loss {loss} (no STS-B dev evaluation)'
+        line = f'best STS-B dev {self.best_dev:.2f} @ step {self.best_step}'
+        return line + (f', test {self.test_at_best:.2f}' if self.test_at_best is not None else '')
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop('already_finished')
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any], **extra) -> 'TrainResult':
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names}, **extra)
+
+
+class MetricsLog:
+    """WORKDIR/metrics.jsonl: one JSON row per logged step, steps strictly increasing.
+
+    Opening it for a run resumed at step S drops the rows after S (written after the last
+    checkpoint by a run that did not survive), so the log continues without duplicates.
+    """
+
+    def __init__(self, workdir: Path, keep_upto: Optional[int], enabled: bool = True):
+        self.path = workdir / METRICS_FILE
+        self.enabled = enabled
+        self.rows = [r for r in read_rows(self.path)
+                     if keep_upto is not None and r['step'] <= keep_upto]
+        self._file = None
+        if enabled:
+            tmp = self.path.with_name(self.path.name + '.tmp')
+            tmp.write_text(''.join(_row_text(r) for r in self.rows), encoding='utf-8')
+            os.replace(tmp, self.path)
+            self._file = self.path.open('a', encoding='utf-8')
+
+    def write(self, step: int, values: Mapping[str, Any]) -> None:
+        row = {'step': int(step), **_finite({k: float(v) for k, v in values.items()})}
+        if self.rows and row['step'] <= self.rows[-1]['step']:
+            raise ValueError(f'metrics row for step {step} after step {self.rows[-1]["step"]}')
+        self.rows.append(row)
+        if self._file is not None:
+            self._file.write(_row_text(row))
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _row_text(row: Mapping[str, Any]) -> str:
+    return json.dumps(row, allow_nan=False) + '\n'
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl; a torn last line (killed mid-write) is ignored."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding='utf-8').splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get('step'), int):
+            rows.append(row)
+    return rows
+
+
+def remove(paths: Iterable[Path]) -> None:
+    for p in paths:
+        if p.is_file():
+            p.unlink()

@@ -1,0 +1,91 @@
+"""The training state (one pytree) and where each of its arrays lives on the mesh."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxsim import sharding as sharding_lib
+from jaxsim.models.encoder import SentenceEncoder, param_shapes
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """State of a training run.
+
+    Attributes:
+      step: scalar int32, number of optimizer updates applied.
+      params: the SentenceEncoder parameter tree (float32 master copy).
+      opt_state: the optax optimizer state for `params`.
+      rng: raw uint32 PRNG key data (`jax.random.key_data`), so checkpoints hold plain arrays.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+
+
+def param_shardings(encoder: SentenceEncoder, mesh: Mesh) -> Any:
+    """NamedShardings of the encoder's parameter tree, by the rules table of `jaxsim.sharding`."""
+    specs = sharding_lib.param_specs(param_shapes(encoder), mesh)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def state_shardings(state_shape: TrainState, mesh: Mesh) -> TrainState:
+    """Shardings of every TrainState leaf: params by the rules, Adam's moments alike."""
+    specs = sharding_lib.param_specs(state_shape.params, mesh)
+    replicated = NamedSharding(mesh, P())
+    return TrainState(
+        step=replicated,
+        params=jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                            is_leaf=lambda x: isinstance(x, P)),
+        opt_state=sharding_lib.tree_shardings(state_shape.opt_state, mesh, specs),
+        rng=replicated)
+
+
+def _init_fn(tx: optax.GradientTransformation, rng: jax.Array) -> Callable:
+    rng_data = jax.random.key_data(rng)
+
+    def init(params):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=tx.init(params), rng=rng_data)
+
+    return init
+
+
+def state_shape(encoder: SentenceEncoder, tx: optax.GradientTransformation,
+                rng: jax.Array) -> TrainState:
+    """The TrainState as ShapeDtypeStructs (nothing allocated): a restore target's skeleton."""
+    return jax.eval_shape(_init_fn(tx, rng), param_shapes(encoder))
+
+
+def create_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array, mesh: Mesh,
+                 compiler_options: Optional[dict] = None) -> tuple[TrainState, TrainState]:
+    """Builds the optimizer state on the mesh, next to `params` (already placed there).
+
+    Args:
+      params: the parameter tree (e.g. from `jaxsim.models.encoder.init_params`).
+      tx: the optimizer.
+      rng: a PRNG key (the run's 'dropout' use); stored as raw key data.
+      mesh: the device mesh.
+      compiler_options: XLA options for the one-off init computation.
+
+    Returns:
+      (state, shardings): shardings is a TrainState of NamedShardings.
+    """
+    init = _init_fn(tx, rng)
+    shardings = state_shardings(jax.eval_shape(init, params), mesh)
+    state = jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings,
+                    compiler_options=compiler_options)(params)
+    return state, shardings
+
+
+def abstract_state(state: TrainState, shardings: TrainState) -> TrainState:
+    """A restore target (ShapeDtypeStructs with shardings) shaped like `state`."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        state, shardings)

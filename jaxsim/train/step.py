@@ -1,0 +1,174 @@
+"""The train step: one pure, jitted, sharded update for any registered objective.
+
+`train_step(state, batch) -> (state, metrics)` is compiled with explicit in/out shardings and
+the state donated. The batch arrays are [batch, sentences per example, len] and sharded over
+the mesh's batch axes; the objective's loss sees the vectors of the GLOBAL batch (XLA gathers
+them), so in-batch negatives come from every device.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxsim import sharding as sharding_lib
+from jaxsim.data.batching import FIELDS
+from jaxsim.models.encoder import SentenceEncoder
+from jaxsim.objectives import LossFn, ObjectiveError
+from jaxsim.train.state import TrainState
+
+Batch = Mapping[str, jax.Array]
+
+
+def configure_jax() -> None:
+    """Process-wide JAX settings training relies on; entry points call it first.
+
+    With partitionable threefry, random bits are a function of (key, global index) only, so
+    dropout masks do not depend on how arrays are laid out over devices: a run gives the same
+    numbers on 1 device and on any mesh, and resumes exactly onto another mesh.
+    """
+    jax.config.update('jax_threefry_partitionable', True)
+
+
+def check_jax_configured() -> None:
+    if not jax.config.jax_threefry_partitionable:
+        raise RuntimeError('jax_threefry_partitionable is off: dropout masks would depend on the '
+                           'device mesh; call jaxsim.train.step.configure_jax() first')
+
+
+def compiler_options(fast_compile: bool) -> Optional[dict]:
+    """XLA -O0 for tiny test models (compile time dominates), else the defaults."""
+    return {'xla_backend_optimization_level': 0} if fast_compile else None
+
+
+def encode_views(encoder: SentenceEncoder, params: Any, batch: Batch, key: jax.Array,
+                 views: int) -> jax.Array:
+    """Sentence vectors of every view of every example, in training mode.
+
+    Args:
+      encoder: the module.
+      params: its parameters.
+      batch: [B, D, L] int32 arrays; D is `views`, or 1 (each sentence then repeated `views`
+        times, so the views differ only by their dropout masks: unsupervised SimCSE).
+      key: the dropout key of this (micro-)batch.
+      views: V, the vectors per example the objective takes.
+
+    Returns:
+      z: [B, V, H] float32.
+    """
+    ids = batch['input_ids']
+    b, d, length = ids.shape
+    if d not in (1, views):
+        raise ObjectiveError(f'batch has {d} sentences per example, the objective takes {views}')
+    arrays = [batch[k] for k in FIELDS]
+    if d == 1 and views > 1:
+        # Copies of a sentence sit in adjacent rows (2i, 2i+1 for V=2), so each device keeps
+        # its own rows: no resharding. ONE forward pass with ONE key gives the copies different
+        # dropout masks, since the bits differ by row.
+        arrays = [jnp.repeat(x, views, axis=1) for x in arrays]
+    ids, mask, types = (x.reshape(b * views, length) for x in arrays)  # [B * V, L]
+    z = encoder.apply({'params': params}, ids, mask, types, train=True,
+                      rngs={'dropout': key})
+    return z.reshape(b, views, -1).astype(jnp.float32)  # [B, V, H]
+
+
+def make_loss_fn(encoder: SentenceEncoder, loss: LossFn, views: int) -> Callable:
+    """`loss_fn(params, batch, key) -> (loss, aux)`: encode the views, apply the objective."""
+
+    def loss_fn(params, batch: Batch, key):
+        value, aux = loss(encode_views(encoder, params, batch, key, views))
+        return value.astype(jnp.float32), dict(aux)
+
+    return loss_fn
+
+
+def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTransformation,
+                    *, views: int, mesh: Mesh, state_shardings: TrainState,
+                    grad_accum_steps: int = 1, grad_divisor: float = 1.0,
+                    schedule: Optional[optax.Schedule] = None,
+                    compiler_options: Optional[dict] = None) -> Callable:
+    """The jitted `train_step(state, batch) -> (state, metrics)`.
+
+    Args:
+      encoder: the SentenceEncoder (its dtype is the compute dtype).
+      loss: `loss(z [B, V, H]) -> (scalar, aux dict)`, the objective with its hyperparameters
+        bound (e.g. `functools.partial(objective.loss, temp=0.05)`).
+      tx: the optimizer.
+      views: V, vectors per example the loss takes.
+      mesh: the device mesh; the batch is split over its ('data', 'fsdp') axes.
+      state_shardings: TrainState of NamedShardings (from `create_state`).
+      grad_accum_steps: A; the global batch is split into A micro-batches (rows i, i+A, ... form
+        micro-batch i, so every device keeps its share), gradients and aux are averaged, one
+        update is applied. Negatives then come from the micro-batch.
+      grad_divisor: the gradient is divided by this before clipping and the update (see the
+        config's `grad_reduction`); 1 is the gradient of the loss.
+      schedule: the learning-rate schedule, reported as metrics['lr'].
+      compiler_options: XLA compiler options.
+
+    The step's dropout key is `fold_in(state.rng, state.step)` (and `fold_in(., i)` for
+    micro-batch i), so a run is a pure function of (config, seed, data order), whatever the mesh.
+    A non-finite loss or gradient leaves the state unchanged (step included): the host stops
+    with the last good state intact.
+
+    Returns:
+      The jitted step; metrics hold 'loss', 'grad_norm' (of the divided gradient, before
+      clipping), 'lr' (with `schedule`) and every aux entry the loss returns.
+    """
+    grad_fn = jax.value_and_grad(make_loss_fn(encoder, loss, views), has_aux=True)
+    accum = grad_accum_steps
+    replicated = NamedSharding(mesh, P())
+
+    def train_step(state: TrainState, batch: Batch):
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        if accum == 1:
+            (value, aux), grads = grad_fn(state.params, batch, key)
+        else:
+            def split(x):  # [B, ...] -> [A, B/A, ...]; micro-batch i = rows i::A
+                x = x.reshape((x.shape[0] // accum, accum) + x.shape[1:]).swapaxes(0, 1)
+                return jax.lax.with_sharding_constraint(
+                    x, NamedSharding(mesh, P(None, ('data', 'fsdp'), *([None] * (x.ndim - 2)))))
+
+            micro = jax.tree.map(split, dict(batch))
+            first = jax.tree.map(lambda x: x[0], micro)
+            # The aux structure is whatever the objective returns: zeros shaped like it.
+            aux_shape = jax.eval_shape(lambda p, b, k: grad_fn(p, b, k)[0][1],
+                                       state.params, first, key)
+
+            def body(carry, xs):
+                i, mb = xs
+                (v, a), g = grad_fn(state.params, mb, jax.random.fold_in(key, i))
+                acc_g, acc_v, acc_a = carry
+                return (jax.tree.map(jnp.add, acc_g, g), acc_v + v,
+                        jax.tree.map(jnp.add, acc_a, a)), None
+
+            init = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32),
+                    jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape))
+            (grads, value, aux), _ = jax.lax.scan(body, init, (jnp.arange(accum), micro))
+            grads = jax.tree.map(lambda g: g / accum, grads)
+            value = value / accum
+            aux = jax.tree.map(lambda a: a / accum, aux)
+        if grad_divisor != 1.0:
+            grads = jax.tree.map(lambda g: g / grad_divisor, grads)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+        metrics = {'loss': value, 'grad_norm': grad_norm, **aux}
+        if schedule is not None:
+            metrics['lr'] = jnp.asarray(schedule(state.step), jnp.float32)
+        return new, metrics
+
+    batch_shardings = {k: sharding_lib.batch_sharding(mesh, 3) for k in FIELDS}
+    return jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
+                   out_shardings=(state_shardings, replicated), donate_argnums=0,
+                   compiler_options=compiler_options)
+
+
+def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
+    """Shardings of the [batch, views, len] training arrays."""
+    return {k: sharding_lib.batch_sharding(mesh, 3) for k in FIELDS}
