@@ -2,15 +2,16 @@
 
 The corpus [capacity, dim] is cut into equal contiguous row ranges, one per device of the mesh
 (`NamedSharding(mesh, P(<every mesh axis>, None))`), so a corpus larger than one device's memory
-still searches exactly. Each device scans its rows block by block and keeps a running top-k per
-query, so the scores it materializes are [queries, block_rows], never [queries, rows]. The
-per-device lists are then merged into the global top-k. Rows past the valid count (padding that
-makes the shards equal) score -inf and come back with row -1 or a row >= the valid count, which
-callers drop.
+still searches exactly. Each device scans its rows block by block: it scores a block
+([queries, block_rows], never [queries, rows]), selects the block's top k (through group maxima,
+`_grouped_top_k`, when the block is large enough) and merges it into a running top-k per query.
+The per-device lists are then merged into the global top-k. Rows past the valid count (padding
+that makes the shards equal) score -inf and come back with row -1 or a row >= the valid count,
+which callers drop.
 
-Ties: `lax.top_k` puts the lower position first. The running list precedes each new block and
-device shards are concatenated in row order, so equal scores come out lowest row first whatever
-the device count or block size.
+Ties: `lax.top_k` puts the lower position first. Candidates are always laid out in row order
+(the running list before each new block, device shards in row order), so equal scores come out
+lowest row first whatever the device count or block size.
 
 Optionally each block's selection uses `lax.approx_max_k` (fast on TPU; elsewhere XLA may lower
 it to an exact selection); recall against the exact search is measured by
@@ -29,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 # Rows scored per scan step on each device: [queries, block] scores stay cache-sized on CPU.
-DEFAULT_BLOCK_ROWS = 4096
+DEFAULT_BLOCK_ROWS = 2048
 # Queries per jitted call; smaller query counts are padded up to a power of two (>= 8) so a
 # handful of shapes compile, once each.
 DEFAULT_QUERY_BATCH = 256
@@ -102,10 +103,8 @@ def search_fn(mesh: Mesh, layout: Layout, k: int, recall_target: Optional[float]
     """
     axes = row_axes(mesh)
 
-    def select(x, kk):
-        if recall_target is None:
-            return jax.lax.top_k(x, kk)
-        return jax.lax.approx_max_k(x, kk, recall_target=recall_target)
+    block_k = min(k, layout.block_rows)  # a block contributes at most its own rows
+    group = _group_size(layout.block_rows, block_k)
 
     def local_top_k(corpus, n_valid, queries):
         # corpus: this device's [rows_per_device, dim]; queries: all of them, [q, dim].
@@ -121,11 +120,16 @@ def search_fn(mesh: Mesh, layout: Layout, k: int, recall_target: Optional[float]
             # HIGHEST: float32 products on every backend (GPUs/TPUs default to lower precision).
             scores = jnp.dot(queries, block.T, precision=jax.lax.Precision.HIGHEST)  # [q, block]
             scores = jnp.where(rows[None, :] < n_valid, scores, -jnp.inf)
-            best_scores, best_rows = best
-            cand_scores = jnp.concatenate([best_scores, scores], axis=1)  # [q, k + block]
-            cand_rows = jnp.concatenate(
-                [best_rows, jnp.broadcast_to(rows, (q, layout.block_rows))], axis=1)
-            top, pos = select(cand_scores, k)
+            if recall_target is not None:
+                top, pos = jax.lax.approx_max_k(scores, block_k, recall_target=recall_target)
+            elif group:
+                top, pos = _grouped_top_k(scores, block_k, group)
+            else:
+                top, pos = jax.lax.top_k(scores, block_k)
+            # Merge into the running list; it holds lower rows, so it goes first (ties).
+            cand_scores = jnp.concatenate([best[0], top], axis=1)  # [q, k + block_k]
+            cand_rows = jnp.concatenate([best[1], start + pos], axis=1)
+            top, pos = jax.lax.top_k(cand_scores, k)
             return (top, jnp.take_along_axis(cand_rows, pos, axis=1)), None
 
         init = (jnp.full((q, k), -jnp.inf, jnp.float32), jnp.full((q, k), -1, jnp.int32))
@@ -144,6 +148,38 @@ def search_fn(mesh: Mesh, layout: Layout, k: int, recall_target: Optional[float]
         return top, jnp.take_along_axis(rows, pos, axis=1)
 
     return jax.jit(search)
+
+
+def _group_size(block_rows: int, k: int) -> int:
+    """Rows per group for `_grouped_top_k` (0: select over the whole block instead).
+
+    The largest of 32/16/8 that divides the block into at least 2k groups: fewer groups
+    would leave little to skip.
+    """
+    for size in (32, 16, 8):
+        if block_rows % size == 0 and block_rows // size >= 2 * k:
+            return size
+    return 0
+
+
+def _grouped_top_k(scores: jax.Array, k: int, group: int) -> tuple[jax.Array, jax.Array]:
+    """Exact `lax.top_k(scores, k)` (ties: lower position first) through group maxima.
+
+    XLA:CPU's TopK costs about as much as the block's matmul when run over every score. Here
+    it runs over the [q, block/group] group maxima and then over the k*group scores of the
+    k best groups only. Exact: a group holding one of the top k (in the order value desc,
+    position asc) has a maximum that beats, or ties at a lower position, that of every group
+    holding none, so it is among the k best groups; gathering the chosen groups in position
+    order keeps ties lowest position first.
+    """
+    q, n = scores.shape
+    groups = scores.reshape(q, n // group, group)
+    _, chosen = jax.lax.top_k(groups.max(axis=2), k)  # [q, k] group numbers
+    chosen = jnp.sort(chosen, axis=1)
+    cand = jnp.take_along_axis(groups, chosen[:, :, None], axis=1).reshape(q, k * group)
+    top, pos = jax.lax.top_k(cand, k)
+    positions = (chosen[:, :, None] * group + jnp.arange(group, dtype=jnp.int32)).reshape(q, -1)
+    return top, jnp.take_along_axis(positions, pos, axis=1)
 
 
 def _bucket(n: int, limit: int) -> int:

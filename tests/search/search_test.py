@@ -17,6 +17,7 @@ import pytest
 
 import jaxsim
 from jaxsim.__main__ import main as cli_main
+from jaxsim.search import topk
 from jaxsim.search import (IndexFileError, IndexInfo, ModelMismatchError, SearchError,
                            SearchIndex, VectorError, build_index, load_index, similarity)
 
@@ -50,20 +51,27 @@ def _brute_force(corpus, queries, k):
 
 # --- exact search on one device -------------------------------------------------------------
 
-def test_exact_search_equals_numpy_brute_force():
+# Whole-block selection, selection through group maxima, and blocks smaller than k.
+@pytest.mark.parametrize("block_rows,k,grouped", [(64, 7, False), (256, 7, True), (48, 3, True),
+                                                  (4, 7, False)])
+def test_exact_search_equals_numpy_brute_force(block_rows, k, grouped):
     corpus, queries = _gaussian(1001, 24, 0), _gaussian(37, 24, 1)
+    layout = topk.plan_layout(len(corpus), 24, 1, block_rows)
+    assert bool(topk._group_size(layout.block_rows, min(k, layout.block_rows))) == grouped
     # Small blocks and query batches: many scan steps, a padded last block, several query calls.
-    index = SearchIndex.from_vectors(corpus, block_rows=64, query_batch=16)
-    hits = index.search_vectors(queries, top_k=7)
-    want_scores, want_rows = _brute_force(corpus, queries, 7)
+    index = SearchIndex.from_vectors(corpus, block_rows=block_rows, query_batch=16)
+    hits = index.search_vectors(queries, top_k=k)
+    want_scores, want_rows = _brute_force(corpus, queries, k)
     np.testing.assert_array_equal(hits.rows, want_rows)
     np.testing.assert_allclose(hits.scores, want_scores, atol=2e-6, rtol=0)
-    assert hits.scores.dtype == np.float32 and hits.rows.shape == (37, 7)
+    assert hits.scores.dtype == np.float32 and hits.rows.shape == (37, k)
 
 
-def test_ties_come_out_lowest_row_first():
+@pytest.mark.parametrize("block_rows", [40, 2048])  # whole-block and group-maxima selection
+def test_ties_come_out_lowest_row_first(block_rows):
     corpus, queries = _four_hot(500, 16, 2), _four_hot(20, 16, 3)
-    hits = SearchIndex.from_vectors(corpus, block_rows=40).search_vectors(queries, top_k=25)
+    index = SearchIndex.from_vectors(corpus, block_rows=block_rows)
+    hits = index.search_vectors(queries, top_k=25)
     want_scores, want_rows = _brute_force(corpus, queries, 25)
     assert (np.diff(want_scores, axis=1) == 0).sum() > 100  # the data really has ties
     np.testing.assert_array_equal(hits.rows, want_rows)
@@ -305,7 +313,7 @@ _SHARDED = textwrap.dedent('''
     out = {}
     for name, mesh in meshes.items():
         for kind in ("gauss", "ties"):
-            index = SearchIndex.from_vectors(data[kind], mesh=mesh, block_rows=32)
+            index = SearchIndex.from_vectors(data[kind], mesh=mesh, block_rows=int(sys.argv[3]))
             hits = index.search_vectors(data[kind + "_q"], top_k=9)
             shard_rows = [s.data.shape[0] for s in index._placed[1].addressable_shards]
             out[name + "/" + kind] = {"rows": hits.rows.tolist(), "scores": hits.scores.tolist(),
@@ -317,12 +325,15 @@ _SHARDED = textwrap.dedent('''
 
 
 def test_sharded_search_equals_single_device(tmp_path):
-    data = {"gauss": _gaussian(1001, 20, 14), "gauss_q": _gaussian(13, 20, 15),
-            "ties": _four_hot(777, 16, 16), "ties_q": _four_hot(13, 16, 17)}
+    # 8 x 601 rows a device in blocks of 256 (3 blocks, the last part padding): group-maxima
+    # selection, padded blocks and shard boundaries all in play.
+    data = {"gauss": _gaussian(4801, 20, 14), "gauss_q": _gaussian(13, 20, 15),
+            "ties": _four_hot(4777, 16, 16), "ties_q": _four_hot(13, 16, 17)}
     np.savez(tmp_path / "data.npz", **data)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _SHARDED, str(ROOT), str(tmp_path / "data.npz")],
+    proc = subprocess.run([sys.executable, "-c", _SHARDED, str(ROOT), str(tmp_path / "data.npz"),
+                           "256"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1][6:])
@@ -334,7 +345,7 @@ def test_sharded_search_equals_single_device(tmp_path):
             np.testing.assert_allclose(got["scores"], want_scores, atol=2e-6, rtol=0)
             if mesh != "single":  # really split: 8 equal row shards covering the corpus
                 assert len(got["shard_rows"]) == 8 and len(set(got["shard_rows"])) == 1
-                assert 0 <= sum(got["shard_rows"]) - len(data[kind]) < 8 * 32  # < a block each
+                assert 0 <= sum(got["shard_rows"]) - len(data[kind]) < 8 * 256  # < a block each
     for mesh in ("data8", "data4_fsdp2"):
         approx, exact = np.array(out[f"{mesh}/approx"]["rows"]), out["single/ties"]["rows"]
         # Ties make the exact set ambiguous; the approximate rows must still be valid and distinct.

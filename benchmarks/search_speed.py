@@ -1,0 +1,151 @@
+"""Exact top-k search throughput: jaxsim.search vs faiss IndexFlatIP, same machine, same run.
+
+Random unit vectors (corpus and queries), so inner product = cosine, as in a normalized
+sentence index. For each (rows, dim): both indexes hold the same vectors; each searches the
+same query batch for its top-k after a warm-up call (jaxsim's compilation is timed apart);
+the best of --repeats timings gives queries/s. Also reported: the overlap of jaxsim's exact
+rows with faiss's, and the `approx_max_k` path's speed and recall against the exact search.
+
+"ratio" (top level) = geometric mean over the configurations of jaxsim_qps / faiss_qps
+(> 1: jaxsim faster).
+
+    pip install faiss-cpu        # or: pip install -e .[bench]
+    python benchmarks/search_speed.py --json /tmp/search_speed.json
+        [--rows 100000,1000000] [--dims 384,768] [--queries 256] [--top-k 10] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import time
+
+import numpy as np
+
+
+def unit_rows(n: int, dim: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, dim] float32 rows of unit norm, normalized in chunks (no [n, dim] temporaries)."""
+    x = rng.standard_normal((n, dim), dtype=np.float32)
+    for s in range(0, n, 65536):
+        x[s: s + 65536] /= np.linalg.norm(x[s: s + 65536], axis=1, keepdims=True)
+    return x
+
+
+def best_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def overlap(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean fraction of each row of `b` (top-k row ids) also found in the same row of `a`."""
+    return float(np.mean([len(set(x) & set(y)) / len(y) for x, y in zip(a, b)]))
+
+
+def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
+    rng = np.random.default_rng(rows * 1000 + dim)
+    start = time.perf_counter()
+    corpus = unit_rows(rows, dim, rng)
+    queries = unit_rows(args.queries, dim, rng)
+    make_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    index = SearchIndex.from_vectors(corpus, block_rows=args.block_rows,
+                                     query_batch=args.query_batch)
+    del corpus  # the index holds the (already unit) rows; faiss takes them from there
+    gc.collect()
+    flat = faiss.IndexFlatIP(dim)
+    flat.add(index.vectors)
+    build_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    ours = index.search_vectors(queries, args.top_k)  # places the corpus and compiles
+    first_s = time.perf_counter() - start
+    jax_s = best_time(lambda: index.search_vectors(queries, args.top_k), args.repeats)
+
+    flat.search(queries[:32], args.top_k)  # warm-up
+    faiss_s = best_time(lambda: flat.search(queries, args.top_k), args.repeats)
+    _, faiss_rows = flat.search(queries, args.top_k)
+
+    approx = index.search_vectors(queries, args.top_k, approx_recall=args.approx_recall)
+    approx_s = best_time(lambda: index.search_vectors(queries, args.top_k,
+                                                      approx_recall=args.approx_recall),
+                         args.repeats)
+    row = {
+        "rows": rows, "dim": dim, "queries": args.queries, "top_k": args.top_k,
+        "jaxsim_qps": args.queries / jax_s, "faiss_qps": args.queries / faiss_s,
+        "ratio": faiss_s / jax_s,
+        "jaxsim_s": jax_s, "faiss_s": faiss_s,
+        "jaxsim_first_call_s": first_s,  # device placement + compilation + one search
+        "overlap_with_faiss": overlap(ours.rows, faiss_rows),
+        "approx_qps": args.queries / approx_s, "approx_recall_target": args.approx_recall,
+        "approx_recall": overlap(approx.rows, ours.rows),
+        "data_s": make_s, "build_s": build_s,
+    }
+    del index, flat
+    gc.collect()
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="100000,1000000")
+    parser.add_argument("--dims", default="384,768")
+    parser.add_argument("--queries", type=int, default=256)
+    parser.add_argument("--top-k", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="faiss OpenMP threads (XLA:CPU uses every core)")
+    parser.add_argument("--block-rows", type=int, default=None)
+    parser.add_argument("--query-batch", type=int, default=None)
+    parser.add_argument("--approx-recall", type=float, default=0.95)
+    parser.add_argument("--json", default=None, help="write the figures here")
+    args = parser.parse_args()
+
+    import faiss
+    import jax
+
+    from jaxsim.search import SearchIndex
+    from jaxsim.search.topk import DEFAULT_BLOCK_ROWS, DEFAULT_QUERY_BATCH
+
+    args.block_rows = args.block_rows or DEFAULT_BLOCK_ROWS
+    args.query_batch = args.query_batch or DEFAULT_QUERY_BATCH
+    faiss.omp_set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{jax.device_count()}, "
+          f"faiss {faiss.__version__} ({args.threads} threads), {os.cpu_count()} cpus, "
+          f"load average {load_before[0]:.2f}")
+    print(f"{'rows':>9} {'dim':>4} {'jaxsim q/s':>11} {'faiss q/s':>10} {'ratio':>6} "
+          f"{'overlap':>8} {'approx q/s':>11} {'recall':>7} {'1st call s':>10}")
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        for dim in (int(d) for d in args.dims.split(",")):
+            r = run_config(rows, dim, args, faiss, SearchIndex)
+            results.append(r)
+            print(f"{rows:>9} {dim:>4} {r['jaxsim_qps']:>11.0f} {r['faiss_qps']:>10.0f} "
+                  f"{r['ratio']:>6.2f} {r['overlap_with_faiss']:>8.4f} {r['approx_qps']:>11.0f} "
+                  f"{r['approx_recall']:>7.4f} {r['jaxsim_first_call_s']:>10.1f}", flush=True)
+    load_after = os.getloadavg()
+    ratio = math.exp(np.mean([math.log(r["ratio"]) for r in results]))
+    print(f"ratio (geometric mean of jaxsim/faiss queries/s): {ratio:.2f}")
+    if args.json:
+        out = {"ratio": ratio,
+               "ratio_definition": "geometric mean over configs of jaxsim_qps / faiss_qps",
+               "configs": results, "threads": args.threads, "cpus": os.cpu_count(),
+               "block_rows": args.block_rows, "query_batch": args.query_batch,
+               "load_average_before": load_before, "load_average_after": load_after,
+               "jax": jax.__version__, "faiss": faiss.__version__,
+               "machine": platform.processor() or platform.machine()}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
