@@ -1,17 +1,108 @@
-"""Process-level JAX settings shared by the command lines."""
+"""Process set-up shared by every entry point: environment, log noise, compilation cache.
+
+Entry points (`python -m jaxsim`, train.py, eval.py, benchmarks) call `setup()` first, before
+anything initializes a JAX backend or imports transformers. Library code calls the two narrow
+helpers below where the noise starts (`quiet_absl_messages`, `ignore_orphaned_loop_callbacks`)
+so `jaxsim.load_pretrained` is quiet from a notebook too. Nothing here imports jaxsim.
+
+What is silenced, and why:
+  - transformers' "PyTorch was not found" line: jaxsim runs JAX models; transformers is used for
+    tokenizers and configs only (TRANSFORMERS_NO_ADVISORY_WARNINGS).
+  - libtpu / XLA C++ INFO and WARNING logs at backend start-up (TPU_MIN_LOG_LEVEL,
+    TPU_STDERR_LOG_LEVEL, TF_CPP_MIN_LOG_LEVEL, GRPC_VERBOSITY). Errors still print.
+  - orbax's "Given directory is read only" warning, logged every time a checkpoint folder is
+    opened for reading (which is what loading a train workdir does).
+  - "RuntimeError: Event loop is closed" tracebacks after a failed checkpoint read: orbax runs
+    the read on a private asyncio loop and closes it as soon as the first tensorstore read
+    fails; the reads still in flight then complete into the closed loop and tensorstore reports
+    each one through `sys.unraisablehook` (about ten lines per array). The failure itself is
+    raised normally; only these orphaned completions are dropped.
+Every environment variable is set with `setdefault`: a value the user exported wins.
+"""
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import sys
+import traceback
 from pathlib import Path
+from typing import Iterator
+
+_QUIET_ENV = {
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "1",
+    "TPU_MIN_LOG_LEVEL": "2",
+    "TPU_STDERR_LOG_LEVEL": "2",
+    "GRPC_VERBOSITY": "ERROR",
+}
+
+
+def setup(compilation_cache: bool = True) -> None:
+    """The one process set-up of an entry point; call it before loading models.
+
+    Args:
+      compilation_cache: turn on the persistent XLA compilation cache.
+    """
+    for name, value in _QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    ignore_orphaned_loop_callbacks()
+    if compilation_cache:
+        enable_compilation_cache()
+
+
+@contextlib.contextmanager
+def quiet_absl_messages(*fragments: str) -> Iterator[None]:
+    """Drops absl log records containing any of `fragments` while the block runs."""
+
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            message = record.getMessage()
+            return not any(f in message for f in fragments)
+
+    logger = logging.getLogger("absl")
+    drop = _Drop()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def _is_orphaned_loop_callback(unraisable) -> bool:
+    """A completion delivered to an asyncio loop that was already closed (see module doc)."""
+    exc = unraisable.exc_value
+    if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+        return False
+    # asyncio raises it from BaseEventLoop._check_closed inside call_soon_threadsafe.
+    frames = traceback.extract_tb(unraisable.exc_traceback)
+    return any(f.name == "call_soon_threadsafe" for f in frames)
+
+
+def ignore_orphaned_loop_callbacks() -> None:
+    """Installs (once) an unraisable-exception hook dropping orphaned-callback reports only.
+
+    Any other unraisable exception goes to the hook that was installed before.
+    """
+    if getattr(sys.unraisablehook, "_jaxsim_filter", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _is_orphaned_loop_callback(unraisable):
+            previous(unraisable)
+
+    hook._jaxsim_filter = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path:
     """Turns on JAX's persistent compilation cache.
 
-    Encoding compiles one XLA program per length bucket and a flow fit compiles its whole network;
-    on CPU that is seconds per program, paid again by every new process. With the cache on disk
-    a second run of the same command reuses them. Directory: `directory`, else $JAXSIM_CACHE_DIR,
-    else ~/.cache/jaxsim/xla.
+    Encoding compiles one XLA program per length bucket and a flow fit compiles its whole
+    network; on CPU that is seconds per program, paid again by every new process. With the
+    cache on disk a second run of the same command reuses them. Directory: `directory`, else
+    $JAXSIM_CACHE_DIR, else ~/.cache/jaxsim/xla.
     """
     import jax
 

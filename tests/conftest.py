@@ -1,13 +1,19 @@
-"""Shared fixtures: the bundled real model and tiny random BERT/RoBERTa folders."""
+"""Shared fixtures: the bundled real model, tiny random BERT/RoBERTa folders, tiny workdirs."""
 from __future__ import annotations
 
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxsim
 from jaxsim import bundled_model_path
+from jaxsim.io.checkpoint import CheckpointOptions, Checkpointer
+from jaxsim.io.workdir import write_model
+from jaxsim.models.bert import BertConfig
+from jaxsim.models.encoder import SentenceEncoder, init_params
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
@@ -64,3 +70,35 @@ def random_padded_ids(rng: np.random.Generator, lengths, vocab: int, pad_id: int
         ids[i, :n] = rng.integers(first_id, vocab, n)
         mask[i, :n] = 1
     return ids, mask
+
+
+TINY_CONFIG = dict(hidden_size=36, num_hidden_layers=2, num_attention_heads=3,
+                   intermediate_size=37, max_position_embeddings=80)
+
+
+def write_tiny_workdir(folder, tokenizer, pooler: str = "cls", mlp_only_train: bool = False,
+                       model_type: str = "bert", seed: int = 0, steps=((1, 0.5), (2, 0.9))):
+    """A train workdir as training leaves it: model.json + tokenizer/ + orbax checkpoints of a
+    TrainState-like {'step', 'params', 'opt_state', 'rng'} tree, one per (step, dev metric).
+
+    Each step's parameters differ (step s adds s * 0.01 to the random init), so a test can
+    tell which checkpoint was loaded. Returns {step: params}.
+    """
+    pad = 1 if model_type == "roberta" else 0
+    config = BertConfig(vocab_size=len(tokenizer), model_type=model_type, pad_token_id=pad,
+                        type_vocab_size=1 if model_type == "roberta" else 2, **TINY_CONFIG)
+    encoder = SentenceEncoder(config, pooler=pooler, mlp_only_train=mlp_only_train)
+    base = init_params(encoder, jax.random.key(seed))
+    model = jaxsim.SentenceModel(encoder=encoder, params=base, tokenizer=tokenizer,
+                                 path=str(folder), max_seq_length=64)
+    write_model(folder, model, base_model="tiny-random")
+    saved = {}
+    options = CheckpointOptions(best_metric="stsb_dev", max_to_keep=len(steps))
+    with Checkpointer(folder / "checkpoints", options) as ckpt:
+        for step, metric in steps:
+            params = jax.tree.map(lambda x, s=step: x + 0.01 * s, base)
+            state = {"step": jnp.int32(step), "params": params, "opt_state": {},
+                     "rng": jax.random.key_data(jax.random.key(step))}
+            ckpt.save(step, state, metrics={"stsb_dev": metric})
+            saved[step] = jax.tree.map(np.asarray, params)
+    return saved

@@ -28,6 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocp_managers
 
+from jaxsim import runtime
 from jaxsim.errors import JaxsimError
 
 CHECKPOINT_DIR = "checkpoints"
@@ -130,6 +131,24 @@ def _read_options(directory: Path) -> Optional[CheckpointOptions]:
         raise CheckpointError(f"{path}: malformed checkpoint options: {e}") from None
 
 
+def _cause(error: BaseException, limit: int = 400) -> str:
+    """One line naming the root cause of an orbax/tensorstore error.
+
+    orbax wraps tensorstore's message (e.g. 'OUT_OF_RANGE: ... byte range [0, 10695) is not
+    valid for value of size 100') in errors whose text is a multi-line TensorStore spec dump;
+    the innermost cause's first line is the part that says what is wrong.
+    """
+    seen = {id(error)}
+    while error.__cause__ is not None and id(error.__cause__) not in seen:
+        error = error.__cause__
+        seen.add(id(error))
+    lines = str(error).strip().splitlines()
+    # tensorstore appends its JSON spec to the message: noise for a reader.
+    text = (lines[0] if lines else "").split(" [tensorstore_spec=")[0]
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(error).__name__}: {text}"
+
+
 def _to_json(obj: Any) -> Any:
     """Round-trips through json so only plain JSON values reach orbax (and fail here if not)."""
     try:
@@ -175,11 +194,16 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only, read_only=read_only,
             save_interval_steps=0 if read_only else 1,
             create=not read_only)
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=manager_options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "data": ocp.JsonCheckpointHandler(),
-                           "config": ocp.JsonCheckpointHandler()})
+        # Reads of a damaged checkpoint fail on orbax's private asyncio loop; the reads still in
+        # flight then report into the closed loop (see jaxsim.runtime). Drop only those reports.
+        runtime.ignore_orphaned_loop_callbacks()
+        # orbax logs a warning each time a folder is opened read-only, i.e. at every load.
+        with runtime.quiet_absl_messages("Given directory is read only"):
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=manager_options,
+                item_handlers={"state": ocp.StandardCheckpointHandler(),
+                               "data": ocp.JsonCheckpointHandler(),
+                               "config": ocp.JsonCheckpointHandler()})
         if not read_only and jax.process_index() == 0:
             _write_options(self.directory, options)
 
@@ -261,7 +285,11 @@ class Checkpointer:
         Useful when the caller cannot build the state structure (e.g. export), at the cost of
         losing custom pytree types (TrainState, optax states become dicts/lists).
         """
-        meta = self._manager.item_metadata(step)["state"]
+        try:
+            meta = self._manager.item_metadata(step)["state"]
+        except Exception as e:  # tensorstore/orbax raise bare ValueErrors for missing files
+            raise CheckpointError(f"{self.directory / str(step)}: cannot read checkpoint "
+                                  f"metadata (corrupt or incomplete): {_cause(e)}") from e
         if meta is None:
             raise CheckpointError(f"{self.directory}/{step}: no 'state' item")
         tree = getattr(meta, "tree", meta)
@@ -290,8 +318,7 @@ class Checkpointer:
         except Exception as e:  # orbax raises many types; name the checkpoint, keep the cause
             raise CheckpointError(
                 f"{self.directory / str(step)}: cannot restore checkpoint (corrupt, or saved "
-                f"from a different model/optimizer than the target): {type(e).__name__}: "
-                f"{str(e)[:2000]}") from e
+                f"from a different model/optimizer than the target): {_cause(e)}") from e
         return Restored(step=step, state=out["state"], data=dict(out["data"] or {}),
                         config=dict(out["config"] or {}))
 
@@ -317,8 +344,8 @@ class Checkpointer:
                     restore_args=ocp.checkpoint_utils.construct_restore_args(target))
                 out = reader.restore(self.directory / str(step) / "state", args=args)
         except Exception as e:  # name the checkpoint, keep the cause
-            raise CheckpointError(f"{self.directory / str(step)}: cannot restore params: "
-                                  f"{type(e).__name__}: {str(e)[:2000]}") from e
+            raise CheckpointError(f"{self.directory / str(step)}: cannot restore params "
+                                  f"(corrupt or incomplete checkpoint): {_cause(e)}") from e
         return out["params"]
 
 

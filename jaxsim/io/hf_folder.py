@@ -70,24 +70,47 @@ def _sentence_transformers_max_length(folder: Path) -> Optional[int]:
     return int(value) if value else None
 
 
-def _declared_pooler(folder: Path) -> Optional[str]:
-    """The pooler a folder declares: a jaxsim export's record, else a sentence-transformers
-    Pooling module (mean -> avg, cls -> cls_before_pooler), else None."""
+def _read_record(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return value
+
+
+def _declared_pooler(folder: Path) -> tuple[Optional[str], bool]:
+    """(pooler, mlp_only_train) a folder declares: a jaxsim export's record, else a
+    sentence-transformers Pooling module (mean -> avg, cls -> cls_before_pooler), else None."""
     record_file = folder / "jaxsim_export.json"
     if record_file.is_file():
-        record = json.loads(record_file.read_text(encoding="utf-8"))
+        record = _read_record(record_file)
         if record.get("post"):
             warnings.warn(f"{folder} was exported with a {record['post'].get('kind')} module "
                           f"after pooling; jaxsim loads the encoder only, without it")
         if record.get("pooler"):
-            return record["pooler"]
+            return record["pooler"], bool(record.get("mlp_only_train"))
     for config_file in sorted(folder.glob("*_Pooling/config.json")):
-        cfg = json.loads(config_file.read_text(encoding="utf-8"))
+        cfg = _read_record(config_file)
         if cfg.get("pooling_mode_mean_tokens"):
-            return "avg"
+            return "avg", False
         if cfg.get("pooling_mode_cls_token"):
-            return "cls_before_pooler"
-    return None
+            return "cls_before_pooler", False
+    return None, False
+
+
+def has_normalize_module(folder: Path) -> bool:
+    """Whether a sentence-transformers folder ends its pipeline with a Normalize module."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return False
+    try:
+        entries = json.loads(modules_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{modules_file}:{e.lineno}: malformed JSON: {e.msg}") from None
+    return any(str(e.get("type", "")).endswith(".Normalize") for e in entries
+               if isinstance(e, dict))
 
 
 def _resolve_hub_id(model_id: str) -> Path:
@@ -124,13 +147,18 @@ def load_hf_folder(path: Path, pooler: Optional[str] = None) -> SentenceModel:
     state_dict, weights_file = read_state_dict(path)
     params, report = hf_to_encoder_params(state_dict, config, source=str(weights_file))
     params = jax.device_put(params)  # once, not on every jitted call
-    name = pooler or _declared_pooler(path) or "avg"
+    declared, mlp_only_train = _declared_pooler(path)
+    name = pooler or declared or "avg"
     get_pooler(name)
     model = SentenceModel(encoder=SentenceEncoder(config, pooler="avg"), params=params,
                           tokenizer=load_tokenizer(path), path=str(path),
                           max_seq_length=_sentence_transformers_max_length(path),
                           ignored=report.ignored)
-    return model.with_pooler(name)
+    model = model.with_pooler(name)
+    if mlp_only_train and name == declared:
+        # A SimCSE model trained with mlp_only_train: its head is stored, evaluation skips it.
+        model = dataclasses.replace(model, encoder=model.encoder.clone(mlp_only_train=True))
+    return model
 
 
 def resolve_model_path(name_or_path) -> Path:

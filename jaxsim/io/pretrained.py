@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Optional, Union
 
 from jaxsim.io.hf_folder import bundled_model_path, load_hf_folder, resolve_model_path
-from jaxsim.io.workdir import is_train_workdir, load_workdir
+from jaxsim.io.checkpoint import CHECKPOINT_DIR
+from jaxsim.io.workdir import MODEL_FILE, WorkdirError, is_train_workdir, load_workdir
 from jaxsim.model import SentenceModel
 
 __all__ = ["load_pretrained", "bundled_model_path"]
@@ -32,4 +33,8 @@ def load_pretrained(name_or_path: Union[str, os.PathLike], pooler: Optional[str]
     if path.is_dir() and is_train_workdir(path):
         model = load_workdir(path, which)
         return model.with_pooler(pooler) if pooler else model
+    if path.is_dir() and (path / CHECKPOINT_DIR).is_dir() and not any(
+            (path / weights).is_file() for weights in ("model.safetensors", "pytorch_model.bin")):
+        raise WorkdirError(f"{path / MODEL_FILE}: model record not found (a train workdir holds "
+                           f"{MODEL_FILE} next to {CHECKPOINT_DIR}/)")
     return load_hf_folder(resolve_model_path(name_or_path), pooler)

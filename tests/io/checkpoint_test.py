@@ -1,4 +1,4 @@
-"""jaxsim/checkpoint.py: retention, exact round trip, 8 -> 1 device restore, crash safety."""
+"""jaxsim/io/checkpoint.py: retention, exact round trip, 8 -> 1 device restore, crash safety."""
 from __future__ import annotations
 
 import os
@@ -7,17 +7,29 @@ import sys
 import textwrap
 from pathlib import Path
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from jaxsim.checkpoint import (CheckpointError, CheckpointOptions, Checkpointer, abstract_target,
-                               restore_or_none)
-from jaxsim.train_state import TrainState
+from jaxsim.io.checkpoint import (CheckpointError, CheckpointOptions, Checkpointer,
+                                  abstract_target, restore_or_none)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """A training state as the train loop saves it: a custom pytree node (restored as the same
+    type when the target is given), the parameter tree under 'params'. The subprocess scripts
+    below import it from here."""
+
+    step: jax.Array
+    params: dict
+    opt_state: object
+    rng: jax.Array
 
 
 def _state(seed: int = 0, step: int = 0) -> TrainState:
@@ -113,8 +125,8 @@ def _run(script: str, devices: int, *args: str) -> subprocess.CompletedProcess:
 _SAVE_8 = """
 import sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxsim.checkpoint import Checkpointer
-from jaxsim.train_state import TrainState
+from jaxsim.io.checkpoint import Checkpointer
+from tests.io.checkpoint_test import TrainState
 assert jax.device_count() == 8, jax.devices()
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('data', 'tensor'))
 w = jax.device_put(jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6),
@@ -130,8 +142,8 @@ print('saved')
 
 _RESTORE_1 = """
 import sys, jax, jax.numpy as jnp, numpy as np
-from jaxsim.checkpoint import Checkpointer, abstract_target
-from jaxsim.train_state import TrainState
+from jaxsim.io.checkpoint import Checkpointer, abstract_target
+from tests.io.checkpoint_test import TrainState
 assert jax.device_count() == 1, jax.devices()
 like = TrainState(step=jnp.int32(0), params={'w': jnp.zeros((8, 6)), 'b': jnp.zeros(6)},
                   opt_state={'mu': jnp.zeros((8, 6))}, rng=jnp.zeros(2, jnp.uint32))
@@ -163,8 +175,8 @@ def test_restore_8_devices_onto_1(tmp_path):
 _CRASH = """
 import os, signal, sys, jax, jax.numpy as jnp
 from orbax.checkpoint._src.path import atomicity
-from jaxsim.checkpoint import Checkpointer
-from jaxsim.train_state import TrainState
+from jaxsim.io.checkpoint import Checkpointer
+from tests.io.checkpoint_test import TrainState
 
 def state(v):
     return TrainState(step=jnp.int32(v), params={'w': jnp.full((256, 256), float(v))},

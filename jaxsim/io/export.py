@@ -1,0 +1,363 @@
+"""Export a `SentenceModel` as a Hugging Face or sentence-transformers folder.
+
+`hf` writes `config.json`, `model.safetensors` (PyTorch `BertModel`/`RobertaModel` names and
+layouts) and the tokenizer, so `transformers.AutoModel.from_pretrained(DIR)` gives jaxsim's
+hidden states. BERT's pooler layer is written only for a pooler whose parameters ARE that
+layer (`Pooler.hf_pooler`, e.g. 'cls': a SimCSE head becomes `pooler.dense`, so
+`pooler_output` is jaxsim's 'cls' vector and the SimCSE tool's `pooler="cls"` reads it).
+
+`sentence-transformers` adds, after the Transformer module, the modules the pooler's export
+rule returns (`jaxsim.models.poolers`: stock modules only, each exact), then an optional Dense
+carrying an affine calibration z = (x - mu) W (weight W^T, bias -mu W, identity activation)
+and an optional Normalize, so `SentenceTransformer(DIR).encode` returns jaxsim's vectors.
+
+Every export records its choices in `jaxsim_export.json` (pooler, mlp_only_train, calibration,
+normalize), which `jaxsim.load_pretrained` reads back. The folder is built next to its final
+place and renamed into it, so a failure never leaves half an export; folders get mode 0777 and
+files 0666 less the umask, like any file the user writes.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+from safetensors.numpy import save as safetensors_bytes
+
+from jaxsim import calibrate
+from jaxsim.data.readers import read_sentences
+from jaxsim.encode import encode
+from jaxsim.errors import JaxsimError
+from jaxsim.io.hf import encoder_params_to_hf
+from jaxsim.io.hf_folder import has_normalize_module
+from jaxsim.io.pretrained import load_pretrained
+from jaxsim.io.workdir import is_train_workdir
+from jaxsim.model import SentenceModel
+from jaxsim.models.poolers import StModule, get_pooler
+
+FORMATS = ("hf", "sentence-transformers")
+RECORD_FILE = "jaxsim_export.json"
+_IDENTITY = "torch.nn.modules.linear.Identity"
+# sentence-transformers modules that read every layer's output: the Transformer module passes
+# them on only when the Hugging Face config sets output_hidden_states.
+_READS_ALL_LAYERS = ("WeightedLayerPooling",)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("jaxsim")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
+class ExportError(JaxsimError):
+    """An export that cannot be done as asked; the message says why and what to do."""
+
+
+# ------------------------------------------------------------------------------ the output
+def check_out(out: Union[str, os.PathLike], overwrite: bool,
+              sources: Sequence[Union[str, os.PathLike]] = ()) -> Path:
+    """Refuses an output that would destroy something: a source model, a non-empty folder
+    (without `overwrite`), or, even with it, a non-empty folder that is not a jaxsim export."""
+    out = Path(out).absolute()
+    for src in sources:
+        src = Path(src).absolute()
+        if out == src or out in src.parents:
+            raise ExportError(f"--out {out} would overwrite the model being exported ({src})")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ExportError(f"--out {out} is not empty; pass --overwrite to replace it")
+        if not (out / RECORD_FILE).is_file():
+            raise ExportError(f"--out {out} is not empty and holds no {RECORD_FILE}: not a "
+                              f"previous export, so --overwrite will not delete it")
+    if not out.parent.is_dir():
+        raise ExportError(f"--out {out}: the parent folder {out.parent} does not exist")
+    if not os.access(out.parent, os.W_OK):
+        raise ExportError(f"--out {out}: the folder {out.parent} is not writable")
+    return out
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def _save_tensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
+    """Writes a safetensors file through open(), so its mode follows the umask
+    (`safetensors.numpy.save_file` creates files 0600)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = safetensors_bytes({k: np.ascontiguousarray(v, dtype=np.float32)
+                              for k, v in tensors.items()}, metadata={"format": "pt"})
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _sibling_dir(out: Path, tag: str) -> Path:
+    """A new empty folder next to `out`, created with the umask's permissions.
+
+    (`tempfile.mkdtemp` would create it 0700, and the export would keep that mode after the
+    rename: a model folder nobody else can read.)"""
+    while True:
+        path = out.parent / f".{out.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
+# ------------------------------------------------------------------ sentence-transformers
+def pooler_modules(model: SentenceModel) -> list[StModule]:
+    """The sentence-transformers modules reproducing the model's pooler, by its export rule."""
+    pooler = get_pooler(model.pooler)
+    if pooler.export is None:
+        raise ExportError(f"pooler {model.pooler!r} has no sentence-transformers export rule "
+                          f"(register it with register_pooler(..., export=rule)); export "
+                          f"--format hf, or choose a pooler that has one")
+    use_head = not model.encoder.mlp_only_train
+    return list(pooler.export(model.params.get("pooler"), model.config, use_head))
+
+
+def affine_of(calibration: calibrate.Calibration) -> tuple[np.ndarray, np.ndarray]:
+    """(mu [D], W [D, K]) of an affine calibration; an ExportError for any other."""
+    pair = calibration.affine()
+    if pair is None:
+        raise ExportError(f"calibration {calibration.describe()!r} is not affine: "
+                          f"sentence-transformers has no stock module for it; export accepts "
+                          f"{', '.join(exportable_calibrations())}")
+    mu, w = (np.asarray(a, np.float64) for a in pair)
+    return mu, w
+
+
+def calibration_module(calibration: calibrate.Calibration, dim: int) -> StModule:
+    """A Dense module computing z = (x - mu) W = x W + (-mu W), exactly the calibration."""
+    mu, w = affine_of(calibration)
+    if mu.shape != (dim,) or w.ndim != 2 or w.shape[0] != dim:
+        raise ExportError(f"the calibration maps {w.shape[0]}-dim vectors (mu {mu.shape}, W "
+                          f"{w.shape}); the model gives {dim}-dim vectors")
+    return StModule("sentence_transformers.models.Dense", {
+        "in_features": int(w.shape[0]), "out_features": int(w.shape[1]), "bias": True,
+        "activation_function": _IDENTITY},
+        {"linear.weight": w.T, "linear.bias": -(mu @ w)})  # torch Linear: weight [out, in]
+
+
+def st_modules(model: SentenceModel, calibration: Any = None,
+               normalize: bool = False) -> list[StModule]:
+    """Modules after the Transformer: pooler rule, then calibration Dense, then Normalize."""
+    modules = pooler_modules(model)
+    if calibration is not None:
+        modules.append(calibration_module(calibration, model.hidden_size))
+    if normalize:
+        modules.append(StModule("sentence_transformers.models.Normalize", {}))
+    return modules
+
+
+def _write_st(folder: Path, modules: Sequence[StModule], max_length: int) -> list[dict]:
+    """Writes sentence-transformers' files and module folders; returns modules.json."""
+    entries = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"}]
+    for idx, module in enumerate(modules, start=1):
+        sub = f"{idx}_{module.short_name}"
+        (folder / sub).mkdir()
+        if module.config:
+            _write_json(folder / sub / "config.json", dict(module.config))
+        if module.tensors:
+            _save_tensors(folder / sub / "model.safetensors", module.tensors)
+        entries.append({"idx": idx, "name": str(idx), "path": sub, "type": module.type})
+    _write_json(folder / "modules.json", entries)
+    _write_json(folder / "sentence_bert_config.json",
+                {"max_seq_length": int(max_length), "do_lower_case": False})
+    _write_json(folder / "config_sentence_transformers.json", {
+        "_version()": {"jaxsim": _version()}, "similarity_fn_name": "cosine",
+        "prompts": {}, "default_prompt_name": None})
+    return entries
+
+
+# ---------------------------------------------------------------------------- the export
+def hf_tensors(model: SentenceModel) -> dict[str, np.ndarray]:
+    """The model's PyTorch state dict; BERT's pooler layer only for an `hf_pooler` pooler."""
+    return encoder_params_to_hf(model.params, model.config,
+                                include_pooler=get_pooler(model.pooler).hf_pooler)
+
+
+def describe_calibration(calibration: calibrate.Calibration) -> dict:
+    """The record's description of a calibration (never its parameters)."""
+    mu, w = affine_of(calibration)
+    kind = calibrate.parse_spec(calibration.spec)[0] if calibration.spec else \
+        type(calibration).__name__
+    return {"kind": kind, "spec": calibration.spec, "describe": calibration.describe(),
+            "dim_in": int(w.shape[0]), "dim_out": int(w.shape[1])}
+
+
+def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str = "hf", *,
+                 calibration: Any = None, normalize: bool = False,
+                 max_length: Optional[int] = None, overwrite: bool = False,
+                 source: Optional[str] = None) -> Path:
+    """Writes `model` (with its own pooler) as a Hugging Face or sentence-transformers folder.
+
+    Args:
+      model: the encoder (e.g. `jaxsim.load_pretrained(WORKDIR)`); `model.with_pooler(name)`
+        exports another pooler.
+      out: output folder: absent, empty, or a previous export when `overwrite`.
+      format: 'hf' or 'sentence-transformers'.
+      calibration: an affine calibration applied after pooling (sentence-transformers only).
+      normalize: L2-normalize the final vectors (sentence-transformers only).
+      max_length: token limit (sentence-transformers `max_seq_length`); default: the model's.
+      overwrite: replace a previous export in `out`.
+      source: where the model came from, for the record (default: `model.path`).
+
+    Returns:
+      The output folder.
+    """
+    if format not in FORMATS:
+        raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
+    if format == "hf" and (calibration is not None or normalize):
+        raise ExportError("a calibration or normalize needs --format sentence-transformers "
+                          "(a Hugging Face model folder has no place for them)")
+    sources = [model.path] if model.path and Path(model.path).exists() else []
+    out = check_out(out, overwrite, sources)
+    max_length = model.max_length() if max_length is None else int(max_length)
+    if not 2 <= max_length <= model.config.max_length:
+        raise ExportError(f"max_length must be in [2, {model.config.max_length}], "
+                          f"got {max_length}")
+    # Everything that can fail on bad input is computed before anything is written.
+    tensors = hf_tensors(model)
+    modules = st_modules(model, calibration, normalize) if format != "hf" else []
+    hf_config = model.config.to_hf_dict()
+    if any(m.short_name in _READS_ALL_LAYERS for m in modules):
+        hf_config["output_hidden_states"] = True
+    record = {"jaxsim_version": _version(), "format": format, "pooler": model.pooler,
+              "mlp_only_train": bool(model.encoder.mlp_only_train),
+              "source": source or model.path, "normalize": bool(normalize),
+              "post": None if calibration is None else describe_calibration(calibration),
+              "max_seq_length": max_length}
+
+    tmp = _sibling_dir(out, "tmp")
+    old = None
+    try:
+        _write_json(tmp / "config.json", hf_config)
+        _save_tensors(tmp / "model.safetensors", tensors)
+        model.tokenizer.save_pretrained(str(tmp))
+        if modules:
+            record["modules"] = _write_st(tmp, modules, max_length)
+        _write_json(tmp / RECORD_FILE, record)
+        if out.exists():
+            old = _sibling_dir(out, "old")
+            os.replace(out, old / out.name)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out.exists():
+            os.replace(old / out.name, out)  # put the previous export back
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+# ------------------------------------------------------------- the command: source -> folder
+def exportable_calibrations() -> list[str]:
+    """The --post values export accepts: the registered affine (`linear`) calibrations."""
+    accepted = []
+    for name in calibrate.CALIBRATIONS.names():
+        cls = calibrate.CALIBRATIONS.get(name)
+        if not getattr(cls, "linear", False):
+            continue
+        arg = "K" if getattr(cls, "arg_type", int) is int else "ARG"
+        accepted.append({"none": name, "optional": f"{name}[:{arg}]"}.get(
+            getattr(cls, "arg", "none"), f"{name}:{arg}"))
+    return accepted
+
+
+def check_post(spec: str, format: str) -> Optional[str]:
+    """Validates `--post` before any model is loaded; returns the spec, or None for 'none'."""
+    name, _ = calibrate.parse_spec(spec)
+    if name == "none":
+        return None
+    if not getattr(calibrate.CALIBRATIONS.get(name), "linear", False):
+        raise ExportError(f"--post {spec} cannot be exported: {name} is not an affine map, and "
+                          f"sentence-transformers has no stock module for it; export accepts "
+                          f"--post {', '.join(exportable_calibrations())}")
+    if format != "sentence-transformers":
+        raise ExportError("--post needs --format sentence-transformers (a Hugging Face model "
+                          "folder has no place for it)")
+    return spec
+
+
+def fit_calibration(model: SentenceModel, spec: str, fit_data: Optional[Path],
+                    batch_size: int = 64, max_length: Optional[int] = None
+                    ) -> calibrate.Calibration:
+    """Encodes the fit sentences (one a line, blank lines skipped) and fits `spec` on them."""
+    if fit_data is None:
+        raise ExportError(f"--post {spec} needs --fit-data FILE (one sentence a line) to fit on")
+    vectors = encode(model, read_sentences(fit_data), batch_size=batch_size,
+                     max_length=max_length)
+    return calibrate.fit(spec, vectors)
+
+
+def export_source(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
+                  format: str = "hf", *, pooler: Optional[str] = None,
+                  step: Union[str, int] = "best", post: str = "none",
+                  fit_data: Optional[Path] = None,
+                  calibration: Optional[Union[str, os.PathLike]] = None,
+                  normalize: Optional[bool] = None,
+                  max_length: Optional[int] = None, batch_size: int = 64,
+                  overwrite: bool = False) -> Path:
+    """`python -m jaxsim export`: loads a model source and exports it.
+
+    Cheap checks (output folder, --post, --format) run before the model is loaded.
+
+    Args:
+      source: a train workdir, a Hugging Face / sentence-transformers folder, or a hub id.
+      out: output folder.
+      format: 'hf' or 'sentence-transformers'.
+      pooler: the pooler to export; default: the source's own. A train workdir is exported
+        with the pooler it was trained and evaluated with (another one is refused).
+      step: a workdir's checkpoint: 'best', 'latest' or a step number.
+      post: an affine calibration to bake in ('none', 'whitening[:K]', 'sn', 'natsv:K').
+      fit_data: sentences to fit `post` on.
+      calibration: a saved calibration folder (`Calibration.save`) to bake in instead of
+        fitting one; it must be affine and fitted on this model's vectors.
+      normalize: append Normalize; default: as the source sentence-transformers folder.
+      max_length: token limit, for the export and for encoding the fit sentences.
+      batch_size: encoding batch for the fit.
+      overwrite: replace a previous export in `out`.
+    """
+    if format not in FORMATS:
+        raise ExportError(f"unknown --format {format!r}; choose one of {', '.join(FORMATS)}")
+    check_out(out, overwrite, [source] if Path(source).exists() else [])
+    post = check_post(post, format)
+    loaded = None
+    if calibration is not None:
+        if post is not None:
+            raise ExportError("pass either --post (fit a calibration) or --calibration (a "
+                              "saved one), not both")
+        if format != "sentence-transformers":
+            raise ExportError("--calibration needs --format sentence-transformers")
+        loaded = calibrate.load(calibration)
+        affine_of(loaded)  # an affine one, or a clear error before the model is loaded
+    if normalize and format == "hf":
+        raise ExportError("--normalize needs --format sentence-transformers")
+    workdir = Path(source).is_dir() and is_train_workdir(source)
+    model = load_pretrained(source, which=step if workdir else "best")
+    if pooler is not None and pooler != model.pooler:
+        if workdir:
+            raise ExportError(f"{source} was trained and evaluated with pooler "
+                              f"{model.pooler!r}; exporting it with --pooler {pooler!r} would "
+                              f"give other vectors than the ones it was selected on")
+        model = model.with_pooler(pooler)
+    if normalize is None:
+        normalize = format == "sentence-transformers" and not workdir and \
+            has_normalize_module(Path(model.path))
+    if post is not None:
+        loaded = fit_calibration(model, post, fit_data, batch_size, max_length)
+    return export_model(model, out, format, calibration=loaded, normalize=normalize,
+                        max_length=max_length, overwrite=overwrite, source=str(source))
