@@ -8,10 +8,12 @@ Reference: princeton-nlp/SimCSE `simcse/models.py` (`cl_forward`).
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-from jaxsim.objectives.base import register_objective
+from jaxsim.objectives.base import ObjectiveError, register_objective
 
 _EPS = 1e-8  # torch.nn.CosineSimilarity's eps.
 
@@ -108,6 +110,12 @@ def uniformity(x: jax.Array, t: float = 2.0) -> jax.Array:
     return jax.nn.logsumexp(logits) - jnp.log(n * (n - 1) / 2)
 
 
+def _check_temp(temp) -> None:
+    # Checked when traced with a Python number (from the config), where a bad value is input.
+    if isinstance(temp, (int, float)) and not (math.isfinite(temp) and temp > 0):
+        raise ObjectiveError(f'temp must be a positive number, got {temp}')
+
+
 def _diagnostics(z: jax.Array) -> dict[str, jax.Array]:
     """Alignment of the first two views and uniformity of the first, without gradients."""
     z = jax.lax.stop_gradient(z)
@@ -118,6 +126,7 @@ def _diagnostics(z: jax.Array) -> dict[str, jax.Array]:
 def unsup(z: jax.Array, temp: float = 0.05):
     """Unsupervised SimCSE: z [B, 2, H], the two views of each sentence (two dropout masks),
     or a sentence and its paired positive. Returns (loss, {'align', 'uniform'})."""
+    _check_temp(temp)
     return unsup_simcse_loss(z[:, 0], z[:, 1], temp), _diagnostics(z)
 
 
@@ -125,5 +134,6 @@ def unsup(z: jax.Array, temp: float = 0.05):
 def sup(z: jax.Array, temp: float = 0.05, hard_negative_weight: float = 0.0):
     """Supervised SimCSE: z [B, 3, H] = (premise, entailment, contradiction).
     Returns (loss, {'align', 'uniform'})."""
+    _check_temp(temp)
     loss = sup_simcse_loss(z[:, 0], z[:, 1], z[:, 2], temp, hard_negative_weight)
     return loss, _diagnostics(z)
