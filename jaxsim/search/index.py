@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from jaxsim.data.readers import read_sentences
 from jaxsim.search.storage import read_index, write_index
-from jaxsim.search.topk import (DEFAULT_BLOCK_ROWS, DEFAULT_QUERY_BATCH, place_corpus,
+from jaxsim.search.topk import (DEFAULT_BLOCK_ROWS, DEFAULT_QUERY_BATCH, Layout, place_corpus,
                                 plan_layout, top_k_search)
 from jaxsim.search.vectors import SearchError, as_matrix, embed, model_ref, normalize_rows
 from jaxsim.sharding import make_mesh
@@ -156,10 +156,7 @@ class SearchIndex:
             if len(sentences) != len(arr):
                 raise SearchError(f"{len(arr)} vectors but {len(sentences)} sentences")
         need = self._size + len(arr)
-        if need > len(self._buffer):  # amortized growth: adds in small pieces stay linear
-            grown = np.empty((max(need, 2 * len(self._buffer)), self.dim), np.float32)
-            grown[: self._size] = self._buffer[: self._size]
-            self._buffer = grown
+        self._reserve(need)
         rows = self._buffer[self._size: need]
         if self.info.normalize:
             normalize_rows(arr, out=rows)
@@ -169,6 +166,22 @@ class SearchIndex:
         if sentences is not None:
             self._sentences.extend(sentences)
         self._placed = None
+
+    def _layout(self, rows: int) -> Layout:
+        return plan_layout(rows, self.dim, self.mesh.size, self.block_rows)
+
+    def _reserve(self, rows: int) -> None:
+        """Grows the host buffer to hold `rows` rows plus the padding of their mesh layout.
+
+        The padding lives in the buffer itself, so placing the corpus on the mesh copies views
+        of it and never builds a padded temporary. Growth at least doubles: adds in small
+        pieces stay linear.
+        """
+        capacity = self._layout(rows).capacity
+        if capacity > len(self._buffer):
+            grown = np.empty((max(capacity, 2 * len(self._buffer)), self.dim), np.float32)
+            grown[: self._size] = self._buffer[: self._size]
+            self._buffer = grown
 
     def add(self, model: Any, sentences: Sequence[str], *, pooler: Optional[str] = None,
             batch_size: int = 64) -> None:
@@ -231,8 +244,11 @@ class SearchIndex:
         if self.info.normalize:
             q = normalize_rows(q)
         if self._placed is None:
-            layout = plan_layout(self._size, self.dim, self.mesh.size, self.block_rows)
-            self._placed = (layout, place_corpus(self._buffer[: self._size], self.mesh, layout))
+            layout = self._layout(self._size)
+            self._reserve(self._size)
+            self._buffer[self._size: layout.capacity] = 0.0  # padding rows: finite, masked
+            self._placed = (layout, place_corpus(self._buffer[: layout.capacity], self.mesh,
+                                                 layout))
         layout, corpus = self._placed
         scores, rows = top_k_search(corpus, layout, self.mesh, self._size, q, k,
                                     query_batch=self.query_batch, recall_target=recall)
@@ -293,7 +309,9 @@ class SearchIndex:
                          pooler=meta["pooler"],
                          probe=None if meta["probe"] is None else tuple(meta["probe"]))
         index = cls(info, with_sentences=sentences is not None, **options)
-        index._buffer, index._size, index._sentences = vectors, len(vectors), sentences
+        index._reserve(len(vectors))
+        index._buffer[: len(vectors)] = vectors
+        index._size, index._sentences = len(vectors), sentences
         return index
 
 

@@ -46,7 +46,7 @@ def write_index(folder: Union[str, os.PathLike], meta: dict, vectors: np.ndarray
 
 def read_index(folder: Union[str, os.PathLike]
                ) -> tuple[dict, np.ndarray, Optional[list[str]]]:
-    """(index.json fields, vectors [count, dim] in memory, sentences or None), all checked.
+    """(index.json fields, vectors [count, dim] (memory-mapped), sentences or None), checked.
 
     Raises:
       IndexFileError: a missing or inconsistent file, named with the line at fault.
@@ -101,7 +101,6 @@ def _read_vectors(path: Path, count: int, dim: int) -> np.ndarray:
     if vectors.shape != (count, dim) or vectors.dtype != np.float32:
         raise IndexFileError(f"{path}: holds {vectors.dtype} {tuple(vectors.shape)}, but "
                              f"{INDEX_FILE} says float32 ({count}, {dim})")
-    vectors = np.array(vectors)  # into memory: searches copy it to the devices
     try:
         as_matrix(vectors, str(path))
     except SearchError as e:
