@@ -1,4 +1,5 @@
-"""Data pipeline: readers, SNLI triplets, tokenization, the resumable per-process iterator."""
+"""Data pipeline: tokenization and the resumable per-process iterator (the readers' tests are
+in tests/data/readers_test.py)."""
 from pathlib import Path
 
 import numpy as np
@@ -9,69 +10,6 @@ from jaxsim.paths import SENTEVAL_ROOT as SENTEVAL
 
 if not SENTEVAL.is_dir():
     SENTEVAL = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'senteval'
-
-
-def test_read_corpus_skips_blank_lines(tmp_path):
-    f = tmp_path / 'c.txt'
-    f.write_text('one sentence\n\n   \ntwo sentence \n')
-    assert pipeline.read_corpus(f) == ['one sentence', 'two sentence']
-
-
-def test_read_corpus_errors_name_the_file(tmp_path):
-    with pytest.raises(pipeline.DataError, match='missing.txt: corpus file not found'):
-        pipeline.read_corpus(tmp_path / 'missing.txt')
-    (tmp_path / 'blank.txt').write_text('\n\n')
-    with pytest.raises(pipeline.DataError, match='blank.txt: no sentences'):
-        pipeline.read_corpus(tmp_path / 'blank.txt')
-    (tmp_path / 'bad.txt').write_bytes(b'ok\n\xff\xfe\n')
-    with pytest.raises(pipeline.DataError, match=r'bad.txt:2: not valid UTF-8'):
-        pipeline.read_corpus(tmp_path / 'bad.txt')
-
-
-def test_nli_csv_round_trip_and_malformed_rows(tmp_path):
-    rows = [('a man sleeps', 'a person rests', 'a man runs'), ('x, "quoted"', 'y', 'z')]
-    path = pipeline.write_nli_csv(rows, tmp_path / 'nli.csv')
-    assert pipeline.read_nli_csv(path) == rows
-    bad = tmp_path / 'bad.csv'
-    bad.write_text('sent0,sent1,hard_neg\na,b,c\nd,e\n')
-    with pytest.raises(pipeline.DataError, match=r'bad.csv:3: expected 3 columns'):
-        pipeline.read_nli_csv(bad)
-    bad.write_text('sent0,sent1,hard_neg\na,b,c\nd,,f\n')
-    with pytest.raises(pipeline.DataError, match=r"bad.csv:3: empty 'sent1'"):
-        pipeline.read_nli_csv(bad)
-    bad.write_text('premise,hypothesis,neg\na,b,c\n')
-    with pytest.raises(pipeline.DataError, match=r'bad.csv:1: header'):
-        pipeline.read_nli_csv(bad)
-
-
-def test_snli_triplets_synthetic(tmp_path):
-    (tmp_path / 's1.dev').write_text('p1\np1\np1\np2\np2\np3\n')
-    (tmp_path / 's2.dev').write_text('e1\nc1\nn1\ne2\ne2b\nc3\n')
-    (tmp_path / 'labels.dev').write_text(
-        'entailment\ncontradiction\nneutral\nentailment\nentailment\ncontradiction\n')
-    # p2 has no contradiction and p3 no entailment: both dropped.
-    assert pipeline.build_snli_triplets(tmp_path, ['dev']) == [('p1', 'e1', 'c1')]
-    (tmp_path / 'labels.dev').write_text('entailment\n')
-    with pytest.raises(pipeline.DataError, match='different line counts'):
-        pipeline.build_snli_triplets(tmp_path, ['dev'])
-
-
-def test_snli_triplets_real_files():
-    snli = SENTEVAL / 'SNLI'
-    rows = pipeline.build_snli_triplets(snli, ('dev', 'test'))
-    assert 6000 < len(rows) < 7000  # ~one entailment per premise in dev (9842) + test (9824)
-    s1 = (snli / 's1.dev').read_text().splitlines()
-    s2 = (snli / 's2.dev').read_text().splitlines()
-    lab = (snli / 'labels.dev').read_text().splitlines()
-    labels = {(a.strip(), b.strip()): c for a, b, c in zip(s1, s2, lab)}
-    for p, e, c in rows[:200]:
-        assert labels[(p, e)] == 'entailment' and labels[(p, c)] == 'contradiction'
-
-
-def test_corpus_from_senteval_excludes_sts_and_dedups():
-    sents = pipeline.collect_corpus(SENTEVAL)
-    assert len(sents) == len(set(sents)) > 20000
-    assert all(len(s.split()) >= 3 for s in sents)
 
 
 class _FakeTokenizer:
@@ -143,41 +81,3 @@ def test_iterator_refuses_bad_sizes():
         pipeline.BatchIterator(_arrays(), 8, process_count=3)
     with pytest.raises(pipeline.DataError, match='cannot fill one global batch'):
         pipeline.BatchIterator(_arrays(5), 8)
-
-
-_TFDS_BUILD = """
-import sys
-import tensorflow_datasets as tfds
-
-
-class TinyCorpus(tfds.core.GeneratorBasedBuilder):
-    VERSION = tfds.core.Version('1.0.0')
-
-    def _info(self):
-        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
-            {'text': tfds.features.Text()}))
-
-    def _split_generators(self, dl_manager):
-        return {'train': self._generate_examples()}
-
-    def _generate_examples(self):
-        for i, s in enumerate(['a cat sits', '', 'a dog runs']):
-            yield i, {'text': s}
-
-
-TinyCorpus(data_dir=sys.argv[1], file_format='array_record').download_and_prepare()
-"""
-
-
-def test_tfds_source_reads_prepared_array_record_dataset(tmp_path):
-    # Built in a subprocess: tfds resolves a builder's module resources, which a test module
-    # outside a package does not have; users likewise read a prepared folder, not the code.
-    import subprocess
-    import sys
-    subprocess.run([sys.executable, '-c', _TFDS_BUILD, str(tmp_path)], check=True,
-                   capture_output=True, timeout=120)
-    folder = tmp_path / 'tiny_corpus' / '1.0.0'
-    rows = pipeline.read_tfds(str(folder), 'train')
-    assert sorted(rows) == [('a cat sits',), ('a dog runs',)]  # the empty example is skipped
-    with pytest.raises(pipeline.DataError, match="no field 'sent0'"):
-        pipeline.read_tfds(str(folder), 'train', fields=('sent0',))

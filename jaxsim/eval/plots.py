@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxsim.eval.sts import StsResult
+from jaxsim.eval.protocol import StsResult
 
 
 def _pyplot():

@@ -1,4 +1,9 @@
-"""Result tables (Markdown) and JSON for STS evaluations."""
+"""Result tables (Markdown) and JSON records for STS evaluations.
+
+A table says what it shows: metric, aggregation, pooler and split in its caption; an average
+over fewer than the 7 STS tasks is headed "Avg. (n)" and the caption lists the tasks it
+covers; below the table, the data root each task was read from and every note, once.
+"""
 from __future__ import annotations
 
 import json
@@ -6,28 +11,40 @@ import math
 import os
 from collections.abc import Sequence
 
-from jaxsim.eval.sts import AGGREGATE_DOC, StsResult
+from jaxsim.data import senteval
+from jaxsim.eval.metrics import AGGREGATE_DOC
+from jaxsim.eval.protocol import StsResult
 
 # Column headers as in the SimCSE paper's tables.
 SHORT_NAMES = {
     'STS12': 'STS12', 'STS13': 'STS13', 'STS14': 'STS14', 'STS15': 'STS15', 'STS16': 'STS16',
     'STSBenchmark': 'STS-B', 'SICKRelatedness': 'SICK-R',
 }
+NUM_TASKS = len(senteval.TASK_KEYS)
 
 
 def _fmt(v: float) -> str:
     return 'n/a' if v is None or (isinstance(v, float) and math.isnan(v)) else f'{v:.2f}'
 
 
+def avg_header(tasks: Sequence[str]) -> str:
+    """'Avg.' over all 7 tasks, else 'Avg. (n)'."""
+    return 'Avg.' if len(tasks) == NUM_TASKS else f'Avg. ({len(tasks)})'
+
+
+def _dedup(items) -> list:
+    return list(dict.fromkeys(items))
+
+
 def markdown_table(results: Sequence[StsResult], aggregate: str | None = None) -> str:
-    """One row per (model, calibration), one column per task, plus Avg.
+    """One row per (model, calibration), one column per task, plus the average.
 
     Args:
       results: rows; the task columns are the union over rows, in paper order.
       aggregate: which aggregation to show; default: the rows' own.
 
     Returns:
-      A caption line naming metric, aggregation, pooler and split, then the table.
+      Caption lines, the table, then 'data:' and 'note:' lines.
     """
     if not results:
         raise ValueError('no results to tabulate')
@@ -36,30 +53,49 @@ def markdown_table(results: Sequence[StsResult], aggregate: str | None = None) -
     for r in results:
         columns += [k for k in r.scores if k not in columns]
     multi_model = len({r.model for r in results}) > 1
-    poolers = sorted({r.pooler for r in results})
-    splits = sorted({r.split for r in results})
+    poolers = _dedup(r.pooler for r in results)
+    splits = _dedup(r.split for r in results)
+    avg = avg_header(columns)
     caption = (f'Spearman x100 of cosine similarity; aggregation: {aggregate} '
                f'({AGGREGATE_DOC[aggregate]}); pooler: {", ".join(poolers)}; '
                f'split: {", ".join(splits)}')
+    fit_ons = _dedup(r.details.get('fit_on') for r in results if r.details.get('fit_on'))
+    if fit_ons:
+        caption += f'; calibrations fitted on: {", ".join(map(str, fit_ons))}'
+    lines = [caption]
+    if avg != 'Avg.':
+        lines.append(f'{avg}: the mean over {", ".join(SHORT_NAMES.get(c, c) for c in columns)}'
+                     f' only (not the 7-task average)')
     head = (['Model'] if multi_model else []) + ['Post'] + [SHORT_NAMES.get(c, c) for c in columns]
-    head.append('Avg.')
-    lines = [caption, '', '| ' + ' | '.join(head) + ' |',
-             '|' + '|'.join(['---'] * (len(head) - len(columns) - 1)
-                            + ['---:'] * (len(columns) + 1)) + '|']
+    head.append(avg)
+    lines += ['', '| ' + ' | '.join(head) + ' |',
+              '|' + '|'.join(['---'] * (len(head) - len(columns) - 1)
+                             + ['---:'] * (len(columns) + 1)) + '|']
     for r in results:
         cells = ([str(r.model)] if multi_model else []) + [r.label]
         cells += [_fmt(r.scores[c].get(aggregate)) if c in r.scores else '' for c in columns]
-        cells.append(_fmt(r.avg_of(aggregate)))
+        cells.append(_fmt(r.avg_of(aggregate)) if set(r.scores) == set(columns) else 'n/a')
         lines.append('| ' + ' | '.join(cells) + ' |')
-    notes = sorted({n for r in results for n in r.details.get('notes', [])})
-    if notes:
-        lines.append('')
-        lines += [f'note: {n}' for n in notes]
+    lines.append('')
+    lines += data_lines(results)
+    lines += [f'note: {n}' for n in _dedup(n for r in results for n in r.details.get('notes', []))]
     return '\n'.join(lines)
 
 
+def data_lines(results: Sequence[StsResult]) -> list[str]:
+    """'data: STS12, STS-B from ROOT' lines: which data root each task was read from."""
+    by_roots: dict[tuple[str, ...], list[str]] = {}
+    for r in results:
+        for task, roots in r.details.get('data_sources', {}).items():
+            names = by_roots.setdefault(tuple(roots), [])
+            if SHORT_NAMES.get(task, task) not in names:
+                names.append(SHORT_NAMES.get(task, task))
+    return [f'data: {", ".join(tasks)} from {" + ".join(roots)}'
+            for roots, tasks in by_roots.items()]
+
+
 def result_to_json(r: StsResult) -> dict:
-    """The issue's JSON record: model, pooler, post, tasks, avg, details."""
+    """One row's JSON record: model, pooler, post, tasks, avg (and what it covers), details."""
     return {
         'model': r.model,
         'pooler': r.pooler,
@@ -67,6 +103,7 @@ def result_to_json(r: StsResult) -> dict:
         'aggregate': r.aggregate,
         'tasks': r.tasks,
         'avg': r.avg,
+        'avg_over': list(r.scores),
         'details': r.details,
     }
 

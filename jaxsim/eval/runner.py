@@ -1,111 +1,300 @@
-"""Evaluating models end to end: load, encode once (cached), calibrate, score, report.
+"""Evaluating models end to end: load, encode once, calibrate, score.
 
-`eval.py` is a thin argparse layer over `run`.
+`eval.py` is a thin command line over `run`; training's model selection calls
+`stsb_dev_score`. Models load through `jaxsim.load_pretrained` and encode through the one
+`jaxsim.encode`; calibrations come from `jaxsim.calibrate`; what is scored and what a
+calibration is fitted on is `jaxsim.eval.protocol`.
 """
 from __future__ import annotations
 
+import inspect
 import pathlib
-import sys
 import time
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
 
-from jaxsim import calibration
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsim
+from jaxsim import calibrate
 from jaxsim.data import senteval
-from jaxsim.eval.sts import CachedEncoder, StsResult, evaluate_rows
+from jaxsim.data.senteval import StsTask
+from jaxsim.eval import diagnostics as diag
+from jaxsim.eval import metrics, protocol
+from jaxsim.eval.embeddings import CachedEncoder, EmbeddingTable, EncodeFn
+from jaxsim.eval.protocol import FitSet, StsResult
 from jaxsim.paths import SENTEVAL_ROOT
 
-DEFAULT_DATA = SENTEVAL_ROOT  # ../shared/data/senteval beside the repository
+DEFAULT_DATA = SENTEVAL_ROOT
+BUNDLED_NAME = 'all-MiniLM-L6-v2 (bundled)'
+# (sentences, dropout key) -> dropout-noised [N, D] vectors, for flows fitted on noised inputs.
+NoisyEncodeFn = Callable[[list[str], jax.Array], np.ndarray]
 
 
-def default_tasks(roots, split: str = 'test', verbose: bool = True) -> list[str]:
-    """Every task found under `roots` (the 7 SimCSE tasks for 'test'; STS-B for 'dev')."""
-    if split == 'dev':
-        return ['stsb']
-    found = [t for t in senteval.ALL_TASKS if senteval.has_task(t, roots)]
-    missing = [senteval.TASK_KEYS[t] for t in senteval.ALL_TASKS if t not in found]
-    if not found:
-        raise senteval.SentEvalFormatError(
-            f'no STS task folder under {", ".join(map(str, roots))} (expected STS/STS1X-en-test, '
-            'STS/STSBenchmark or SICK)')
-    if missing and verbose:
-        print(f'note: not found under the data roots, skipped: {", ".join(missing)}',
-              file=sys.stderr)
-    return found
+def _fit_options(post: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options (given, not None) that the calibration named in `post` takes."""
+    cls = calibrate.CALIBRATIONS.get(calibrate.parse_spec(post)[0])
+    params = inspect.signature(cls.fit).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return {k: v for k, v in options.items() if v is not None}
+    return {k: v for k, v in options.items() if k in params and v is not None}
 
 
-def make_encoder(model, pooler: str, max_length: Optional[int], batch_size: int,
-                 dtype: str = 'float32') -> CachedEncoder:
-    """A cached `list[str] -> [N, H]` for one (model, pooler, max_length, dtype), dropout off."""
-    import jax.numpy as jnp  # Deferred: importing JAX costs seconds.
+def is_seeded(post: str) -> bool:
+    """Whether fitting `post` depends on a seed (it is then fitted once per seed)."""
+    return 'seed' in _fit_options(post, {'seed': 0})
 
-    from jaxsim.encode import encode
 
-    def encode_fn(sentences: list[str]):
-        # `encode` applies the model with deterministic=True: evaluation never uses dropout.
-        return encode(model, sentences, pooler=pooler, batch_size=batch_size,
-                      max_length=max_length, progress=False, dtype=getattr(jnp, dtype))
+def _fit(post: str, fit_set: FitSet, table: EmbeddingTable, seed: int, options: dict,
+         noisy: Optional[NoisyEncodeFn], checkpoint) -> calibrate.Calibration:
+    """Fits `post` on the fit set's vectors (or loads `checkpoint` for a flow)."""
+    if checkpoint is not None and calibrate.parse_spec(post)[0] == 'flow':
+        return calibrate.load(checkpoint)
+    embed = None
+    if noisy is not None:
+        embed = lambda key: noisy(fit_set.sentences, key)  # noqa: E731
+    opts = _fit_options(post, {**options, 'seed': seed, 'embed': embed})
+    return calibrate.fit(post, table.lookup(fit_set.sentences), **opts)
+
+
+def _fit_label(fit_set: FitSet, tasks: Sequence[str], shared: bool) -> str:
+    return fit_set.fit_on if shared else f'{fit_set.fit_on} fit for {", ".join(tasks)}'
+
+
+def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str] = ('none',),
+                  split: str = 'test', aggregate: str = 'all', fit_on: str = 'target',
+                  seeds: Sequence[int] = (0,), flow_checkpoint=None,
+                  fit_options: Optional[Mapping[str, Any]] = None,
+                  noisy_encode_fn: Optional[NoisyEncodeFn] = None, diagnostics: bool = True,
+                  model: str = '', pooler: str = '',
+                  extra_details: Optional[Mapping[str, Any]] = None) -> list[StsResult]:
+    """Evaluates one encoder under several calibrations, encoding each sentence once.
+
+    Args:
+      encode_fn: list of N sentences -> [N, D] vectors; deterministic (no dropout). Wrap it
+        in `CachedEncoder` to share encodings across calls.
+      tasks: task names (sts12..sts16, stsb, sickr), a comma string, or loaded StsTasks.
+      roots: data root(s), searched per file in order.
+      posts: calibration specs (`jaxsim.calibrate.parse_spec`), one result row each.
+      split: 'test' (the protocol) or 'dev' (STS-B dev, SICK trial).
+      aggregate: 'all' | 'mean' | 'wmean', what `StsResult.tasks` / `.avg` show.
+      fit_on: 'target', 'task', 'paper' or a sentence file (see `jaxsim.eval.protocol`).
+      seeds: a calibration whose fit takes a seed (flows) is fitted once per seed and its
+        scores averaged; the JSON keeps each seed's.
+      flow_checkpoint: a saved flow calibration used for 'flow' posts instead of fitting.
+      fit_options: options for `jaxsim.calibrate.fit` (eps, config, mesh, progress); each
+        calibration receives those it takes.
+      noisy_encode_fn: (sentences, key) -> dropout-noised vectors, for flow configs fitted on
+        dropout-noised embeddings (BERT-flow's setting).
+      diagnostics: compute alignment / uniformity / anisotropy / spectrum per row.
+      model, pooler: recorded in the results.
+      extra_details: merged into every row's details.
+
+    Returns:
+      One `StsResult` per post, in order. Notes are in `details['notes']`, never printed.
+    """
+    metrics.check_aggregate(aggregate)
+    seeds = [int(s) for s in seeds] or [0]
+    for p in posts:
+        calibrate.parse_spec(p)  # a bad spec fails before any encoding
+    t_start = time.perf_counter()
+    task_list = protocol.load_tasks(tasks, roots, split=split)
+    encoder = encode_fn if isinstance(encode_fn, CachedEncoder) else CachedEncoder(encode_fn)
+    seconds_before = encoder.seconds
+
+    sets = {p: protocol.fit_sets(fit_on, task_list, roots, p) for p in posts
+            if calibrate.parse_spec(p)[0] != 'none'}
+    sentences = [s for t in task_list for s in t.sentences()]
+    fit_sentences = [s for per_task in sets.values()
+                     for fs in {id(f): f for f in per_task.values()}.values()
+                     for s in fs.sentences]
+    t_load = time.perf_counter()
+    table = EmbeddingTable.build(encoder, sentences + fit_sentences)
+    evaluated = table.subset(sentences)
+
+    task_notes = [n for t in task_list for n in t.notes]
+    files, sources = dict(senteval.task_files(task_list)), {}
+    for t in task_list:
+        sources[t.name] = list(t.roots)
+    stsb = next((t for t in task_list if t.name == 'STSBenchmark'), None)
+    ref_task = (stsb or task_list[0]).name
+
+    results = []
+    for post in posts:
+        t_post = time.perf_counter()
+        name, _ = calibrate.parse_spec(post)
+        row_notes = list(task_notes)
+        per_seed: list[dict[str, metrics.TaskScore]] = []
+        ref_table = evaluated
+        fit_record = None
+        post_seeds = seeds if name != 'none' and is_seeded(post) else seeds[:1]
+        if name == 'none':
+            per_seed.append({t.name: protocol.score_task(t, evaluated.lookup)
+                             for t in task_list})
+        else:
+            per_task = sets[post]
+            groups: dict[int, list[StsTask]] = {}
+            for t in task_list:
+                groups.setdefault(id(per_task[t.name]), []).append(t)
+            shared = len(groups) == 1 and len(task_list) > 1
+            fit_record = {'fit_on': fit_on,
+                          'rule': (protocol.PAPER_RULES[protocol.paper_family(post)]
+                                   if fit_on == 'paper' else None),
+                          'sets': {t.name: per_task[t.name].record() for t in task_list},
+                          'calibration': {}}
+            for fs in {id(f): f for f in per_task.values()}.values():
+                row_notes += [n for n in fs.notes if n not in row_notes]
+                files.update(fs.files)
+            for seed in post_seeds:
+                scores = {}
+                for members in groups.values():
+                    fs = per_task[members[0].name]
+                    names = [t.name for t in members]
+                    cal = _fit(post, fs, table, seed, dict(fit_options or {}), noisy_encode_fn,
+                               flow_checkpoint)
+                    if cal.note:
+                        note = f'[{post}, {_fit_label(fs, names, shared)}] {cal.note}'
+                        row_notes += [note] if note not in row_notes else []
+                    for n in names:
+                        fit_record['calibration'].setdefault(n, cal.describe())
+                    own = evaluated.subset([s for t in members for s in t.sentences()])
+                    own = own.replace(cal.apply(own.matrix))
+                    scores.update({t.name: protocol.score_task(t, own.lookup) for t in members})
+                    if diagnostics and ref_task in names and seed == post_seeds[0]:
+                        ref_table = evaluated.replace(cal.apply(evaluated.matrix))
+                per_seed.append({t.name: scores[t.name] for t in task_list})
+        scores = {k: metrics.mean_task_score([s[k] for s in per_seed]) for k in per_seed[0]}
+        details: dict[str, Any] = {
+            'aggregate': aggregate,
+            'aggregate_doc': metrics.AGGREGATE_DOC[aggregate],
+            'split': split,
+            'metric': 'spearman x100 of cosine similarity',
+            'fit_on': None if name == 'none' else fit_on,
+            'fit': fit_record,
+            'seeds': post_seeds if name != 'none' and is_seeded(post) else None,
+            'per_seed': ({k: [s[k].get(aggregate) for s in per_seed] for k in scores}
+                         if len(per_seed) > 1 else None),
+            'per_task': {k: v.to_dict() for k, v in scores.items()},
+            'aggregates': {
+                a: {'tasks': {k: v.get(a) for k, v in scores.items()},
+                    'avg': float(np.mean([v.get(a) for v in scores.values()]))}
+                for a in metrics.AGGREGATES},
+            'data_sources': sources,
+            'data_files': dict(files),
+            'notes': row_notes,
+        }
+        if diagnostics:
+            # Geometry of the vectors STS-B was scored with (else the first task's).
+            pos1, pos2 = protocol.stsb_positive_pairs(stsb) if stsb else ([], [])
+            details['diagnostics'] = diag.diagnostics(
+                ref_table.matrix,
+                ref_table.lookup(pos1) if pos1 else None, ref_table.lookup(pos2) if pos2 else None,
+                ref_table.lookup(list(dict.fromkeys(stsb.sentences()))) if stsb else None)
+        details['seconds_post'] = time.perf_counter() - t_post
+        if extra_details:
+            details.update(extra_details)
+        results.append(StsResult(model, pooler, post, aggregate, split, scores, details))
+
+    total = time.perf_counter() - t_start
+    timing = {'total_s': total, 'load_data_s': t_load - t_start,
+              'encode_s': encoder.seconds - seconds_before,
+              'sentences_encoded': len(table.index)}
+    timing['rest_s'] = total - timing['encode_s']
+    for r in results:
+        r.details['timing'] = timing
+    return results
+
+
+def evaluate(encode_fn: EncodeFn, tasks, roots=None, *, post: str = 'none',
+             **kwargs) -> StsResult:
+    """Evaluates one encoder under one calibration (see `evaluate_rows` for the arguments).
+
+    Example (model selection during training):
+      `evaluate(fn, ['stsb'], roots, split='dev', diagnostics=False).avg`
+    """
+    return evaluate_rows(encode_fn, tasks, roots, posts=(post,), **kwargs)[0]
+
+
+def stsb_dev_score(encode_fn: EncodeFn, roots=None, task: Optional[StsTask] = None) -> float:
+    """STS-B dev Spearman x100 (training's model-selection metric); pass `task` to skip I/O."""
+    task = task or senteval.load_sts_task('stsb', roots, split='dev')
+    table = EmbeddingTable.build(CachedEncoder(encode_fn), task.sentences())
+    return protocol.score_task(task, table.lookup).all
+
+
+def make_encoder(model: jaxsim.SentenceModel, max_length: Optional[int] = None,
+                 batch_size: int = 64, dtype: str = 'float32') -> CachedEncoder:
+    """A cached `list[str] -> [N, H]` over `jaxsim.encode` (eval mode: no dropout)."""
+    def encode_fn(sentences: list[str]) -> np.ndarray:
+        return jaxsim.encode(model, sentences, batch_size=batch_size, max_length=max_length,
+                             progress=False, dtype=getattr(jnp, dtype))
 
     return CachedEncoder(encode_fn)
 
 
-def run(models: Sequence[str], roots: Sequence, tasks: Optional[Sequence[str]] = None, *,
-        posts: Sequence[str] = ('none',), pooler: Optional[str] = None,
+def make_noisy_encoder(model: jaxsim.SentenceModel, max_length: Optional[int] = None,
+                       batch_size: int = 64, dtype: str = 'float32') -> NoisyEncodeFn:
+    """`(sentences, key) -> [N, H]` with dropout on (train mode), for flow fitting."""
+    def noisy(sentences: list[str], key: jax.Array) -> np.ndarray:
+        return jaxsim.encode(model, sentences, batch_size=batch_size, max_length=max_length,
+                             progress=False, dtype=getattr(jnp, dtype), dropout_key=key)
+
+    return noisy
+
+
+def run(models: Sequence[Optional[str]], roots: Sequence, tasks: Optional[Sequence[str]] = None,
+        *, posts: Sequence[str] = ('none',), pooler: Optional[str] = None,
         max_length: Optional[int] = None, batch_size: int = 64, split: str = 'test',
-        aggregate: str = 'all', fit_on: str = 'target', flow_checkpoint=None, flow_config=None,
-        eps: float = 0.0, diagnostics: bool = True, verbose: bool = True,
+        aggregate: str = 'all', fit_on: str = 'target', seeds: Sequence[int] = (0,),
+        flow_checkpoint=None, flow_config=None, eps: float = 0.0, diagnostics: bool = True,
         dtype: str = 'float32') -> list[StsResult]:
     """Evaluates each model under each calibration: one row per (model, post).
 
     Args:
-      models: model folders, hub ids or train workdirs ('' or None: the bundled model).
-      roots: data roots; a task is read from the first root holding it.
+      models: model folders, hub ids or train workdirs (None: the bundled model).
+      roots: data roots, searched per file in order.
       tasks: task names; default: every task found (STS-B only for split='dev').
-      flow_config: a flow config file (e.g. configs/flow_realnvp.py) for `--post flow`.
-      posts, split, aggregate, fit_on, flow_checkpoint, eps, diagnostics: see
-        `jaxsim.eval.sts.evaluate_rows`.
-      dtype: encoder compute dtype, 'float32' or 'bfloat16' (parameters stay float32).
+      flow_config: a flow config (name or file) for flow posts given without one.
+      eps: covariance regularizer for whitening / sn (0: drop null directions, with a note).
       pooler: default: the model's own (sentence-transformers / training config), else 'avg'.
-      max_length: token limit; default: the tokenizer's (no truncation in practice, as SimCSE).
-      batch_size: encoding batch size.
-      verbose: notes to stderr.
+      max_length: token limit; default: the model's (no truncation in practice, as SimCSE).
+      dtype: encoder compute dtype, 'float32' or 'bfloat16' (parameters stay float32).
+      posts, split, aggregate, fit_on, seeds, flow_checkpoint, diagnostics, batch_size: see
+        `evaluate_rows`.
 
     Returns:
-      Rows, model-major.
+      Rows, model-major. Notes (skipped tasks included) are in each row's details.
     """
-    import jax
-
-    import jaxsim
-    from jaxsim.pretrained import bundled_model_path, load_pretrained
-
     for p in posts:
-        calibration.parse_post(p)  # A typo in --post fails before any loading.
+        calibrate.parse_spec(p)  # a typo in --post fails before any loading
+    protocol.check_fit_on(fit_on)
     roots = [pathlib.Path(r) for r in roots]
-    tasks = list(tasks) if tasks else default_tasks(roots, split, verbose)
-    # Load (and validate) the data before any model: bad data fails in a second.
-    loaded = [senteval.load_sts_task(t, roots, split=split, verbose=verbose) for t in tasks]
-    encoders: dict[tuple, CachedEncoder] = {}
-    flow_cfg = None
-    if flow_config is not None:  # read before any model loads, so a bad file fails fast
-        from jaxsim.flows.config import load_config_file
-        flow_cfg = load_config_file(flow_config)
+    skipped: list[str] = []
+    if not tasks:
+        tasks, skipped = protocol.default_tasks(roots, split)
+    # Data before any model: bad data fails in a second.
+    loaded = protocol.load_tasks(list(tasks), roots, split=split)
+    options = {'eps': eps, 'config': flow_config}
     rows: list[StsResult] = []
     for name in models:
-        path = name or str(bundled_model_path())
+        path = name or str(jaxsim.bundled_model_path())
         t0 = time.perf_counter()
-        model = load_pretrained(path)
+        model = jaxsim.load_pretrained(path, pooler)
         load_s = time.perf_counter() - t0
-        use_pooler = pooler or model.default_pooler or 'avg'
-        key = (str(model.path), use_pooler, max_length, dtype)
-        if key not in encoders:
-            encoders[key] = make_encoder(model, use_pooler, max_length, batch_size, dtype)
-        rows += evaluate_rows(
-            encoders[key], loaded, posts=posts, split=split, aggregate=aggregate,
-            fit_on=fit_on, flow_checkpoint=flow_checkpoint, eps=eps, diagnostics=diagnostics,
-            flow_config=flow_cfg,
-            model=str(name or 'all-MiniLM-L6-v2 (bundled)'), pooler=use_pooler,
-            verbose=verbose,
+        encoder = make_encoder(model, max_length, batch_size, dtype)
+        noisy = make_noisy_encoder(model, max_length, batch_size, dtype)
+        out = evaluate_rows(
+            encoder, loaded, roots, posts=posts, split=split, aggregate=aggregate,
+            fit_on=fit_on, seeds=seeds, flow_checkpoint=flow_checkpoint, fit_options=options,
+            noisy_encode_fn=noisy, diagnostics=diagnostics,
+            model=str(name or BUNDLED_NAME), pooler=model.pooler,
             extra_details={'model_path': str(model.path), 'max_length': max_length,
-                           'batch_size': batch_size, 'load_model_s': load_s,
-                           'versions': {'jaxsim': jaxsim.__version__, 'jax': jax.__version__}})
+                           'batch_size': batch_size, 'dtype': dtype, 'load_model_s': load_s,
+                           'versions': {'jaxsim': jaxsim.__version__,
+                                        'jax': jax.__version__}})
+        for r in out:
+            r.details['notes'][:0] = skipped
+        rows += out
     return rows

@@ -1,0 +1,277 @@
+"""The STS protocol: which tasks, which pairs are scored, and which sentences a calibration
+is fitted on.
+
+Scoring follows SimCSE's `evaluation.py` over SentEval: STS12-16 on SentEval's subsets (each
+task scored on their concatenation, 'all'), STS-B and SICK-R on their test split, cosine
+similarity, Spearman x100 (`jaxsim.eval.metrics`).
+
+Label-free calibrations (whitening, flows, ...) are fitted on unlabeled sentences; the fit set
+changes the numbers by several points, so it is always named and recorded:
+
+  target  all sentences of all evaluated tasks, one fit shared by every task (the default:
+          one calibration then serves every input, as an exported model applies it; and a flow
+          is fitted once per row instead of once per task).
+  task    each task's own evaluated sentences, one fit per task.
+  paper   each task's fit set as the papers fit it, one fit per task:
+            flows (BERT-flow, bohanli/BERT-flow run_siamese.py, 'target' setting with
+              use_full_for_training=1): the task's train+dev+test. STS12-16 have one file,
+              `full.txt`, used as all three splits, so their pairs count three times.
+            every other calibration (BERT-whitening, bojone/BERT-whitening eng/eval.py): each
+              task's own pairs; STS-B and SICK-R: train+dev+test.
+          A split missing under every data root is left out with a note (the shipped SICK
+          has train and trial only).
+  FILE    a sentence file (one fit shared by every task).
+Both sentences of every pair enter a fit set, duplicates kept, as in both papers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+import numpy as np
+
+from jaxsim import calibrate
+from jaxsim.data import senteval
+from jaxsim.data.senteval import StsTask
+from jaxsim.eval import metrics
+from jaxsim.eval.metrics import TaskScore
+
+FIT_MODES = ('target', 'task', 'paper')
+PAPER_RULES = {
+    'flow': "BERT-flow run_siamese.py ('target', use_full_for_training=1): each task's "
+            'train+dev+test; STS12-16 use their full set as all three splits (3 copies)',
+    'other': "BERT-whitening eng/eval.py: each task's own pairs; STS-B and SICK-R "
+             'train+dev+test',
+}
+# Positive pairs for alignment: STS-B pairs with gold > 4 (SimCSE, Sec. 3 / Fig. 2).
+ALIGN_GOLD_THRESHOLD = 4.0
+ORDER = list(senteval.TASK_KEYS.values())
+
+TaskSpec = Union[str, StsTask]
+
+
+class ProtocolError(senteval.SentEvalFormatError):
+    """A task list or fit set that cannot be evaluated as asked."""
+
+
+def load_tasks(tasks: Union[str, Sequence[TaskSpec]], roots, split: str = 'test'
+               ) -> list[StsTask]:
+    """Loads task names (a list or a comma-separated string); StsTask items pass through.
+
+    Returns:
+      The tasks in the paper's column order, whatever the order asked.
+    """
+    if isinstance(tasks, str):
+        tasks = [t for t in tasks.split(',') if t.strip()]
+    if not tasks:
+        raise ProtocolError('no tasks given')
+    out = [t if isinstance(t, StsTask) else senteval.load_sts_task(t, roots, split=split)
+           for t in tasks]
+    names = [t.name for t in out]
+    if len(set(names)) != len(names):
+        raise ProtocolError(f'a task is listed twice: {names}')
+    return sorted(out, key=lambda t: ORDER.index(t.name) if t.name in ORDER else len(ORDER))
+
+
+def default_tasks(roots, split: str = 'test') -> tuple[list[str], list[str]]:
+    """(task keys found under `roots`, notes): the 7 tasks for 'test'; STS-B for 'dev'."""
+    if split == 'dev':
+        return ['stsb'], []
+    found = [t for t in senteval.ALL_TASKS if senteval.has_task(t, roots)]
+    if not found:
+        raise ProtocolError(
+            f'no STS task under {", ".join(map(str, roots))} (expected STS/STS1X-en-test, '
+            'STS/STSBenchmark or SICK)')
+    missing = [senteval.TASK_KEYS[t] for t in senteval.ALL_TASKS if t not in found]
+    notes = [f'not found under the data roots, skipped: {", ".join(missing)}'] if missing else []
+    return found, notes
+
+
+def score_task(task: StsTask, vectors: Callable[[list[str]], np.ndarray]) -> TaskScore:
+    """Scores one task given a sentence -> vector lookup ([N] sentences -> [N, D])."""
+    return metrics.task_score(task.name, {
+        name: (metrics.cosine_rows(vectors(p.sent1), vectors(p.sent2)), p.gold)
+        for name, p in task.subsets.items()})
+
+
+def stsb_positive_pairs(task: StsTask) -> tuple[list[str], list[str]]:
+    """STS-B pairs with gold > 4: SimCSE's positives for the alignment metric."""
+    s1, s2 = [], []
+    for p in task.subsets.values():
+        keep = np.flatnonzero(p.gold > ALIGN_GOLD_THRESHOLD)
+        s1.extend(p.sent1[i] for i in keep)
+        s2.extend(p.sent2[i] for i in keep)
+    return s1, s2
+
+
+# ---------------------------------------------------------------------------------------
+# Fit sets.
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FitPart:
+    """One source of a fit set: a task's split (or a sentence file) and what it contributed.
+
+    Attributes:
+      source: the task ('STSBenchmark', ...) or the sentence file's path.
+      split: 'train' | 'dev' | 'test' for a task (SICK's 'dev' is its trial file), 'file'.
+      sentences: sentence slots contributed (both sides of each pair, times `repeats`).
+      repeats: how many copies of the split the rule takes.
+    """
+
+    source: str
+    split: str
+    sentences: int
+    repeats: int = 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FitSet:
+    """The sentences one calibration is fitted on, and where they came from.
+
+    Attributes:
+      fit_on: 'target', 'task', 'paper' or the sentence file.
+      parts: the sources, in order.
+      sentences: the fit sentences, duplicates and repeats kept.
+      notes: remarks (a split the rule needs that is missing).
+      files: path -> hash of files read beyond the evaluated tasks (other splits, the file).
+      sources: the same paths -> their data root.
+    """
+
+    fit_on: str
+    parts: tuple[FitPart, ...]
+    sentences: list[str]
+    notes: tuple[str, ...] = ()
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        """The JSON description: parts (task, split, sentences, repeats) and the total."""
+        return {'parts': [dataclasses.asdict(p) for p in self.parts],
+                'sentences': len(self.sentences)}
+
+
+def paper_family(post: str) -> str:
+    """Which paper's rule fits `post` under --fit-on paper: 'flow' or 'other'."""
+    return 'flow' if calibrate.parse_spec(post)[0] == 'flow' else 'other'
+
+
+def _task_set(fit_on: str, tasks: Sequence[StsTask]) -> FitSet:
+    parts, sentences = [], []
+    for t in tasks:
+        s = t.sentences()
+        parts.append(FitPart(t.name, t.split, len(s)))
+        sentences += s
+    return FitSet(fit_on, tuple(parts), sentences)
+
+
+def _paper_set(task: StsTask, roots, family: str) -> FitSet:
+    """One task's fit set under `PAPER_RULES[family]` (`task` is its evaluated split)."""
+    key = senteval.canonical(task.name)
+    if key in senteval.STS_SUBSETS:
+        if task.split != 'test':
+            raise ProtocolError(f'{task.name}: the paper fit set is built from its test data')
+        repeats = 3 if family == 'flow' else 1
+        s = task.sentences()
+        return FitSet('paper', (FitPart(task.name, 'test', repeats * len(s), repeats),),
+                      s * repeats)
+    parts, sentences, notes, files, sources = [], [], [], {}, {}
+    missing = []
+    for split in ('train', 'dev', 'test'):
+        # Each split's own file, never SICK's trial-for-test fallback (trial is 'dev' here).
+        if not senteval.has_split(key, split, roots):
+            missing.append(senteval.SPLIT_FILES[key][split])
+            continue
+        loaded = senteval.load_sts_task(key, roots, split, fallback=False)
+        files.update(loaded.files)
+        sources.update(loaded.sources)
+        s = loaded.sentences()
+        parts.append(FitPart(task.name, split, len(s)))
+        sentences += s
+    if missing:
+        notes.append(f'{task.name}: the paper fit set needs train+dev+test; '
+                     f'{", ".join(missing)} not found under the data roots, so it is fitted on '
+                     f'{"+".join(p.split for p in parts)} ({len(sentences)} sentences)')
+    return FitSet('paper', tuple(parts), sentences, tuple(notes), files, sources)
+
+
+def fit_sets(fit_on: str, tasks: Sequence[StsTask], roots, post: str) -> dict[str, FitSet]:
+    """Task name -> the FitSet its calibration is fitted on.
+
+    Tasks that share one fit ('target', a sentence file) map to the same FitSet object.
+
+    Args:
+      fit_on: 'target', 'task', 'paper', or a sentence file's path.
+      tasks: the evaluated tasks (their evaluated split).
+      roots: data roots, for the other splits 'paper' reads.
+      post: the calibration spec (the paper rule depends on it).
+    """
+    if fit_on == 'target':
+        shared = _task_set('target', tasks)
+        return {t.name: shared for t in tasks}
+    if fit_on == 'task':
+        return {t.name: _task_set('task', [t]) for t in tasks}
+    if fit_on == 'paper':
+        family = paper_family(post)
+        return {t.name: _paper_set(t, roots, family) for t in tasks}
+    shared = _file_set(fit_on)
+    return {t.name: shared for t in tasks}
+
+
+def _file_set(path: str) -> FitSet:
+    sentences = senteval.load_sentences(path)
+    return FitSet(str(path), (FitPart(str(path), 'file', len(sentences)),), sentences,
+                  files={str(path): senteval.file_hash(path)})
+
+
+def check_fit_on(fit_on: str) -> str:
+    """Validates --fit-on early: a mode, or an existing sentence file."""
+    if fit_on in FIT_MODES:
+        return fit_on
+    senteval.load_sentences(fit_on)  # a missing or bad file fails before any model loads
+    return fit_on
+
+
+# ---------------------------------------------------------------------------------------
+# Results.
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StsResult:
+    """One row of the results table: one model, pooler and calibration.
+
+    Attributes:
+      model: the model's name or path.
+      pooler: the pooler used.
+      post: the `--post` value ('none', 'whitening:256', ...).
+      aggregate: which aggregation `tasks` and `avg` show.
+      split: 'test' (the protocol) or 'dev'.
+      scores: task key -> all its scores.
+      details: everything else for the JSON (fit sets, diagnostics, file hashes, timing).
+    """
+
+    model: str
+    pooler: str
+    post: str
+    aggregate: str
+    split: str
+    scores: dict[str, TaskScore]
+    details: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return calibrate.label(self.post)
+
+    @property
+    def tasks(self) -> dict[str, float]:
+        return {k: v.get(self.aggregate) for k, v in self.scores.items()}
+
+    def avg_of(self, aggregate: str) -> float:
+        return float(np.mean([v.get(aggregate) for v in self.scores.values()]))
+
+    @property
+    def avg(self) -> float:
+        return self.avg_of(self.aggregate)

@@ -1,0 +1,185 @@
+"""eval.py end to end on tiny SentEval folders with the bundled model."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import eval as eval_cli
+import jaxsim
+from jaxsim.eval import cli_checks, runner
+from jaxsim.paths import SENTEVAL_ROOT
+from tests.data.tiny_senteval import write_tiny_senteval
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def encode_calls(monkeypatch):
+    """Counts `jaxsim.encode` calls made by the runner (each call: its sentences)."""
+    calls = []
+    real = jaxsim.encode
+
+    def counting(model, sentences, **kwargs):
+        calls.append(list(sentences))
+        return real(model, sentences, **kwargs)
+
+    monkeypatch.setattr(jaxsim, 'encode', counting)
+    return calls
+
+
+def test_default_data_is_the_shared_senteval_root():
+    assert runner.DEFAULT_DATA == SENTEVAL_ROOT
+
+
+def test_table_json_plots_and_single_encoding(tmp_path, encode_calls, capsys):
+    root = write_tiny_senteval(tmp_path / 'data')
+    out = tmp_path / 'res.json'
+    rc = eval_cli.main(['--data', str(root), '--post', 'none', '--post', 'whitening',
+                        '--post', 'sn', '--json', str(out), '--plots', str(tmp_path / 'plots')])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    table = captured.out
+    assert 'aggregation: all' in table and 'pooler: avg' in table
+    assert '| Post | STS12 | STS-B | SICK-R | Avg. (3) |' in table
+    assert 'Avg. (3): the mean over STS12, STS-B, SICK-R only' in table
+    assert f'data: STS12, STS-B, SICK-R from {root}' in table
+    for label in ('none', 'whitening', 'sn'):
+        assert f'\n| {label} | ' in table
+    # Each note once, on stdout with the table, none on stderr.
+    assert table.count('scoring') == 1 and 'SICK_trial.txt instead' in table
+    assert table.count('null directions') == 1
+    assert 'note:' not in captured.err
+    # Each unique sentence was encoded once for the three rows.
+    assert len(encode_calls) == 1 and len(encode_calls[0]) == len(set(encode_calls[0])) == 15
+
+    rows = json.loads(out.read_text())
+    assert [r['post'] for r in rows] == ['none', 'whitening', 'sn']
+    none = rows[0]
+    assert set(none) >= {'model', 'pooler', 'post', 'tasks', 'avg', 'avg_over', 'details'}
+    assert none['avg_over'] == ['STS12', 'STSBenchmark', 'SICKRelatedness']
+    assert none['avg'] == pytest.approx(np.mean(list(none['tasks'].values())))
+    details = none['details']
+    assert set(details['per_task']['STS12']['subsets']) == {'MSRpar', 'MSRvid'}
+    assert set(details['aggregates']) == {'all', 'mean', 'wmean'}
+    assert len(details['data_files']) == 6
+    assert {'alignment', 'uniformity', 'mean_random_cosine', 'singular_values'} <= set(
+        details['diagnostics'])
+    assert details['timing']['sentences_encoded'] == 15
+    assert rows[1]['details']['fit']['sets']['STS12']['sentences'] == 28
+    for png in ('spectrum.png', 'align_uniform.png'):
+        assert (tmp_path / 'plots' / png).read_bytes()[:4] == b'\x89PNG'
+
+
+def test_two_roots_sick_test_from_the_second(tmp_path, capsys):
+    a = write_tiny_senteval(tmp_path / 'a')  # SICK train + trial only
+    b = write_tiny_senteval(tmp_path / 'b', sick_test=True, sts12=False, stsb=False, sick=False)
+    out = tmp_path / 'r.json'
+    rc = eval_cli.main(['--data', str(a), '--data', str(b), '--post', 'sn', '--fit-on', 'paper',
+                        '--no-diagnostics', '--json', str(out)])
+    table = capsys.readouterr().out
+    assert rc == 0
+    assert f'data: STS12, STS-B from {a}' in table and f'data: SICK-R from {b}' in table
+    assert 'SICK_trial.txt instead' not in table and 'not found' not in table.split('note:')[0]
+    record = json.loads(out.read_text())
+    assert list(record['details']['per_task']['SICKRelatedness']['subsets']) == ['test']
+    assert record['details']['data_sources']['SICKRelatedness'] == [str(b)]
+    sick_fit = record['details']['fit']['sets']['SICKRelatedness']
+    assert [p['split'] for p in sick_fit['parts']] == ['train', 'dev', 'test']
+    assert record['details']['fit']['fit_on'] == 'paper'
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--json', '{tmp}'], 'error: --json {tmp}: is a folder'),
+    (['--plots', '{tmp}/file.txt/plots'], 'error: --plots {tmp}/file.txt/plots: '
+                                          '{tmp}/file.txt is a file, not a folder'),
+    (['--plots', '{tmp}/file.txt'], 'error: --plots {tmp}/file.txt: is a file, not a folder'),
+    (['--seeds', '1,x'], "error: --seeds '1,x': 'x' is not a non-negative integer"),
+    (['--aggregate', 'median'], 'error: argument --aggregate: invalid choice'),
+    (['--fit-on', '{tmp}/none.txt'], 'error: {tmp}/none.txt: sentence file not found'),
+])
+def test_bad_options_fail_before_any_work(tmp_path, monkeypatch, capsys, args, message):
+    (tmp_path / 'file.txt').write_text('x\n')
+    monkeypatch.setattr(jaxsim, 'load_pretrained', lambda *a, **k: pytest.fail('model loaded'))
+    root = write_tiny_senteval(tmp_path / 'data')
+    args = [a.format(tmp=tmp_path) for a in args]
+    with pytest.raises(SystemExit) if args[0] == '--aggregate' else _no_raise() as exit_info:
+        rc = eval_cli.main(['--data', str(root)] + args)
+    rc = exit_info.value.code if args[0] == '--aggregate' else rc
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith(message.format(tmp=tmp_path)) and err.count('\n') == 1, err
+
+
+class _no_raise:
+    value = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_aggregate_split_and_data_errors(tmp_path, capsys):
+    root = write_tiny_senteval(tmp_path / 'data')
+    assert eval_cli.main(['--data', str(root), '--split', 'dev', '--aggregate', 'wmean',
+                          '--no-diagnostics']) == 0
+    out = capsys.readouterr().out
+    assert 'aggregation: wmean' in out and 'split: dev' in out
+    assert '| Post | STS-B | Avg. (1) |' in out
+    assert re.search(r'\| none \| (-?\d+\.\d\d) \| \1 \|', out)  # one task: Avg. = it
+
+    # An explicit K above what the data supports fails clearly.
+    assert eval_cli.main(['--data', str(root), '--tasks', 'stsb', '--post', 'whitening:256']) == 1
+    assert 'cannot keep k=256 directions' in capsys.readouterr().err
+    # Missing task folders and malformed lines are one-line errors naming what/where.
+    assert eval_cli.main(['--data', str(root), '--tasks', 'sts12,sts14']) == 1
+    assert 'STS14: no task folder found; looked for' in capsys.readouterr().err
+    gs = root / 'STS' / 'STS12-en-test' / 'STS.gs.MSRpar.txt'
+    gs.write_text('1\n2\nthree\n4\n')
+    assert eval_cli.main(['--data', str(root)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: {gs}:3: non-numeric score 'three'\n"
+    assert eval_cli.main(['--data', str(root), '--post', 'natsv']) == 1
+    assert capsys.readouterr().err == "error: calibration 'natsv' needs an argument, e.g. natsv:5\n"
+
+
+def test_no_library_noise_on_stderr(tmp_path):
+    """Without torch >= 2.6, transformers advises 'PyTorch was not found' on import; eval.py
+    silences it. A fake old torch stands in for a machine without PyTorch."""
+    fake = tmp_path / 'site'
+    (fake / 'torch').mkdir(parents=True)
+    (fake / 'torch' / '__init__.py').write_text('__version__ = "1.0.0"\n')
+    (fake / 'torch-1.0.0.dist-info').mkdir()
+    (fake / 'torch-1.0.0.dist-info' / 'METADATA').write_text(
+        'Metadata-Version: 2.1\nName: torch\nVersion: 1.0.0\n')
+    env = {**os.environ, 'PYTHONPATH': f'{fake}{os.pathsep}{REPO}'}
+    for var in ('TRANSFORMERS_VERBOSITY', 'TRANSFORMERS_NO_ADVISORY_WARNINGS'):
+        env.pop(var, None)  # importing eval.py in this process set them
+    plain = subprocess.run([sys.executable, '-c', 'import transformers'], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert 'PyTorch was not found' in plain.stderr  # the noise exists ...
+    root = write_tiny_senteval(tmp_path / 'data', sts12=False, sick=False)
+    run = subprocess.run([sys.executable, str(REPO / 'eval.py'), '--data', str(root),
+                          '--no-diagnostics'], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert '[transformers]' not in run.stderr and 'WARNING' not in run.stderr, run.stderr
+    assert '| none |' in run.stdout
+
+
+def test_read_only_directory_warning_is_dropped(caplog):
+    cli_checks.quiet_library_logs()
+    absl = logging.getLogger('absl')
+    with caplog.at_level(logging.WARNING):
+        absl.warning('Given directory is read only=%s', '/w/checkpoints')
+        absl.warning('something else')
+    assert 'read only' not in caplog.text and 'something else' in caplog.text
