@@ -6,10 +6,12 @@ import pytest
 import torch
 
 import jaxsim
-from jaxsim.models.pooling import POOLERS, PoolerError, pool
+from jaxsim.models.bert import BertModel
+from jaxsim.models.poolers import POOLERS, PoolerError
 from tests.conftest import random_padded_ids
 
 TOL = 1e-4
+BUILT_IN_POOLERS = POOLERS.names()  # at collection time: the built-in ones only
 
 
 def torch_pool(name, out, mask):
@@ -27,22 +29,37 @@ def torch_pool(name, out, mask):
     }[name]().numpy()
 
 
+def hidden_states(model, ids, mask, token_types=None):
+    """jaxsim's BERT hidden states (the 'bert' subtree of the SentenceEncoder params)."""
+    return BertModel(model.config, add_pooler=False).apply(
+        {"params": model.params["bert"]}, ids.astype(np.int32), mask.astype(np.int32),
+        None if token_types is None else token_types.astype(np.int32))
+
+
+def sentence_vectors(model, pooler, ids, mask, token_types=None):
+    """The SentenceEncoder's vectors with `pooler` (evaluation mode)."""
+    model = model.with_pooler(pooler)
+    return np.asarray(model.encoder.apply(
+        {"params": model.params}, ids.astype(np.int32), mask.astype(np.int32),
+        None if token_types is None else token_types.astype(np.int32)))
+
+
 def check_parity(model, torch_model, ids, mask, token_types=None):
     with torch.no_grad():
         ref = torch_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
                           token_type_ids=None if token_types is None else torch.tensor(token_types),
                           output_hidden_states=True)
-    out = model.module.apply({"params": model.params}, ids.astype(np.int32), mask.astype(np.int32),
-                             None if token_types is None else token_types.astype(np.int32))
+    out = hidden_states(model, ids, mask, token_types)
     assert len(out.hidden_states) == len(ref.hidden_states)
     real = mask[..., None].astype(bool)
     for ours, theirs in zip(out.hidden_states, ref.hidden_states):
         # Padded positions are don't-care in both implementations; compare real tokens.
         diff = np.abs(np.asarray(ours) - theirs.numpy()) * real
         assert diff.max() <= TOL
-    for name in POOLERS:
-        ours = np.asarray(pool(name, out, mask))
-        np.testing.assert_allclose(ours, torch_pool(name, ref, torch.tensor(mask)), atol=TOL, rtol=0)
+    for name in BUILT_IN_POOLERS:
+        ours = sentence_vectors(model, name, ids, mask, token_types)
+        np.testing.assert_allclose(ours, torch_pool(name, ref, torch.tensor(mask)), atol=TOL,
+                                   rtol=0, err_msg=name)
 
 
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
@@ -79,20 +96,21 @@ def test_padding_is_irrelevant(tiny_model_dir):
     ids, mask = random_padded_ids(rng, [7], model.config.vocab_size, model.config.pad_token_id)
     wide_ids = np.concatenate([ids, rng.integers(5, 100, (1, 20))], axis=1)  # garbage beyond mask
     wide_mask = np.concatenate([mask, np.zeros((1, 20), mask.dtype)], axis=1)
-    short = model.module.apply({"params": model.params}, ids, mask)
-    wide = model.module.apply({"params": model.params}, wide_ids, wide_mask)
+    short = hidden_states(model, ids, mask)
+    wide = hidden_states(model, wide_ids, wide_mask)
     np.testing.assert_allclose(np.asarray(wide.last_hidden_state)[:, :7],
                                np.asarray(short.last_hidden_state), atol=1e-5)
-    for name in POOLERS:
-        np.testing.assert_allclose(np.asarray(pool(name, wide, wide_mask)),
-                                   np.asarray(pool(name, short, mask)), atol=1e-5)
+    for name in BUILT_IN_POOLERS:
+        np.testing.assert_allclose(sentence_vectors(model, name, wide_ids, wide_mask),
+                                   sentence_vectors(model, name, ids, mask), atol=1e-5,
+                                   err_msg=name)
 
 
 def test_model_without_pooler_refuses_cls(tiny_model_dir):
     folder, torch_model = tiny_model_dir("bert", add_pooler=False)
     model = jaxsim.load_pretrained(folder)
-    assert not model.has_pooler and not model.report.has_pooler
-    with pytest.raises(PoolerError, match="pooler weights"):
+    assert not model.has_pooler_weights
+    with pytest.raises(PoolerError, match="needs parameters this model does not have"):
         jaxsim.encode(model, ["hello"], pooler="cls")
     vec = jaxsim.encode(model, ["hello"], pooler="cls_before_pooler")
     assert vec.shape == (1, 36)
