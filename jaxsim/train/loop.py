@@ -238,6 +238,7 @@ class _Loop:
             if not (math.isfinite(m['loss']) and math.isfinite(m['grad_norm'])):
                 self.stopped = (f'non-finite loss or gradient at step {s} (loss {m["loss"]}, '
                                 f'grad_norm {m["grad_norm"]}); the state of step {s - 1} is kept')
+                self.step = s - 1  # steps dispatched after it are discarded with it
                 pending.clear()
                 return None
             self.last_loss = m['loss']
