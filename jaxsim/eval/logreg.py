@@ -226,22 +226,22 @@ def _classifier_step(params, opt_state, l2, live, xb, yb, wb, cfg):
     return jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state)
 
 
-@functools.partial(jax.jit, static_argnames=('cfg',), donate_argnums=(0,))
-def _train_round(state, x, y, l2, active, rows, dev_rows, *, cfg: ClassifierConfig):
-    """state: params/opt/best trees with leading [P, R]; rows [S, P, B] train rows (-1 pad);
-    dev_rows [P, V] (-1 pad); active [P, R]. Returns (state, dev correct [P, R])."""
+def _train_round(state, x, y, l2, active, rows, dev_rows, cfg: ClassifierConfig):
+    """One round for C problems. state: params/opt/best trees with leading [C, R];
+    rows [S, C, B] train rows (-1 pad); dev_rows [C, V] (-1 pad); active [C, R].
+    Returns (state, dev correct [C, R])."""
     # vmap over L2 values (the batch is shared), then over problems.
     step = jax.vmap(functools.partial(_classifier_step, cfg=cfg),
                     in_axes=(0, 0, 0, 0, None, None, None))
     step = jax.vmap(step, in_axes=(0, 0, None, 0, 0, 0, 0))
 
-    def body(carry, batch_rows):                                        # [P, B]
+    def body(carry, batch_rows):                                        # [C, B]
         params, opt = carry
         valid = batch_rows >= 0
         safe = jnp.maximum(batch_rows, 0)
-        count = valid.sum(-1)                                           # [P]
+        count = valid.sum(-1)                                           # [C]
         wb = valid / jnp.maximum(count, 1)[:, None]
-        live = active & (count > 0)[:, None]                            # [P, R]
+        live = active & (count > 0)[:, None]                            # [C, R]
         return step(params, opt, l2, live, x[safe], y[safe], wb), None
 
     (params, opt), _ = jax.lax.scan(body, (state['params'], state['opt']), rows)
@@ -263,9 +263,23 @@ def _train_round(state, x, y, l2, active, rows, dev_rows, *, cfg: ClassifierConf
     return {'params': params, 'opt': opt, 'best': best, 'best_correct': best_correct}, correct
 
 
+@functools.partial(jax.jit, static_argnames=('cfg',), donate_argnums=(0,))
+def _train_chunk(state, ids, x, y, l2, active, rows, dev_rows, *, cfg: ClassifierConfig):
+    """`_train_round` on the problems `ids` [C] of the full state (leading [P + 1, R])."""
+    sub, correct = _train_round(jax.tree.map(lambda a: a[ids], state), x, y, l2, active, rows,
+                                dev_rows, cfg)
+    return jax.tree.map(lambda a, b: a.at[ids].set(b), state, sub), correct
+
+
 # ---------------------------------------------------------------------------------------
 # Host side: plans, batch order, early stopping.
 # ---------------------------------------------------------------------------------------
+
+# Problems per jitted call. Batches of this size run on one thread at ~9 ms of CPU per
+# problem and round (MR); all 110 MR problems in one call ran ~50% more CPU per problem
+# (XLA split the ops over threads) and stalled on a busy machine. Chunks also let
+# problems whose classifiers have all stopped drop out.
+CHUNK = 16
 
 
 def _plan(problem: Problem, n: int, cfg: ClassifierConfig, streams: dict):
@@ -293,19 +307,19 @@ def _plan(problem: Problem, n: int, cfg: ClassifierConfig, streams: dict):
     return train, dev, key
 
 
-def _round_rows(plans, streams, cfg: ClassifierConfig) -> np.ndarray:
-    """[epoch_size * steps, P, B] train rows of the next round, -1 where a batch is short."""
-    b = cfg.batch_size
-    steps = max(-(-len(t) // b) for t, _, _ in plans)
-    perms = {key: [rng.permutation(n) for _ in range(cfg.epoch_size)]
-             for key, (rng, _, n) in streams.items()}
-    rows = np.full((cfg.epoch_size, steps * b, len(plans)), -1, np.int32)
-    for p, (train, _, key) in enumerate(plans):
-        for e, perm in enumerate(perms[key]):
-            rows[e, :len(train), p] = train[perm]
-    # [E, steps*B, P] -> [E*steps, P, B]
-    return rows.reshape(cfg.epoch_size, steps, b, len(plans)).transpose(0, 1, 3, 2).reshape(
-        cfg.epoch_size * steps, len(plans), b)
+def _chunk_rows(plans, ids, perms, steps: int, cfg: ClassifierConfig) -> np.ndarray:
+    """[epoch_size * steps, C, B] train rows of problems `ids` this round, -1 where a batch is
+    short (and for padding ids >= len(plans))."""
+    b, e = cfg.batch_size, cfg.epoch_size
+    rows = np.full((e, len(ids), steps * b), -1, np.int32)
+    for c, p in enumerate(ids):
+        if p < len(plans):
+            train, _, key = plans[p]
+            for i, perm in enumerate(perms[key]):
+                rows[i, c, :len(train)] = train[perm]
+    # [E, C, steps*B] -> [E, steps, C, B] -> [E*steps, C, B]
+    return rows.reshape(e, len(ids), steps, b).transpose(0, 2, 1, 3).reshape(
+        e * steps, len(ids), b)
 
 
 def _pad_rows(rows: Sequence[np.ndarray]) -> np.ndarray:
@@ -326,7 +340,7 @@ def fit(x, y, problems: Sequence[Problem], num_classes: int,
       num_classes: K.
       cfg: the classifier settings.
       init: {'w': [D, K], 'b': [K]} initial weights for every classifier; default
-        `torch_like_init(D, K, cfg.seed)`.
+        `torch_like_init(D, K, cfg.seed)`, PyTorch's own.
 
     Returns:
       The kept (best-on-dev) classifiers and their dev scores.
@@ -339,37 +353,50 @@ def fit(x, y, problems: Sequence[Problem], num_classes: int,
     if not np.isfinite(x).all():
         bad = int(np.argwhere(~np.isfinite(x))[0, 0])
         raise ClassifierError(f'features have non-finite values (first in row {bad})')
-    if y.size and (y.min() < 0 or y.max() >= num_classes or not np.issubdtype(y.dtype,
-                                                                              np.integer)):
+    if y.size and (not np.issubdtype(y.dtype, np.integer) or y.min() < 0
+                   or y.max() >= num_classes):
         raise ClassifierError(f'labels must be integers in [0, {num_classes})')
     if not problems:
         raise ClassifierError('no problems to fit')
     streams: dict = {}
     plans = [_plan(p, len(x), cfg, streams) for p in problems]
     num_p, num_r, dim = len(plans), len(cfg.l2_grid), x.shape[1]
+    chunk = min(CHUNK, num_p)
+    steps = max(-(-len(t) // cfg.batch_size) for t, _, _ in plans)
     init = torch_like_init(dim, num_classes, cfg.seed) if init is None else init
+    # One extra problem (index num_p) pads the last chunk; it never trains.
     params = {'w': jnp.broadcast_to(jnp.asarray(init['w'], jnp.float32),
-                                    (num_p, num_r, dim, num_classes)),
+                                    (num_p + 1, num_r, dim, num_classes)),
               'b': jnp.broadcast_to(jnp.asarray(init['b'], jnp.float32),
-                                    (num_p, num_r, num_classes))}
+                                    (num_p + 1, num_r, num_classes))}
     l2 = jnp.asarray(cfg.l2_grid, jnp.float32)
     opt = jax.vmap(jax.vmap(lambda p, l: _adam(l, cfg).init(p)))(
-        params, jnp.broadcast_to(l2, (num_p, num_r)))
+        params, jnp.broadcast_to(l2, (num_p + 1, num_r)))
     state = {'params': params, 'opt': opt, 'best': jax.tree.map(jnp.copy, params),
-             'best_correct': jnp.full((num_p, num_r), -1, jnp.int32)}
+             'best_correct': jnp.full((num_p + 1, num_r), -1, jnp.int32)}
     x_dev, y_dev = jnp.asarray(x), jnp.asarray(y, jnp.int32)
-    dev_rows = jnp.asarray(_pad_rows([d for _, d, _ in plans]))
+    dev_rows = _pad_rows([d for _, d, _ in plans] + [np.zeros(0, np.int64)])
 
-    active = np.ones((num_p, num_r), bool)
-    best = np.full((num_p, num_r), -1, np.int64)
-    misses = np.zeros((num_p, num_r), np.int64)
-    epochs = np.zeros((num_p, num_r), np.int64)
+    active = np.ones((num_p + 1, num_r), bool)
+    active[num_p] = False
+    best = np.full((num_p + 1, num_r), -1, np.int64)
+    misses = np.zeros((num_p + 1, num_r), np.int64)
+    epochs = np.zeros((num_p + 1, num_r), np.int64)
     rounds = 0
     while active.any() and cfg.epoch_size * rounds <= cfg.max_epoch:
-        rows = _round_rows(plans, streams, cfg)
-        state, correct = _train_round(state, x_dev, y_dev, l2, jnp.asarray(active),
-                                      jnp.asarray(rows), dev_rows, cfg=cfg)
-        correct = np.asarray(correct)
+        # Every stream advances once a round, whichever of its classifiers still train.
+        perms = {key: [rng.permutation(n) for _ in range(cfg.epoch_size)]
+                 for key, (rng, _, n) in streams.items()}
+        live = np.flatnonzero(active.any(1))
+        correct = np.zeros_like(best)
+        for start in range(0, len(live), chunk):
+            ids = np.full(chunk, num_p)
+            ids[:len(live[start:start + chunk])] = live[start:start + chunk]
+            state, c = _train_chunk(state, jnp.asarray(ids), x_dev, y_dev, l2,
+                                    jnp.asarray(active[ids]),
+                                    jnp.asarray(_chunk_rows(plans, ids, perms, steps, cfg)),
+                                    jnp.asarray(dev_rows[ids]), cfg=cfg)
+            correct[ids] = np.asarray(c)
         epochs[active] += cfg.epoch_size
         improved = active & (correct > best)
         best = np.where(improved, correct, best)
@@ -377,7 +404,8 @@ def fit(x, y, problems: Sequence[Problem], num_classes: int,
         active = active & ~(missed & (misses >= cfg.tenacity))
         misses = misses + missed
         rounds += 1
-    return FitResult(weight=np.asarray(state['best']['w']), bias=np.asarray(state['best']['b']),
-                     dev_correct=np.asarray(state['best_correct']),
-                     dev_size=np.asarray([len(d) for _, d, _ in plans]), epochs=epochs,
-                     rounds=rounds)
+    return FitResult(weight=np.asarray(state['best']['w'])[:num_p],
+                     bias=np.asarray(state['best']['b'])[:num_p],
+                     dev_correct=np.asarray(state['best_correct'])[:num_p],
+                     dev_size=np.asarray([len(d) for _, d, _ in plans]),
+                     epochs=epochs[:num_p], rounds=rounds)
