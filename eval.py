@@ -53,11 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument('--post', action='append', default=None,
                    help='calibration: none | whitening[:K] | sn | natsv:K | flow[:CONFIG]; '
                         'repeat for several rows')
-    p.add_argument('--fit-on', default='target',
+    p.add_argument('--fit-on', action='append', default=None,
                    help="calibration fit set: 'target' (default: all sentences of the "
                         "evaluated tasks, one fit), 'task' (each task's own), 'paper' (per "
                         'task as BERT-whitening / BERT-flow fit it: STS-B and SICK-R on '
-                        'train+dev+test), or a sentence FILE')
+                        'train+dev+test), or a sentence FILE; repeat for rows of each')
     p.add_argument('--seeds', default='0',
                    help='comma-separated seeds for seeded calibrations (flows): one fit per '
                         'seed, scores averaged (default: 0)')
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
             args.tasks.split(',') if args.tasks else None,
             posts=args.post or ['none'], pooler=args.pooler, max_length=args.max_length,
             batch_size=args.batch_size, split=args.split, aggregate=args.aggregate,
-            fit_on=args.fit_on, seeds=seeds, flow_checkpoint=args.flow_checkpoint,
+            fit_on=args.fit_on or ['target'], seeds=seeds, flow_checkpoint=args.flow_checkpoint,
             flow_config=args.flow_config, eps=args.eps,
             diagnostics=not args.no_diagnostics or bool(args.plots), dtype=args.dtype)
         print(report.markdown_table(rows, args.aggregate))

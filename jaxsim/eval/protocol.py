@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -251,6 +251,7 @@ class StsResult:
       split: 'test' (the protocol) or 'dev'.
       scores: task key -> all its scores.
       details: everything else for the JSON (fit sets, diagnostics, file hashes, timing).
+      fit_on: the fit set of its calibration (None for 'none').
     """
 
     model: str
@@ -260,6 +261,7 @@ class StsResult:
     split: str
     scores: dict[str, TaskScore]
     details: dict[str, Any]
+    fit_on: Optional[str] = None
 
     @property
     def label(self) -> str:

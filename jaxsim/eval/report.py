@@ -59,9 +59,10 @@ def markdown_table(results: Sequence[StsResult], aggregate: str | None = None) -
     caption = (f'Spearman x100 of cosine similarity; aggregation: {aggregate} '
                f'({AGGREGATE_DOC[aggregate]}); pooler: {", ".join(poolers)}; '
                f'split: {", ".join(splits)}')
-    fit_ons = _dedup(r.details.get('fit_on') for r in results if r.details.get('fit_on'))
+    fit_ons = _dedup(r.fit_on for r in results if r.fit_on)
     if fit_ons:
         caption += f'; calibrations fitted on: {", ".join(map(str, fit_ons))}'
+    show_fit = len(fit_ons) > 1
     lines = [caption]
     if avg != 'Avg.':
         lines.append(f'{avg}: the mean over {", ".join(SHORT_NAMES.get(c, c) for c in columns)}'
@@ -72,7 +73,8 @@ def markdown_table(results: Sequence[StsResult], aggregate: str | None = None) -
               '|' + '|'.join(['---'] * (len(head) - len(columns) - 1)
                              + ['---:'] * (len(columns) + 1)) + '|']
     for r in results:
-        cells = ([str(r.model)] if multi_model else []) + [r.label]
+        label = f'{r.label} ({r.fit_on})' if show_fit and r.fit_on else r.label
+        cells = ([str(r.model)] if multi_model else []) + [label]
         cells += [_fmt(r.scores[c].get(aggregate)) if c in r.scores else '' for c in columns]
         cells.append(_fmt(r.avg_of(aggregate)) if set(r.scores) == set(columns) else 'n/a')
         lines.append('| ' + ' | '.join(cells) + ' |')

@@ -11,7 +11,7 @@ import inspect
 import pathlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +64,8 @@ def _fit_label(fit_set: FitSet, tasks: Sequence[str], shared: bool) -> str:
 
 
 def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str] = ('none',),
-                  split: str = 'test', aggregate: str = 'all', fit_on: str = 'target',
+                  split: str = 'test', aggregate: str = 'all',
+                  fit_on: Union[str, Sequence[str]] = 'target',
                   seeds: Sequence[int] = (0,), flow_checkpoint=None,
                   fit_options: Optional[Mapping[str, Any]] = None,
                   noisy_encode_fn: Optional[NoisyEncodeFn] = None, diagnostics: bool = True,
@@ -80,7 +81,8 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
       posts: calibration specs (`jaxsim.calibrate.parse_spec`), one result row each.
       split: 'test' (the protocol) or 'dev' (STS-B dev, SICK trial).
       aggregate: 'all' | 'mean' | 'wmean', what `StsResult.tasks` / `.avg` show.
-      fit_on: 'target', 'task', 'paper' or a sentence file (see `jaxsim.eval.protocol`).
+      fit_on: 'target', 'task', 'paper' or a sentence file (see `jaxsim.eval.protocol`), or
+        several: one row per (post, fit set); 'none' gets one row.
       seeds: a calibration whose fit takes a seed (flows) is fitted once per seed and its
         scores averaged; the JSON keeps each seed's.
       flow_checkpoint: a saved flow calibration used for 'flow' posts instead of fitting.
@@ -93,9 +95,13 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
       extra_details: merged into every row's details.
 
     Returns:
-      One `StsResult` per post, in order. Notes are in `details['notes']`, never printed.
+      One `StsResult` per (post, fit set), post-major. Notes are in `details['notes']`,
+      never printed.
     """
     metrics.check_aggregate(aggregate)
+    fit_ons = [fit_on] if isinstance(fit_on, str) else list(fit_on)
+    if not fit_ons or len(set(fit_ons)) != len(fit_ons):
+        raise protocol.ProtocolError(f'fit_on: give each fit set once, got {fit_ons}')
     seeds = [int(s) for s in seeds] or [0]
     for p in posts:
         calibrate.parse_spec(p)  # a bad spec fails before any encoding
@@ -104,8 +110,11 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
     encoder = encode_fn if isinstance(encode_fn, CachedEncoder) else CachedEncoder(encode_fn)
     seconds_before = encoder.seconds
 
-    sets = {p: protocol.fit_sets(fit_on, task_list, roots, p) for p in posts
-            if calibrate.parse_spec(p)[0] != 'none'}
+    rows_asked = [(p, None) if calibrate.parse_spec(p)[0] == 'none' else (p, f)
+                  for p in posts for f in fit_ons]
+    rows_asked = list(dict.fromkeys(rows_asked))
+    sets = {(p, f): protocol.fit_sets(f, task_list, roots, p) for p, f in rows_asked
+            if f is not None}
     sentences = [s for t in task_list for s in t.sentences()]
     fit_sentences = [s for per_task in sets.values()
                      for fs in {id(f): f for f in per_task.values()}.values()
@@ -122,7 +131,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
     ref_task = (stsb or task_list[0]).name
 
     results = []
-    for post in posts:
+    for post, fit_on in rows_asked:
         t_post = time.perf_counter()
         name, _ = calibrate.parse_spec(post)
         row_notes = list(task_notes)
@@ -134,7 +143,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
             per_seed.append({t.name: protocol.score_task(t, evaluated.lookup)
                              for t in task_list})
         else:
-            per_task = sets[post]
+            per_task = sets[post, fit_on]
             groups: dict[int, list[StsTask]] = {}
             for t in task_list:
                 groups.setdefault(id(per_task[t.name]), []).append(t)
@@ -171,7 +180,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
             'aggregate_doc': metrics.AGGREGATE_DOC[aggregate],
             'split': split,
             'metric': 'spearman x100 of cosine similarity',
-            'fit_on': None if name == 'none' else fit_on,
+            'fit_on': fit_on,
             'fit': fit_record,
             'seeds': post_seeds if name != 'none' and is_seeded(post) else None,
             'per_seed': ({k: [s[k].get(aggregate) for s in per_seed] for k in scores}
@@ -195,7 +204,8 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
         details['seconds_post'] = time.perf_counter() - t_post
         if extra_details:
             details.update(extra_details)
-        results.append(StsResult(model, pooler, post, aggregate, split, scores, details))
+        results.append(StsResult(model, pooler, post, aggregate, split, scores, details,
+                                 fit_on))
 
     total = time.perf_counter() - t_start
     timing = {'total_s': total, 'load_data_s': t_load - t_start,
@@ -247,7 +257,8 @@ def make_noisy_encoder(model: jaxsim.SentenceModel, max_length: Optional[int] = 
 def run(models: Sequence[Optional[str]], roots: Sequence, tasks: Optional[Sequence[str]] = None,
         *, posts: Sequence[str] = ('none',), pooler: Optional[str] = None,
         max_length: Optional[int] = None, batch_size: int = 64, split: str = 'test',
-        aggregate: str = 'all', fit_on: str = 'target', seeds: Sequence[int] = (0,),
+        aggregate: str = 'all', fit_on: Union[str, Sequence[str]] = 'target',
+        seeds: Sequence[int] = (0,),
         flow_checkpoint=None, flow_config=None, eps: float = 0.0, diagnostics: bool = True,
         dtype: str = 'float32') -> list[StsResult]:
     """Evaluates each model under each calibration: one row per (model, post).
@@ -269,7 +280,8 @@ def run(models: Sequence[Optional[str]], roots: Sequence, tasks: Optional[Sequen
     """
     for p in posts:
         calibrate.parse_spec(p)  # a typo in --post fails before any loading
-    protocol.check_fit_on(fit_on)
+    for f in [fit_on] if isinstance(fit_on, str) else fit_on:
+        protocol.check_fit_on(f)
     roots = [pathlib.Path(r) for r in roots]
     skipped: list[str] = []
     if not tasks:

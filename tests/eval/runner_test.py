@@ -11,7 +11,7 @@ import pytest
 import jaxsim
 from jaxsim import calibrate
 from jaxsim.errors import JaxsimError
-from jaxsim.eval import metrics, protocol, runner
+from jaxsim.eval import metrics, protocol, report, runner
 from jaxsim.eval.embeddings import CachedEncoder
 from tests.data.tiny_senteval import STSB, CountingEncoder, fake_vector, write_tiny_senteval
 
@@ -230,3 +230,19 @@ def test_evaluation_never_uses_dropout(tiny_model_dir):
     np.testing.assert_allclose(got, jaxsim.encode(model, sentences, max_length=32), atol=1e-6)
     noisy = runner.make_noisy_encoder(model, 32, 8)(sentences, jax_key(1))
     assert np.abs(noisy - got).max() > 1e-3  # dropout (0.1) would move the vectors
+
+
+def test_several_fit_sets_give_one_row_each(tmp_path):
+    root = write_tiny_senteval(tmp_path)
+    enc = CountingEncoder()
+    rows = runner.evaluate_rows(enc, ['sts12', 'stsb'], root, posts=['none', 'sn'],
+                                fit_on=['target', 'task'], diagnostics=False)
+    assert [(r.post, r.fit_on) for r in rows] == [('none', None), ('sn', 'target'),
+                                                  ('sn', 'task')]
+    assert len(enc.calls) == 1
+    assert rows[2].scores['STSBenchmark'].all == pytest.approx(runner.evaluate(
+        enc, ['sts12', 'stsb'], root, post='sn', fit_on='task').scores['STSBenchmark'].all)
+    table = report.markdown_table(rows)
+    assert '| sn (target) |' in table and '| sn (task) |' in table and '| none |' in table
+    with pytest.raises(JaxsimError, match='give each fit set once'):
+        runner.evaluate_rows(enc, ['stsb'], root, posts=['sn'], fit_on=['task', 'task'])
