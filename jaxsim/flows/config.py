@@ -56,7 +56,7 @@ class LayerSpec:
 
 
 def layer(name: str, **options) -> LayerSpec:
-    """`layer('actnorm', initialization='data')` -> LayerSpec, the way configs list a step's layers."""
+    """`layer('actnorm', initialization='data')` -> LayerSpec: how configs list a step."""
     return LayerSpec(name, tuple(sorted(options.items())))
 
 

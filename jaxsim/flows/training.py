@@ -90,10 +90,17 @@ def _row_nll(model, params, x):
     return nll_nats(z, logdet)  # [rows] nats
 
 
-@functools.lru_cache(maxsize=16)
 def compiled(config: FlowConfig, dim: int, mesh: Mesh):
     """Jitted (init, train_chunk, eval_nll) for a config, size and mesh; cached so refitting
-    (one flow per eval task) compiles nothing new."""
+    (one flow per eval task, another epoch count or held-out fraction) compiles nothing new."""
+    # Only the fields that shape the compiled programs key the cache.
+    return _compiled(config.replace(name='', max_epochs=1, val_fraction=0.0, patience=1,
+                                    evals_per_epoch=1, init_batch_size=2, dropout_noise=False),
+                     dim, mesh)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(config: FlowConfig, dim: int, mesh: Mesh):
     model = make_flow(config, dim)
     tx = make_optimizer(config)
     rep = NamedSharding(mesh, PartitionSpec())
@@ -209,6 +216,7 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
     """
     x = check_matrix(x, min_rows=2)
     n, dim = x.shape
+    config.check_dim(dim)
     if config.dropout_noise and embed is None:
         raise FlowError(f'flow config {config.name!r} fits on dropout-noised embeddings '
                         '(dropout_noise=True): pass embed=callable(key) -> [N, D] vectors '
