@@ -6,8 +6,9 @@ trains one `nn.Linear(D, K)` at a time with softmax cross-entropy and `torch.opt
 weight and bias. The cross-validation protocols train hundreds of these (MR: 10 outer folds x
 4 L2 values x 10 inner folds), one after the other, for about 15 minutes.
 
-Here one jitted round trains every classifier of a protocol at once: problems (train/dev row
-sets) x L2 values, the minibatch of a problem gathered once and shared by its L2 values. What
+Here they train together: a jitted round (`epoch_size` epochs, then dev accuracy) runs a
+chunk of problems (train/dev row sets) x all L2 values, a problem's minibatch gathered once
+and shared by its L2 values; problems whose classifiers have all stopped drop out. What
 SentEval's results depend on is kept exactly:
 
   - batch order: `np.random.seed(seed)` is reset for every classifier, then one
@@ -25,7 +26,7 @@ SentEval's results depend on is kept exactly:
     PyTorch's own draw, reproduced bit for bit with NumPy (`torch_like_init`). MRPC's test
     accuracy moves by up to ~0.6 points with another draw of the same distribution.
 
-What remains different is float summation order, which changed no score on the shipped tasks.
+Only float summation order differs; on the shipped tasks every score equals SentEval's.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class ClassifierConfig:
       learning_rate, b1, b2, eps: Adam, PyTorch's defaults.
       l2_grid: the L2 values searched (SentEval with usepytorch: 1e-5 .. 1e-2).
       validation_split: fraction of train carved out as dev when a problem has no dev rows.
-      seed: NumPy seed of the batch order and the JAX key of the initial weights.
+      seed: the NumPy seed of the batch order and PyTorch's seed of the initial weights.
     """
 
     batch_size: int = 64
@@ -85,42 +86,6 @@ class ClassifierConfig:
                                   f'got {self.l2_grid}')
         if not 0 < self.validation_split < 1:
             raise ClassifierError('ClassifierConfig.validation_split must be in (0, 1)')
-
-
-# ---------------------------------------------------------------------------------------
-# Folds: scikit-learn's StratifiedKFold(shuffle=True), which SentEval uses.
-# ---------------------------------------------------------------------------------------
-
-
-def stratified_kfold(y, n_splits: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(train rows, test rows) per fold, as `StratifiedKFold(n_splits, shuffle=True,
-    random_state=seed).split(X, y)` (scikit-learn >= 0.22) yields them.
-
-    Classes are numbered by first appearance; the per-fold count of each class comes from
-    dealing the class-sorted labels round-robin over the folds; each class's block of fold
-    ids is then shuffled with one `RandomState(seed)`, class by class.
-    """
-    y = np.asarray(y)
-    _, first, inverse = np.unique(y, return_index=True, return_inverse=True)
-    # Renumber classes by order of first appearance.
-    by_appearance = np.argsort(np.argsort(first))
-    encoded = by_appearance[inverse.reshape(-1)]
-    counts = np.bincount(encoded)
-    if n_splits < 2 or np.all(counts < n_splits):
-        raise ClassifierError(f'cannot make {n_splits} stratified folds: class sizes '
-                              f'{counts.tolist()}')
-    num_classes = len(counts)
-    dealt = np.sort(encoded)
-    allocation = np.stack([np.bincount(dealt[i::n_splits], minlength=num_classes)
-                           for i in range(n_splits)])          # [folds, classes]
-    rng = np.random.RandomState(seed)
-    test_fold = np.empty(len(y), np.int64)
-    for k in range(num_classes):
-        folds = np.repeat(np.arange(n_splits), allocation[:, k])
-        rng.shuffle(folds)
-        test_fold[encoded == k] = folds
-    rows = np.arange(len(y))
-    return [(rows[test_fold != i], rows[test_fold == i]) for i in range(n_splits)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -194,8 +159,9 @@ def torch_like_init(dim: int, num_classes: int, seed: int) -> dict[str, np.ndarr
         lo, hi = np.float32(-bound), np.float32(bound)     # (to - from) is float32 in ATen
         return (u * np.float64(hi - lo) + np.float64(lo)).astype(np.float32)
 
-    gain = math.sqrt(2.0 / (1 + 5))                   # leaky_relu gain with a = sqrt(5)
-    weight = uniform(unit[:num_classes * dim], math.sqrt(3.0) * gain / math.sqrt(dim))
+    # Python-float arithmetic in torch.nn.init's order (kaiming_uniform_, a = sqrt(5)).
+    gain = math.sqrt(2.0 / (1 + math.sqrt(5) ** 2))
+    weight = uniform(unit[:num_classes * dim], math.sqrt(3.0) * (gain / math.sqrt(dim)))
     bias = uniform(unit[num_classes * dim:], 1 / math.sqrt(dim))
     return {'w': weight.reshape(num_classes, dim).T.copy(), 'b': bias}
 

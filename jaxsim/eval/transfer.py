@@ -79,6 +79,42 @@ class TransferResult:
 
 
 # ---------------------------------------------------------------------------------------
+# Folds: scikit-learn's StratifiedKFold(shuffle=True), which SentEval uses.
+# ---------------------------------------------------------------------------------------
+
+
+def stratified_kfold(y, n_splits: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(train rows, test rows) per fold, as `StratifiedKFold(n_splits, shuffle=True,
+    random_state=seed).split(X, y)` (scikit-learn >= 0.22) yields them.
+
+    Classes are numbered by first appearance; the per-fold count of each class comes from
+    dealing the class-sorted labels round-robin over the folds; each class's block of fold
+    ids is then shuffled with one `RandomState(seed)`, class by class.
+    """
+    y = np.asarray(y)
+    _, first, inverse = np.unique(y, return_index=True, return_inverse=True)
+    # Renumber classes by order of first appearance.
+    by_appearance = np.argsort(np.argsort(first))
+    encoded = by_appearance[inverse.reshape(-1)]
+    counts = np.bincount(encoded)
+    if n_splits < 2 or np.all(counts < n_splits):
+        raise ClassifierError(f'cannot make {n_splits} stratified folds: class sizes '
+                              f'{counts.tolist()}')
+    num_classes = len(counts)
+    dealt = np.sort(encoded)
+    allocation = np.stack([np.bincount(dealt[i::n_splits], minlength=num_classes)
+                           for i in range(n_splits)])          # [folds, classes]
+    rng = np.random.RandomState(seed)
+    test_fold = np.empty(len(y), np.int64)
+    for k in range(num_classes):
+        folds = np.repeat(np.arange(n_splits), allocation[:, k])
+        rng.shuffle(folds)
+        test_fold[encoded == k] = folds
+    rows = np.arange(len(y))
+    return [(rows[test_fold != i], rows[test_fold == i]) for i in range(n_splits)]
+
+
+# ---------------------------------------------------------------------------------------
 # SentEval's rounding: `round(np.float64, 2)` (NumPy: scale, round half even) where SentEval
 # rounds a NumPy mean, Python's `round(float, 2)` where it rounds `clf.score`.
 # ---------------------------------------------------------------------------------------
@@ -116,11 +152,10 @@ def cross_validate(x, y, num_classes: int, cfg: ClassifierConfig = ClassifierCon
        'epochs', 'rounds'}.
     """
     y = np.asarray(y)
-    outer = logreg.stratified_kfold(y, kfold, INNER_KFOLD_SEED)
+    outer = stratified_kfold(y, kfold, INNER_KFOLD_SEED)
     problems = []
     for train, _ in outer:
-        for inner_train, inner_test in logreg.stratified_kfold(y[train], kfold,
-                                                               INNER_KFOLD_SEED):
+        for inner_train, inner_test in stratified_kfold(y[train], kfold, INNER_KFOLD_SEED):
             problems.append(Problem(train[inner_train], train[inner_test]))
     problems += [Problem(train) for train, _ in outer]              # the refits, 5% carve-out
     fit = logreg.fit(x, y, problems, num_classes, cfg)
@@ -147,7 +182,7 @@ def cv_then_test(x_train, y_train, x_test, y_test, num_classes: int,
       {'acc', 'devacc', 'l2', 'dev_scores' [R], 'pred' (test predictions), 'epochs', 'rounds'}.
     """
     x_train, y_train = np.asarray(x_train, np.float32), np.asarray(y_train)
-    folds = logreg.stratified_kfold(y_train, kfold, cfg.seed)
+    folds = stratified_kfold(y_train, kfold, cfg.seed)
     problems = [Problem(train, test) for train, test in folds]
     problems.append(Problem(np.arange(len(y_train))))
     fit = logreg.fit(x_train, y_train, problems, num_classes, cfg)

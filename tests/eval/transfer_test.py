@@ -84,7 +84,7 @@ def test_stratified_kfold_matches_sklearn(seed):
     rng = np.random.default_rng(seed)
     y = rng.choice([7, 3, 5], size=int(rng.integers(40, 300)), p=[0.5, 0.3, 0.2])
     for n_splits, random_state in [(10, 1111), (3, 1111), (5, 42)]:
-        ours = logreg.stratified_kfold(y, n_splits, random_state)
+        ours = transfer.stratified_kfold(y, n_splits, random_state)
         ref = StratifiedKFold(n_splits, shuffle=True, random_state=random_state).split(y, y)
         for (a, b), (c, d) in zip(ours, ref, strict=True):
             np.testing.assert_array_equal(a, c)
