@@ -1,7 +1,9 @@
-"""STS evaluation by the SimCSE protocol, with label-free calibrations.
+"""STS evaluation by the SimCSE protocol, with label-free calibrations, and SentEval's
+transfer tasks.
 
-Example (the bundled all-MiniLM-L6-v2 on the shipped tasks):
+Examples (the bundled all-MiniLM-L6-v2 on the shipped tasks):
   python eval.py --post none --post whitening --post whitening:256
+  python eval.py --tasks mr,cr,subj,mpqa,sst2,trec,mrpc
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from jaxsim.eval import cli_checks, plots, report, runner  # noqa: E402
 from jaxsim.runtime import enable_compilation_cache  # noqa: E402
 
 ALL_TASKS = 'sts12,sts13,sts14,sts15,sts16,stsb,sickr'
+TRANSFER_TASKS = 'mr,cr,subj,mpqa,sst2,trec,mrpc'
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help='SentEval data root; repeat for several: each file is read from the '
                         f'first root holding it (default: {runner.DEFAULT_DATA})')
     p.add_argument('--tasks', default=None,
-                   help=f'comma-separated subset of {ALL_TASKS} (default: all found in --data)')
+                   help=f'comma-separated STS tasks ({ALL_TASKS}; default: all found in '
+                        f'--data) and/or transfer tasks ({TRANSFER_TASKS})')
     p.add_argument('--pooler', default=None,
                    help="pooler (default: the model's own, else avg)")
     p.add_argument('--max-length', type=int, default=None,
@@ -58,9 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "evaluated tasks, one fit), 'task' (each task's own), 'paper' (per "
                         'task as BERT-whitening / BERT-flow fit it: STS-B and SICK-R on '
                         'train+dev+test), or a sentence FILE; repeat for rows of each')
-    p.add_argument('--seeds', default='0',
-                   help='comma-separated seeds for seeded calibrations (flows): one fit per '
-                        'seed, scores averaged (default: 0)')
+    p.add_argument('--seeds', default=None,
+                   help='comma-separated seeds: one flow fit / transfer classifier run per '
+                        "seed, scores averaged (default: 0 for flows, SentEval's 1111 for "
+                        'transfer tasks)')
     p.add_argument('--flow-checkpoint', default=None,
                    help='a saved flow calibration for --post flow (default: fit one)')
     p.add_argument('--flow-config', default=None,
@@ -83,29 +88,41 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        seeds = cli_checks.parse_seeds(args.seeds)
+        seeds = cli_checks.parse_seeds(args.seeds) if args.seeds is not None else None
         if args.json:
             cli_checks.check_output_file(args.json, '--json')
         if args.plots:
             cli_checks.check_output_dir(args.plots, '--plots')
+        sts_tasks, transfer_tasks = runner.split_tasks(
+            args.tasks.split(',') if args.tasks else [])
+        roots = args.data or [runner.DEFAULT_DATA]
+        models = args.model or [None]
         cli_checks.quiet_library_logs()
         enable_compilation_cache()
-        rows = runner.run(
-            args.model or [None], args.data or [runner.DEFAULT_DATA],
-            args.tasks.split(',') if args.tasks else None,
-            posts=args.post or ['none'], pooler=args.pooler, max_length=args.max_length,
-            batch_size=args.batch_size, split=args.split, aggregate=args.aggregate,
-            fit_on=args.fit_on or ['target'], seeds=seeds, flow_checkpoint=args.flow_checkpoint,
-            flow_config=args.flow_config, eps=args.eps,
-            diagnostics=not args.no_diagnostics or bool(args.plots), dtype=args.dtype)
-        print(report.markdown_table(rows, args.aggregate))
-        t = rows[-1].details['timing']
-        print(f"\ntime: {t['total_s']:.1f} s evaluating ({t['encode_s']:.1f} s encoding "
-              f"{t['sentences_encoded']} sentences, {t['rest_s']:.1f} s the rest)",
-              file=sys.stderr)
+        rows, transfer_rows = [], []
+        if sts_tasks or not transfer_tasks:
+            rows = runner.run(
+                models, roots, sts_tasks or None,
+                posts=args.post or ['none'], pooler=args.pooler, max_length=args.max_length,
+                batch_size=args.batch_size, split=args.split, aggregate=args.aggregate,
+                fit_on=args.fit_on or ['target'], seeds=seeds or [0],
+                flow_checkpoint=args.flow_checkpoint, flow_config=args.flow_config,
+                eps=args.eps, diagnostics=not args.no_diagnostics or bool(args.plots),
+                dtype=args.dtype)
+            print(report.markdown_table(rows, args.aggregate))
+            t = rows[-1].details['timing']
+            print(f"\ntime: {t['total_s']:.1f} s evaluating ({t['encode_s']:.1f} s encoding "
+                  f"{t['sentences_encoded']} sentences, {t['rest_s']:.1f} s the rest)",
+                  file=sys.stderr)
+        if transfer_tasks:
+            transfer_rows = runner.run_transfer(
+                models, roots, transfer_tasks, pooler=args.pooler, max_length=args.max_length,
+                batch_size=args.batch_size, seeds=seeds or [runner.SENTEVAL_SEED],
+                dtype=args.dtype)
+            print(('\n' if rows else '') + report.transfer_table(transfer_rows))
         if args.json:
-            report.write_json(args.json, rows)
-        if args.plots:
+            report.write_json(args.json, rows, transfer_rows)
+        if args.plots and rows:
             for path in plots.write_plots(rows, args.plots):
                 print(f'wrote {path}', file=sys.stderr)
     except USER_ERRORS as e:

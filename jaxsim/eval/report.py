@@ -11,9 +11,13 @@ import math
 import os
 from collections.abc import Sequence
 
+import numpy as np
+
 from jaxsim.data import senteval
+from jaxsim.eval import transfer
 from jaxsim.eval.metrics import AGGREGATE_DOC
 from jaxsim.eval.protocol import StsResult
+from jaxsim.eval.transfer import TransferResult
 
 # Column headers as in the SimCSE paper's tables.
 SHORT_NAMES = {
@@ -96,6 +100,59 @@ def data_lines(results: Sequence[StsResult]) -> list[str]:
             for roots, tasks in by_roots.items()]
 
 
+def transfer_table(rows: Sequence[tuple[str, str, Sequence[TransferResult]]]) -> str:
+    """The transfer tasks as the STS table shows them: one row per model, accuracy x100 per
+    task (SimCSE's order), MRPC's F1 beside it, the average labelled with its coverage.
+
+    Args:
+      rows: (model label, pooler, results) per model, as `runner.run_transfer` returns.
+    """
+    if not rows:
+        raise ValueError('no results to tabulate')
+    columns = [t for t in transfer.TASK_NAMES if any(r.task == t for _, _, rs in rows for r in rs)]
+    n = len(transfer.TASK_NAMES)
+    avg = 'Avg.' if len(columns) == n else f'Avg. ({len(columns)})'
+    used = [p for p in transfer.PROTOCOL_DOC if any(transfer.PROTOCOLS[t] == p for t in columns)]
+    lines = [f'Accuracy x100 of logistic regression on frozen sentence vectors (SentEval, '
+             f'SimCSE test mode); pooler: {", ".join(_dedup(p for _, p, _ in rows))}; '
+             + '; '.join(f'{", ".join(t for t in columns if transfer.PROTOCOLS[t] == p)}: '
+                         f'{transfer.PROTOCOL_DOC[p]}' for p in used)]
+    if avg != 'Avg.':
+        lines.append(f'{avg}: the mean accuracy over {", ".join(columns)} only (not the '
+                     f'{n}-task average)')
+    head = ['Model'] + [c for t in columns for c in ([t, 'MRPC F1'] if t == 'MRPC' else [t])]
+    head.append(avg)
+    lines += ['', '| ' + ' | '.join(head) + ' |', '|---|' + '|'.join(['---:'] * (len(head) - 1))
+              + '|']
+    for model, _, results in rows:
+        by_task = {r.task: r for r in results}
+        cells = [model]
+        for t in columns:
+            r = by_task.get(t)
+            cells.append(_fmt(r.acc) if r else '')
+            if t == 'MRPC':
+                cells.append(_fmt(r.f1) if r else '')
+        accs = [by_task[t].acc for t in columns if t in by_task]
+        cells.append(_fmt(float(np.mean(accs))) if len(accs) == len(columns) else 'n/a')
+        lines.append('| ' + ' | '.join(cells) + ' |')
+    roots = _dedup(r.details.get('root', '') for _, _, rs in rows for r in rs)
+    lines += ['', f'data: {", ".join(columns)} from {" + ".join(roots)}']
+    return '\n'.join(lines)
+
+
+def transfer_to_json(model: str, pooler: str, results: Sequence[TransferResult]) -> dict:
+    """One model's transfer record, shaped like an STS record: tasks (accuracy x100), avg and
+    what it covers, MRPC's F1, and each task's details."""
+    accs = {r.task: r.acc for r in results}
+    return {
+        'model': model, 'pooler': pooler, 'post': 'none', 'metric': 'accuracy x100',
+        'tasks': accs, 'avg': float(np.mean(list(accs.values()))), 'avg_over': list(accs),
+        'f1': {r.task: r.f1 for r in results if r.f1 is not None},
+        'details': {r.task: {'devacc': r.devacc, 'n_dev': r.n_dev, 'n_test': r.n_test,
+                             **r.details} for r in results},
+    }
+
+
 def result_to_json(r: StsResult) -> dict:
     """One row's JSON record: model, pooler, post, tasks, avg (and what it covers), details."""
     return {
@@ -110,10 +167,13 @@ def result_to_json(r: StsResult) -> dict:
     }
 
 
-def write_json(path: str | os.PathLike, results: Sequence[StsResult]) -> None:
-    """Writes one record for one row, else a list of records (one per row)."""
-    payload = (result_to_json(results[0]) if len(results) == 1
-               else [result_to_json(r) for r in results])
+def write_json(path: str | os.PathLike, results: Sequence[StsResult],
+               transfer_rows: Sequence[tuple[str, str, Sequence[TransferResult]]] = ()) -> None:
+    """Writes one record for one row, else a list of records (STS rows, then one transfer
+    record per model)."""
+    records = ([result_to_json(r) for r in results]
+               + [transfer_to_json(*row) for row in transfer_rows])
+    payload = records[0] if len(records) == 1 else records
     dirname = os.path.dirname(os.fspath(path))
     if dirname:
         os.makedirs(dirname, exist_ok=True)

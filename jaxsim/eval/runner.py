@@ -20,15 +20,18 @@ import numpy as np
 import jaxsim
 from jaxsim import calibrate
 from jaxsim.data import senteval
+from jaxsim.data import transfer as transfer_data
 from jaxsim.data.senteval import StsTask
 from jaxsim.eval import diagnostics as diag
-from jaxsim.eval import metrics, protocol
+from jaxsim.eval import metrics, protocol, transfer
 from jaxsim.eval.embeddings import CachedEncoder, EmbeddingTable, EncodeFn
 from jaxsim.eval.protocol import FitSet, StsResult
 from jaxsim.paths import SENTEVAL_ROOT
 
 DEFAULT_DATA = SENTEVAL_ROOT
 BUNDLED_NAME = 'all-MiniLM-L6-v2 (bundled)'
+# SentEval's task seed (senteval/engine.py), the transfer classifiers' default.
+SENTEVAL_SEED = 1111
 # (sentences, dropout key) -> dropout-noised [N, D] vectors, for flows fitted on noised inputs.
 NoisyEncodeFn = Callable[[list[str], jax.Array], np.ndarray]
 
@@ -254,6 +257,70 @@ def make_noisy_encoder(model: jaxsim.SentenceModel, max_length: Optional[int] = 
     return noisy
 
 
+def split_tasks(names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(STS task keys, transfer task names) of `names`; an unknown name is an error listing
+    both kinds."""
+    sts, other = [], []
+    for name in (n.strip() for n in names if n.strip()):
+        try:
+            sts.append(senteval.canonical(name))
+        except senteval.SentEvalFormatError:
+            try:
+                other.append(transfer_data.canonical_name(name))
+            except transfer_data.TransferDataError:
+                raise protocol.ProtocolError(
+                    f'unknown task {name!r}; STS tasks: {", ".join(senteval.ALL_TASKS)}; '
+                    f'transfer tasks: {", ".join(t.lower() for t in transfer.TASK_NAMES)}'
+                ) from None
+    return sts, other
+
+
+def _load(name: Optional[str], pooler: Optional[str]) -> tuple[jaxsim.SentenceModel, float]:
+    t0 = time.perf_counter()
+    model = jaxsim.load_pretrained(name or str(jaxsim.bundled_model_path()), pooler)
+    return model, time.perf_counter() - t0
+
+
+def _mean_transfer(results: Sequence[transfer.TransferResult], seeds: Sequence[int]
+                   ) -> transfer.TransferResult:
+    """One task's results over several seeds: mean acc / devacc / F1, each seed's kept."""
+    first = results[0]
+    if len(results) == 1:
+        return first
+    mean = lambda get: float(np.mean([get(r) for r in results]))  # noqa: E731
+    per_seed = [{'seed': s, 'acc': r.acc, 'devacc': r.devacc, 'f1': r.f1}
+                for s, r in zip(seeds, results)]
+    return transfer.TransferResult(
+        first.task, mean(lambda r: r.acc), mean(lambda r: r.devacc),
+        None if first.f1 is None else mean(lambda r: r.f1), first.n_dev, first.n_test,
+        first.model, {**first.details, 'seeds': list(seeds), 'per_seed': per_seed})
+
+
+def run_transfer(models: Sequence[Optional[str]], roots: Sequence, tasks: Sequence[str], *,
+                 pooler: Optional[str] = None, max_length: Optional[int] = None,
+                 batch_size: int = 64, seeds: Sequence[int] = (SENTEVAL_SEED,),
+                 dtype: str = 'float32') -> list[tuple[str, str, list[transfer.TransferResult]]]:
+    """SentEval transfer tasks (`jaxsim.eval.transfer`) on each model's raw vectors.
+
+    Returns:
+      (model label, pooler, results in task order) per model; with several seeds each task's
+      scores are the mean over seeds (each seed's in the result's details).
+    """
+    tasks = [transfer_data.canonical_name(t) for t in tasks]
+    for t in tasks:
+        transfer_data.find_task_dir(t, roots)  # a missing folder fails before any model loads
+    out = []
+    for name in models:
+        model, _ = _load(name, pooler)
+        encoder = make_encoder(model, max_length, batch_size, dtype)
+        label = str(name or BUNDLED_NAME)
+        results = [_mean_transfer([transfer.evaluate_transfer(t, encoder, roots, seed=s,
+                                                              model=label) for s in seeds],
+                                  seeds) for t in tasks]
+        out.append((label, model.pooler, results))
+    return out
+
+
 def run(models: Sequence[Optional[str]], roots: Sequence, tasks: Optional[Sequence[str]] = None,
         *, posts: Sequence[str] = ('none',), pooler: Optional[str] = None,
         max_length: Optional[int] = None, batch_size: int = 64, split: str = 'test',
@@ -291,10 +358,7 @@ def run(models: Sequence[Optional[str]], roots: Sequence, tasks: Optional[Sequen
     options = {'eps': eps, 'config': flow_config}
     rows: list[StsResult] = []
     for name in models:
-        path = name or str(jaxsim.bundled_model_path())
-        t0 = time.perf_counter()
-        model = jaxsim.load_pretrained(path, pooler)
-        load_s = time.perf_counter() - t0
+        model, load_s = _load(name, pooler)
         encoder = make_encoder(model, max_length, batch_size, dtype)
         noisy = make_noisy_encoder(model, max_length, batch_size, dtype)
         out = evaluate_rows(

@@ -183,3 +183,49 @@ def test_read_only_directory_warning_is_dropped(caplog):
         absl.warning('Given directory is read only=%s', '/w/checkpoints')
         absl.warning('something else')
     assert 'read only' not in caplog.text and 'something else' in caplog.text
+
+
+def _write_tiny_transfer(root: pathlib.Path) -> pathlib.Path:
+    """MR and MRPC with a few clearly separable samples."""
+    (root / 'MR').mkdir(parents=True)
+    pos = [f'a {w} and {v} film .' for w in ('great', 'wonderful', 'superb', 'lovely')
+           for v in ('moving', 'funny', 'warm')]
+    neg = [f'a {w} and {v} film .' for w in ('awful', 'terrible', 'dreadful', 'boring')
+           for v in ('dull', 'ugly', 'cold')]
+    (root / 'MR' / 'rt-polarity.pos').write_text('\n'.join(pos) + '\n')
+    (root / 'MR' / 'rt-polarity.neg').write_text('\n'.join(neg) + '\n')
+    (root / 'MRPC').mkdir()
+    head = 'Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n'
+
+    def pairs(n, offset):
+        rows = []
+        for i in range(n):
+            s = pos[(i + offset) % len(pos)]
+            rows.append(f'1\t{i}\t{i}\t{s}\t{s}\n' if i % 2 else
+                        f'0\t{i}\t{i}\t{s}\t{neg[(i + offset) % len(neg)]}\n')
+        return ''.join(rows)
+
+    (root / 'MRPC' / 'msr_paraphrase_train.txt').write_text(head + pairs(24, 0))
+    (root / 'MRPC' / 'msr_paraphrase_test.txt').write_text(head + pairs(8, 5))
+    return root
+
+
+def test_transfer_tasks_table_and_json(tmp_path, capsys):
+    root = _write_tiny_transfer(tmp_path / 'data')
+    out = tmp_path / 't.json'
+    rc = eval_cli.main(['--data', str(root), '--tasks', 'mr,mrpc', '--json', str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    table = captured.out
+    assert 'Accuracy x100 of logistic regression' in table and 'pooler: avg' in table
+    assert '| Model | MR | MRPC | MRPC F1 | Avg. (2) |' in table
+    assert 'Avg. (2): the mean accuracy over MR, MRPC only' in table
+    assert f'data: MR, MRPC from {root}' in table
+    assert 'Spearman' not in table  # no STS task asked, no STS table
+    record = json.loads(out.read_text())
+    assert record['metric'] == 'accuracy x100' and record['avg_over'] == ['MR', 'MRPC']
+    assert record['tasks']['MR'] > 80  # separable by construction
+    assert record['avg'] == pytest.approx(np.mean(list(record['tasks'].values())))
+    assert set(record['f1']) == {'MRPC'} and 0 <= record['f1']['MRPC'] <= 100
+    assert re.search(rf'\| {re.escape(record["model"])} \| {record["tasks"]["MR"]:.2f} \|',
+                     table)

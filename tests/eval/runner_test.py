@@ -246,3 +246,10 @@ def test_several_fit_sets_give_one_row_each(tmp_path):
     assert '| sn (target) |' in table and '| sn (task) |' in table and '| none |' in table
     with pytest.raises(JaxsimError, match='give each fit set once'):
         runner.evaluate_rows(enc, ['stsb'], root, posts=['sn'], fit_on=['task', 'task'])
+
+
+def test_split_tasks_into_sts_and_transfer():
+    assert runner.split_tasks(['STS-B', 'mr', ' sickr', 'SST2', '']) == (
+        ['stsb', 'sickr'], ['MR', 'SST2'])
+    with pytest.raises(JaxsimError, match=r"unknown task 'sts99'; STS tasks: .* transfer tasks: mr"):
+        runner.split_tasks(['sts99'])
