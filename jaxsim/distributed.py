@@ -11,7 +11,23 @@ import os
 
 import jax
 
+from jaxsim.errors import JaxsimError
+
 _initialized = False
+
+
+class DistributedError(JaxsimError):
+    """Multi-process settings that cannot start a run (the message names the setting)."""
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedError(f"${name}={value!r} is not an integer") from None
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -24,14 +40,16 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if _initialized:
         return jax.process_count() > 1
     coordinator_address = coordinator_address or os.environ.get('JAXSIM_COORDINATOR')
-    if num_processes is None and os.environ.get('JAXSIM_NUM_PROCESSES'):
-        num_processes = int(os.environ['JAXSIM_NUM_PROCESSES'])
-    if process_id is None and os.environ.get('JAXSIM_PROCESS_ID'):
-        process_id = int(os.environ['JAXSIM_PROCESS_ID'])
+    if num_processes is None:
+        num_processes = _env_int('JAXSIM_NUM_PROCESSES')
+    if process_id is None:
+        process_id = _env_int('JAXSIM_PROCESS_ID')
     if coordinator_address:
         if num_processes is None or process_id is None:
-            raise ValueError('a coordinator address needs num_processes and process_id '
-                             '(or JAXSIM_NUM_PROCESSES / JAXSIM_PROCESS_ID)')
+            raise DistributedError('a coordinator address needs num_processes and process_id '
+                                   '(or JAXSIM_NUM_PROCESSES / JAXSIM_PROCESS_ID)')
+        if not 0 <= process_id < num_processes:
+            raise DistributedError(f'process_id {process_id} is not in [0, {num_processes})')
         # Cross-process collectives of CPU devices go through gloo (harmless on accelerators).
         # Set before the backend exists: querying the backend here would initialize it.
         jax.config.update('jax_cpu_collectives_implementation', 'gloo')
