@@ -1,4 +1,5 @@
-"""Where the shipped data lives: `../shared/data/senteval` beside the repository, or $JAXSIM_SENTEVAL."""
+"""Where the shipped data lives: `../shared/data/senteval` beside the repository, or
+$JAXSIM_SENTEVAL."""
 from __future__ import annotations
 
 import os

@@ -7,6 +7,12 @@ from typing import Sequence
 import flax.struct
 import numpy as np
 
+from jaxsim.errors import JaxsimError
+
+
+class TokenizeError(JaxsimError):
+    """Token ids that cannot be padded as asked."""
+
 
 class TokenBatch(flax.struct.PyTreeNode):
     """A padded batch of token ids, all [batch, len] int32."""
@@ -44,7 +50,8 @@ def token_ids(tokenizer, sentences: Sequence[str], max_length: int) -> list[list
     return encoded["input_ids"]
 
 
-def pad_batch(ids: Sequence[Sequence[int]], pad_id: int, length: int, rows: int | None = None) -> TokenBatch:
+def pad_batch(ids: Sequence[Sequence[int]], pad_id: int, length: int,
+              rows: int | None = None) -> TokenBatch:
     """Pads token id lists to [rows, length]; extra rows (beyond len(ids)) are all padding."""
     rows = len(ids) if rows is None else rows
     input_ids = np.full((rows, length), pad_id, dtype=np.int32)
@@ -53,13 +60,15 @@ def pad_batch(ids: Sequence[Sequence[int]], pad_id: int, length: int, rows: int 
         input_ids[i, : len(seq)] = seq
         mask[i, : len(seq)] = 1
     # Single-segment input: segment 0 everywhere (BERT's token_type_ids for one sentence).
-    return TokenBatch(input_ids=input_ids, attention_mask=mask, token_type_ids=np.zeros_like(input_ids))
+    return TokenBatch(input_ids=input_ids, attention_mask=mask,
+                      token_type_ids=np.zeros_like(input_ids))
 
 
-def tokenize(tokenizer, sentences: Sequence[str], max_length: int, pad_to: int | None = None) -> TokenBatch:
+def tokenize(tokenizer, sentences: Sequence[str], max_length: int,
+             pad_to: int | None = None) -> TokenBatch:
     """Tokenizes and pads to `pad_to` (default: the longest sequence). Empty strings are fine."""
     ids = token_ids(tokenizer, check_sentences(sentences), max_length)
     length = pad_to if pad_to is not None else max(len(s) for s in ids)
     if any(len(s) > length for s in ids):
-        raise ValueError(f"pad_to={length} is shorter than a tokenized sentence")
+        raise TokenizeError(f"pad_to={length} is shorter than a tokenized sentence")
     return pad_batch(ids, tokenizer.pad_token_id or 0, length)

@@ -251,5 +251,6 @@ def test_several_fit_sets_give_one_row_each(tmp_path):
 def test_split_tasks_into_sts_and_transfer():
     assert runner.split_tasks(['STS-B', 'mr', ' sickr', 'SST2', '']) == (
         ['stsb', 'sickr'], ['MR', 'SST2'])
-    with pytest.raises(JaxsimError, match=r"unknown task 'sts99'; STS tasks: .* transfer tasks: mr"):
+    with pytest.raises(JaxsimError,
+                       match=r"unknown task 'sts99'; STS tasks: .* transfer tasks: mr"):
         runner.split_tasks(['sts99'])

@@ -6,20 +6,18 @@ with numpy cosine + scipy.stats.spearmanr, following SentEval/SimCSE.
 """
 from __future__ import annotations
 
-import pathlib
-
 import numpy as np
 import scipy.stats
 
+from jaxsim import bundled_model_path
 from jaxsim.eval import runner
-from jaxsim.pretrained import bundled_model_path
+from jaxsim.paths import SENTEVAL_ROOT as DATA
 
-DATA = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'senteval'
 STS12_SUBSETS = ('MSRpar', 'MSRvid', 'SMTeuroparl', 'surprise.OnWN', 'surprise.SMTnews')
 
 
 def reference_pairs() -> dict[str, tuple[list[str], list[str], list[float]]]:
-    """Task -> (sent1, sent2, gold), read the way SentEval does."""
+    """Task -> (sent1, sent2, gold), read the way SentEval does (its STS12 subset list)."""
     out = {}
     s1, s2, gold = [], [], []
     for sub in STS12_SUBSETS:
@@ -63,7 +61,7 @@ def test_scores_match_sentence_transformers():
 
     # Same token limit as the sentence-transformers folder (256), mean pooling.
     (row,) = runner.run([str(bundled_model_path())], [DATA], ['sts12', 'stsb', 'sickr'],
-                        pooler='avg', max_length=256, diagnostics=False, verbose=False)
+                        pooler='avg', max_length=256, diagnostics=False)
     got = row.tasks
     assert row.aggregate == 'all' and set(got) == set(expected)
     for task in expected:
