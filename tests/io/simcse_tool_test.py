@@ -92,3 +92,14 @@ def test_official_simcse_tool_loads_the_export(simcse_tool, corpus, tmp_path, ml
     assert again.encoder.mlp_only_train == mlp_only_train
     np.testing.assert_allclose(jaxsim.encode(again, SENTENCES, max_length=MAX_LENGTH), want,
                                atol=1e-6)
+
+    # The same run as a sentence-transformers folder: the head is a Dense(Tanh) module only
+    # when evaluation applies it.
+    from sentence_transformers import SentenceTransformer
+    st = tmp_path / "st"
+    assert cli_main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(st),
+                     "--format", "sentence-transformers"]) == 0
+    modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((st / "modules.json").read_text())]
+    assert modules == ["Transformer", "Pooling"] + ["Dense"] * (not mlp_only_train)
+    np.testing.assert_allclose(SentenceTransformer(str(st), device="cpu").encode(SENTENCES),
+                               want, atol=1e-4)
