@@ -136,6 +136,7 @@ class FitSet:
       parts: the sources, in order.
       sentences: the fit sentences, duplicates and repeats kept.
       notes: remarks (a split the rule needs that is missing).
+      missing: the files of splits the rule needs that no data root holds.
       files: path -> hash of files read beyond the evaluated tasks (other splits, the file).
       sources: the same paths -> their data root.
     """
@@ -144,13 +145,15 @@ class FitSet:
     parts: tuple[FitPart, ...]
     sentences: list[str]
     notes: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
     files: dict[str, str] = dataclasses.field(default_factory=dict)
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
-        """The JSON description: parts (task, split, sentences, repeats) and the total."""
+        """The JSON description: parts (task, split, sentences, repeats), the total, and the
+        files of missing splits."""
         return {'parts': [dataclasses.asdict(p) for p in self.parts],
-                'sentences': len(self.sentences)}
+                'sentences': len(self.sentences), 'missing': list(self.missing)}
 
 
 def paper_family(post: str) -> str:
@@ -194,7 +197,8 @@ def _paper_set(task: StsTask, roots, family: str) -> FitSet:
         notes.append(f'{task.name}: the paper fit set needs train+dev+test; '
                      f'{", ".join(missing)} not found under the data roots, so it is fitted on '
                      f'{"+".join(p.split for p in parts)} ({len(sentences)} sentences)')
-    return FitSet('paper', tuple(parts), sentences, tuple(notes), files, sources)
+    return FitSet('paper', tuple(parts), sentences, tuple(notes), tuple(missing), files,
+                  sources)
 
 
 def fit_sets(fit_on: str, tasks: Sequence[StsTask], roots, post: str) -> dict[str, FitSet]:

@@ -107,6 +107,7 @@ def test_fit_on_target_task_and_file(tmp_path):
     assert sets(by_file) == {'STS12': 4, 'STSBenchmark': 4}  # the blank line is skipped
     assert by_task.details['fit']['sets']['STSBenchmark']['parts'] == [
         {'source': 'STSBenchmark', 'split': 'test', 'sentences': 8, 'repeats': 1}]
+    assert by_task.details['fit']['sets']['STSBenchmark']['missing'] == []
     assert str(corpus) in by_file.details['data_files']
     stsb_test = ['anchor', 'cos 0.1 s', 'anchor', 'cos 0.3 s', 'anchor', 'cos 0.2 s',
                  'anchor', 'cos 0.9 s']
@@ -126,6 +127,8 @@ def test_fit_on_paper_follows_each_papers_rule(tmp_path):
     assert parts == {'STS12': [('test', 14, 1)],
                      'STSBenchmark': [('train', 4, 1), ('dev', 6, 1), ('test', 8, 1)],
                      'SICKRelatedness': [('train', 4, 1), ('dev', 6, 1)]}
+    assert fit['sets']['SICKRelatedness']['missing'] == ['SICK_test_annotated.txt']
+    assert fit['sets']['STSBenchmark']['missing'] == []
     assert any('SICKRelatedness: the paper fit set needs train+dev+test; '
                'SICK_test_annotated.txt not found' in n for n in res.details['notes'])
     # STS-B's SN is fitted on its train+dev+test sentences, by hand:
