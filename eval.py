@@ -96,6 +96,7 @@ def main(argv=None) -> int:
         sts_tasks, transfer_tasks = runner.split_tasks(
             args.tasks.split(',') if args.tasks else [])
         roots = args.data or [runner.DEFAULT_DATA]
+        runner.check_transfer_data(transfer_tasks, roots)
         models = args.model or [None]
         cli_checks.quiet_library_logs()
         enable_compilation_cache()

@@ -296,6 +296,15 @@ def _mean_transfer(results: Sequence[transfer.TransferResult], seeds: Sequence[i
         first.model, {**first.details, 'seeds': list(seeds), 'per_seed': per_seed})
 
 
+def check_transfer_data(tasks: Sequence[str], roots: Sequence) -> list[str]:
+    """Canonical transfer task names; a task folder missing under `roots` fails now, before
+    any model loads or STS evaluation runs."""
+    tasks = [transfer_data.canonical_name(t) for t in tasks]
+    for t in tasks:
+        transfer_data.find_task_dir(t, roots)
+    return tasks
+
+
 def run_transfer(models: Sequence[Optional[str]], roots: Sequence, tasks: Sequence[str], *,
                  pooler: Optional[str] = None, max_length: Optional[int] = None,
                  batch_size: int = 64, seeds: Sequence[int] = (SENTEVAL_SEED,),
@@ -306,9 +315,7 @@ def run_transfer(models: Sequence[Optional[str]], roots: Sequence, tasks: Sequen
       (model label, pooler, results in task order) per model; with several seeds each task's
       scores are the mean over seeds (each seed's in the result's details).
     """
-    tasks = [transfer_data.canonical_name(t) for t in tasks]
-    for t in tasks:
-        transfer_data.find_task_dir(t, roots)  # a missing folder fails before any model loads
+    tasks = check_transfer_data(tasks, roots)
     out = []
     for name in models:
         model, _ = _load(name, pooler)

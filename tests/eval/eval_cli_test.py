@@ -104,6 +104,8 @@ def test_two_roots_sick_test_from_the_second(tmp_path, capsys):
     (['--seeds', '1,x'], "error: --seeds '1,x': 'x' is not a non-negative integer"),
     (['--aggregate', 'median'], 'error: argument --aggregate: invalid choice'),
     (['--fit-on', '{tmp}/none.txt'], 'error: {tmp}/none.txt: sentence file not found'),
+    (['--tasks', 'stsb,subj'], 'error: SUBJ: no task folder found'),
+    (['--tasks', 'stsb,sts99'], "error: unknown task 'sts99'"),
 ])
 def test_bad_options_fail_before_any_work(tmp_path, monkeypatch, capsys, args, message):
     (tmp_path / 'file.txt').write_text('x\n')
