@@ -3,7 +3,7 @@
 Random unit vectors (corpus and queries), so inner product = cosine, as in a normalized
 sentence index. For each (rows, dim): both indexes hold the same vectors; each searches the
 same query batch for its top-k after a warm-up call (jaxsim's compilation is timed apart);
-the best of --repeats timings gives queries/s. Also reported: the overlap of jaxsim's exact
+the contenders run in interleaved rounds and the best of --repeats rounds gives queries/s. Also reported: the overlap of jaxsim's exact
 rows with faiss's, and the `approx_max_k` path's speed and recall against the exact search.
 
 "ratio" (top level) = geometric mean over the configurations of jaxsim_qps / faiss_qps
@@ -12,7 +12,7 @@ rows with faiss's, and the `approx_max_k` path's speed and recall against the ex
     pip install faiss-cpu        # or: pip install -e .[bench]
     python benchmarks/search_speed.py --json /tmp/search_speed.json
         [--rows 100000,1000000] [--dims 384,768] [--queries 256] [--top-k 10] [--repeats 3]
-        [--faiss-threads 1,NPROC]
+        [--faiss-threads NPROC]
 """
 from __future__ import annotations
 
@@ -33,15 +33,6 @@ def unit_rows(n: int, dim: int, rng: np.random.Generator) -> np.ndarray:
     for s in range(0, n, 65536):
         x[s: s + 65536] /= np.linalg.norm(x[s: s + 65536], axis=1, keepdims=True)
     return x
-
-
-def best_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def overlap(a: np.ndarray, b: np.ndarray) -> float:
@@ -68,21 +59,29 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
     start = time.perf_counter()
     ours = index.search_vectors(queries, args.top_k)  # places the corpus and compiles
     first_s = time.perf_counter() - start
-    jax_s = best_time(lambda: index.search_vectors(queries, args.top_k), args.repeats)
-
-    # faiss gets its best OpenMP thread count: on a shared machine fewer threads can win.
-    _, faiss_rows = flat.search(queries, args.top_k)  # warm-up, and the rows to compare
-    faiss_by_threads = {}
-    for threads in args.faiss_threads:
-        faiss.omp_set_num_threads(threads)
-        faiss_by_threads[threads] = best_time(lambda: flat.search(queries, args.top_k),
-                                              args.repeats)
-    faiss_s = min(faiss_by_threads.values())
-
     approx = index.search_vectors(queries, args.top_k, approx_recall=args.approx_recall)
-    approx_s = best_time(lambda: index.search_vectors(queries, args.top_k,
-                                                      approx_recall=args.approx_recall),
-                         args.repeats)
+    _, faiss_rows = flat.search(queries, args.top_k)  # warm-up, and the rows to compare
+
+    def faiss_search(threads):
+        faiss.omp_set_num_threads(threads)
+        flat.search(queries, args.top_k)
+
+    # Interleaved rounds, best of each: on a shared machine every contender sees the same
+    # load. faiss runs at each thread count asked for and keeps its best.
+    contenders = {"jaxsim": lambda: index.search_vectors(queries, args.top_k),
+                  "approx": lambda: index.search_vectors(queries, args.top_k,
+                                                         approx_recall=args.approx_recall)}
+    for threads in args.faiss_threads:
+        contenders[f"faiss_{threads}"] = lambda t=threads: faiss_search(t)
+    best = {name: math.inf for name in contenders}
+    for _ in range(args.repeats):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    jax_s, approx_s = best["jaxsim"], best["approx"]
+    faiss_by_threads = {t: best[f"faiss_{t}"] for t in args.faiss_threads}
+    faiss_s = min(faiss_by_threads.values())
     row = {
         "rows": rows, "dim": dim, "queries": args.queries, "top_k": args.top_k,
         "jaxsim_qps": args.queries / jax_s, "faiss_qps": args.queries / faiss_s,
@@ -93,7 +92,7 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
         "overlap_with_faiss": overlap(ours.rows, faiss_rows),
         "approx_qps": args.queries / approx_s, "approx_recall_target": args.approx_recall,
         "approx_recall": overlap(approx.rows, ours.rows),
-        "data_s": make_s, "build_s": build_s,
+        "data_s": make_s, "build_s": build_s, "load_average_1min": os.getloadavg()[0],
     }
     del index, flat
     gc.collect()
@@ -107,9 +106,9 @@ def main():
     parser.add_argument("--queries", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--faiss-threads", default=f"1,{os.cpu_count()}",
-                        help="OpenMP thread counts to time faiss with; the best counts "
-                             "(XLA:CPU uses every core)")
+    parser.add_argument("--faiss-threads", default=str(os.cpu_count()),
+                        help="OpenMP thread counts to time faiss with, e.g. 1,8; the best "
+                             "counts (XLA:CPU uses every core)")
     parser.add_argument("--block-rows", type=int, default=None)
     parser.add_argument("--query-batch", type=int, default=None)
     parser.add_argument("--approx-recall", type=float, default=0.95)

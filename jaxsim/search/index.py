@@ -198,10 +198,11 @@ class SearchIndex:
           ModelMismatchError: another pooler, width or model (both named); or an index of bare
             vectors, which has no model to encode with.
         """
-        info, ref = self.info, model_ref(model, pooler)
+        info = self.info
         if info.pooler is None:
             raise ModelMismatchError("this index was built from bare vectors, not with a "
                                      "model: search it with search_vectors")
+        ref = model_ref(model, pooler or info.pooler)  # default: the pooler that built it
         built = f"{info.model} (pooler {info.pooler}, dimension {info.dim})"
         if ref.pooler != info.pooler:
             raise ModelMismatchError(f"the index was built with {built}; pooler {ref.pooler} "
@@ -266,7 +267,7 @@ class SearchIndex:
           queries: a sentence or a list of sentences.
           threshold: keep results with cosine >= threshold; None keeps all.
           top_k: at most this many results per query.
-          pooler: pooler override (must match the index's).
+          pooler: pooler (default: the index's; another one is refused).
           batch_size: sentences per encoding batch.
           approx_recall: see `search_vectors`.
 

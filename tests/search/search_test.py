@@ -260,6 +260,13 @@ def test_mismatched_model_is_refused(bundled, tmp_path):
         narrow.search(bundled, "query")
     reloaded.add(bundled, ["A man is playing a flute."])
     assert reloaded.sentences[-1] == "A man is playing a flute." and len(reloaded) == 5
+    # An index remembers its pooler: searching without one uses it, not the model's default.
+    cls_index = build_index(bundled, CORPUS[:4], pooler="cls_before_pooler")
+    got = cls_index.search(bundled, QUERIES[0], threshold=None, top_k=4)
+    want = similarity(bundled, QUERIES[0], CORPUS[:4], pooler="cls_before_pooler")
+    np.testing.assert_allclose([x for _, x in got], np.sort(want)[::-1], atol=1e-5)
+    with pytest.raises(ModelMismatchError, match="pooler avg"):
+        cls_index.search(bundled, QUERIES[0], pooler="avg")
 
 
 def test_command_lines_end_to_end(tmp_path, capsys):
