@@ -297,7 +297,7 @@ def evaluate_transfer(task_name: str, encode_fn: EncodeFn,
       encode_fn: list of sentences -> [n, D] vectors (called once, on the distinct sentences).
       roots: data root(s) in SentEval's layout (see `jaxsim.data.transfer`).
       seed: SentEval's task seed (classifier batch order and init; TREC/MRPC folds).
-      config: classifier settings; default SimCSE's test mode with this seed.
+      config: classifier settings (its seed is replaced by `seed`); default SimCSE's test mode.
       model: label stored in the result for tables.
 
     Returns:
@@ -305,7 +305,7 @@ def evaluate_transfer(task_name: str, encode_fn: EncodeFn,
     """
     t0 = time.perf_counter()
     data = transfer_data.load_transfer_task(task_name, roots)
-    cfg = config or ClassifierConfig(seed=seed)
+    cfg = dataclasses.replace(config or ClassifierConfig(), seed=seed)
     lookup = _encode_all(data, encode_fn)
     t1, c1 = time.perf_counter(), time.process_time()
     out = run_protocol(data, lookup, cfg)
