@@ -123,8 +123,8 @@ assert jax.device_count() == 8, jax.devices()
 tok = AutoTokenizer.from_pretrained(str(jaxsim.bundled_model_path()))
 rng = np.random.default_rng(0)
 words = "cat dog man runs the a red big in park river house".split()
-# Lengths 2-9 tokens: two length buckets, so few programs to compile per mesh.
-sents = [" ".join(rng.choice(words, rng.integers(0, 8))) for _ in range(29)]
+# 5-8 tokens: one length bucket, so one program to compile per mesh and mode.
+sents = [" ".join(rng.choice(words, rng.integers(3, 7))) for _ in range(29)]
 meshes = {"single": sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]),
           "data8": None,  # the default: every device on the data axis
           "data4_fsdp2": sharding.make_mesh(4, 2, 1)}

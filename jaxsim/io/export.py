@@ -347,7 +347,10 @@ def export_source(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
     if normalize and format == "hf":
         raise ExportError("--normalize needs --format sentence-transformers")
     workdir = Path(source).is_dir() and is_train_workdir(source)
-    model = load_pretrained(source, which=step if workdir else "best")
+    if step != "best" and not workdir:
+        raise ExportError(f"--step {step}: {source} is not a train workdir (model.json + "
+                          f"checkpoints/); --step picks one of a workdir's checkpoints")
+    model = load_pretrained(source, which=step)
     if pooler is not None and pooler != model.pooler:
         if workdir:
             raise ExportError(f"{source} was trained and evaluated with pooler "

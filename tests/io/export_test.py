@@ -268,6 +268,8 @@ def test_bad_requests_are_one_line_errors(workdir, tiny, tmp_path, capsys):
            "--normalize needs --format sentence-transformers")
     _fails(capsys, ["export", "--checkpoint", src, "--out", out, "--format", "onnx"],
            "invalid choice: 'onnx'")
+    _fails(capsys, ["export", "--checkpoint", tiny["bert"].path, "--out", out, "--step", "3"],
+           "is not a train workdir")
     _fails(capsys, ["export", "--checkpoint", src, "--out", src, "--overwrite"],
            "would overwrite the model")
     _fails(capsys, ["export", "--checkpoint", src, "--out", str(folder.parent), "--overwrite"],
