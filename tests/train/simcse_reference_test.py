@@ -1,0 +1,362 @@
+"""jaxsim's SimCSE training step for step against the authors' PyTorch code.
+
+The reference is princeton-nlp's `simcse` package (PyPI 0.4, installed without its dependencies
+by the Makefile): `BertForCL` / `RobertaForCL`, whose `cl_forward` computes the SimCSE loss,
+trained as its `train.py` does through the Hugging Face Trainer: torch AdamW with weight decay
+on the parameters the Trainer picks (`Trainer.get_decay_parameter_names`: not biases, not
+LayerNorm weights), `get_linear_schedule_with_warmup`, and `clip_grad_norm_` at max_grad_norm
+before every update. jaxsim runs its own train step (`jaxsim.train.step.make_train_step`) with
+the optimizer, schedule and objective the paper configs select. Both start from the same
+weights (jaxsim's freshly initialized MLP head copied into the reference's `mlp.dense`) and
+see the same token ids.
+
+With dropout off the two runs are the same computation: loss, gradient norm and learning rate
+agree at every step, every parameter after 10 steps. With dropout on they cannot share masks;
+their first-step losses over 20 seeds must agree in mean (the noise SimCSE learns from).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import traverse_util
+
+from jaxsim.data.batching import FIELDS, tokenize_examples
+from jaxsim.data.readers import build_snli_triplets
+from jaxsim.io.hf import encoder_params_to_hf, flax_to_hf_name, hf_to_encoder_params
+from jaxsim.models.encoder import init_params
+from jaxsim.objectives import check_kwargs, get_objective
+from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.sharding import make_mesh
+from jaxsim.train import build
+from jaxsim.train.config import TrainConfig, load_config_file
+from jaxsim.train.optim import decay_mask, make_optimizer, make_schedule
+from jaxsim.train.state import create_state
+from jaxsim.train.step import configure_jax, make_loss_fn, make_train_step
+from tests.conftest import write_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 10
+BATCH = 8
+MAX_LEN = 16
+SEEDS = 20
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference.
+# ---------------------------------------------------------------------------------------------
+
+def _reference_classes():
+    """simcse.models' BertForCL / RobertaForCL, usable under transformers 5.
+
+    Two stand-ins, no change to the reference's code:
+      - `simcse/__init__.py` imports the package's demo tool (scikit-learn, and it configures
+        the root logger at import); a bare package module in its place loads `simcse.models`
+        alone.
+      - transformers 5 finishes building a model in `post_init()`; the reference, written for
+        transformers 4, calls `init_weights()` from its constructor, which now needs
+        post_init's bookkeeping first. A subclass routes that call through `post_init()`.
+    """
+    if 'simcse.models' not in sys.modules:
+        spec = importlib.util.find_spec('simcse')
+        if spec is None:
+            raise ImportError('the reference package is missing: '
+                              '.venv/bin/pip install --no-deps simcse==0.4')
+        package = types.ModuleType('simcse')
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules.setdefault('simcse', package)
+    import simcse.models as ref
+
+    def compatible(cls):
+        def init_weights(self):
+            if 'all_tied_weights_keys' in self.__dict__:
+                cls.init_weights(self)
+            else:
+                self.post_init()  # calls init_weights again, with the bookkeeping in place
+        return type(cls.__name__, (cls,), {'init_weights': init_weights})
+
+    return {'bert': compatible(ref.BertForCL), 'roberta': compatible(ref.RobertaForCL)}
+
+
+def reference_model(cfg: TrainConfig, model_path: str, model_type: str, params):
+    """The reference model holding jaxsim's initial `params`, in training mode."""
+    import torch
+    import transformers
+
+    hf_config = transformers.AutoConfig.from_pretrained(model_path)
+    if cfg.dropout >= 0:
+        hf_config.hidden_dropout_prob = cfg.dropout
+        hf_config.attention_probs_dropout_prob = cfg.dropout
+    kwargs = {'temp': 0.05, 'hard_negative_weight': 0.0, **cfg.objective_kwargs}
+    model_args = types.SimpleNamespace(
+        pooler_type=cfg.pooler, mlp_only_train=cfg.mlp_only_train, do_mlm=False, **kwargs)
+    model = _reference_classes()[model_type](hf_config, model_args=model_args)
+    encoder_config = build.load_base(cfg).config
+    state = {f'{model_type}.{k}': v
+             for k, v in encoder_params_to_hf(params, encoder_config, include_pooler=False).items()}
+    head = params['pooler']['dense']
+    state['mlp.dense.weight'] = np.ascontiguousarray(np.asarray(head['kernel']).T)
+    state['mlp.dense.bias'] = np.asarray(head['bias'])
+    missing, unexpected = model.load_state_dict(
+        {k: torch.from_numpy(np.array(v, np.float32)) for k, v in state.items()}, strict=False)
+    # PyPI's models.py keeps BERT's own pooler layer, which cl_forward never uses (no gradient).
+    assert not unexpected and all(k.startswith(f'{model_type}.pooler.') for k in missing), (
+        missing, unexpected)
+    model.train()
+    return model
+
+
+def reference_params(model, model_type: str, encoder_config) -> dict:
+    """The reference model's weights as a jaxsim parameter tree (numpy)."""
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    params, _ = hf_to_encoder_params(
+        {k: v for k, v in state.items()
+         if k.startswith(f'{model_type}.') and not k.startswith(f'{model_type}.pooler.')},
+        encoder_config, 'reference')
+    params['pooler'] = {'dense': {'kernel': state['mlp.dense.weight'].T,
+                                  'bias': state['mlp.dense.bias']}}
+    return params
+
+
+def reference_batch(batch: dict, views: int):
+    """[B, D, L] int32 arrays -> the reference's [B, views, L] int64 inputs (unsupervised
+    SimCSE feeds every sentence twice, as its train.py does)."""
+    import torch
+    return {k: torch.from_numpy(np.repeat(batch[k], views // batch[k].shape[1], axis=1)
+                                .astype(np.int64)) for k in FIELDS}
+
+
+def hf_trainer_decay_names(model) -> set:
+    import transformers
+    # The Trainer's own rule; the method does not use the Trainer instance.
+    return set(transformers.Trainer.get_decay_parameter_names(None, model))
+
+
+def train_reference(model, cfg: TrainConfig, batches, views: int) -> dict:
+    """What the HF Trainer does per step: backward, clip, AdamW step, scheduler step."""
+    import torch
+    import transformers
+
+    decay = hf_trainer_decay_names(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{'params': [p for n, p in named if n in decay], 'weight_decay': cfg.weight_decay},
+         {'params': [p for n, p in named if n not in decay], 'weight_decay': 0.0}],
+        lr=cfg.learning_rate, betas=(cfg.adam_b1, cfg.adam_b2), eps=cfg.adam_eps)
+    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, cfg.warmup_steps,
+                                                             len(batches))
+    record = {'loss': [], 'grad_norm': [], 'lr': []}
+    for batch in batches:
+        record['lr'].append(scheduler.get_last_lr()[0])
+        loss = model(**reference_batch(batch, views)).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        model.zero_grad()
+        record['loss'].append(loss.item())
+        record['grad_norm'].append(norm.item())
+    return {k: np.asarray(v) for k, v in record.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# jaxsim.
+# ---------------------------------------------------------------------------------------------
+
+def paper_config(name: str, **changes) -> TrainConfig:
+    """A paper config (configs/<name>.py) with the test's model, data sizes and changes."""
+    fields = load_config_file(str(REPO / 'configs' / f'{name}.py'))
+    fields.update(batch_size=BATCH, max_len=MAX_LEN, max_steps=STEPS, senteval_root='',
+                  checkpoint=False, **changes)
+    return TrainConfig.from_dict(fields)
+
+
+def objective_loss(cfg: TrainConfig):
+    objective = get_objective(cfg.objective)
+    return objective, functools.partial(objective.loss,
+                                        **check_kwargs(objective, cfg.objective_kwargs))
+
+
+def initial_params(cfg: TrainConfig):
+    """(encoder, base, params): jaxsim's starting point, as its training builds it."""
+    base = build.load_base(cfg)
+    encoder = build.make_encoder(cfg, base.config)
+    params = init_params(encoder, jax.random.fold_in(jax.random.key(cfg.seed), 1),
+                         bert_params=base.bert_params)
+    return encoder, base, jax.tree.map(np.asarray, params)
+
+
+def train_jaxsim(cfg: TrainConfig, encoder, params, batches):
+    """`STEPS` jaxsim train steps on one device; returns (final params, per-step metrics)."""
+    configure_jax()
+    objective, loss = objective_loss(cfg)
+    tx = make_optimizer(cfg, len(batches))
+    mesh = make_mesh(devices=jax.devices()[:1])
+    state, shardings = create_state(jax.tree.map(jax.numpy.asarray, params), tx,
+                                    jax.random.fold_in(jax.random.key(cfg.seed), 2), mesh)
+    step = make_train_step(encoder, loss, tx, views=objective.views, mesh=mesh,
+                           state_shardings=shardings, schedule=make_schedule(cfg, len(batches)))
+    record = {'loss': [], 'grad_norm': [], 'lr': []}
+    for batch in batches:
+        state, metrics = step(state, batch)
+        for k in record:
+            record[k].append(float(metrics[k]))
+    return (jax.tree.map(np.asarray, state.params),
+            {k: np.asarray(v) for k, v in record.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# Data and checks.
+# ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def snli_triplets() -> tuple:
+    """(premise, entailment, contradiction) triplets of SentEval's SNLI dev split."""
+    return tuple(build_snli_triplets(SENTEVAL_ROOT / 'SNLI', ('dev',)))
+
+
+def batches_of(tokenizer, rows) -> list[dict]:
+    arrays = tokenize_examples(tokenizer, rows, MAX_LEN)
+    return [{k: v[i * BATCH:(i + 1) * BATCH] for k, v in arrays.items()} for i in range(STEPS)]
+
+
+def check_decay_rule(model, params, model_type: str):
+    """jaxsim decays exactly the parameters the HF Trainer decays."""
+    ours = set()
+    for path, decayed in traverse_util.flatten_dict(decay_mask(params)).items():
+        if decayed:
+            prefix = model_type if path[0] == 'bert' else 'mlp'  # the head is mlp.dense
+            ours.add(f'{prefix}.{flax_to_hf_name(path[1:])}')
+    theirs = {n for n in hf_trainer_decay_names(model)
+              if not n.startswith(f'{model_type}.pooler.')}  # unused, see reference_model
+    assert ours == theirs, sorted(ours ^ theirs)
+
+
+def check_steps(ours: dict, theirs: dict):
+    """Per-step loss (1e-5 relative), gradient norm before clipping, and learning rate."""
+    # The loss is -log softmax of the positive: when the positive dominates, float32 computes
+    # it as log(1 + tiny), so its absolute resolution is float32's epsilon at 1.
+    np.testing.assert_allclose(ours['loss'], theirs['loss'], rtol=1e-5,
+                               atol=np.finfo(np.float32).eps)
+    # A near-degenerate batch (a tiny random model's vectors are nearly parallel) gets its
+    # gradient from small differences: each float32 implementation is then ~5e-5 from float64.
+    np.testing.assert_allclose(ours['grad_norm'], theirs['grad_norm'], rtol=1e-3)
+    np.testing.assert_allclose(ours['lr'], theirs['lr'], rtol=1e-6)
+
+
+def check_params(ours, theirs, start) -> tuple[float, float]:
+    """Every parameter within 1e-4 of the reference, and each tensor's update the same.
+
+    The update check is elementwise: |our update - theirs| / |theirs|, whose median over each
+    tensor must be under 1%. The median, because Adam's first steps are about the sign of the
+    gradient: an entry whose exact gradient is ~0 moves by about the learning rate in a
+    direction rounding decides, in either framework. Attention key biases are all such
+    entries (a bias on every key shifts each query's scores by a constant, which softmax
+    ignores), so they are held to the absolute bound only.
+
+    Returns:
+      (max abs difference, max median relative update difference), for the record.
+    """
+    ours, theirs, start = (traverse_util.flatten_dict(t, sep='/') for t in (ours, theirs, start))
+    assert set(ours) == set(theirs) == set(start)
+    worst_abs, worst_rel = 0.0, 0.0
+    for name in sorted(ours):
+        diff = float(np.max(np.abs(ours[name] - theirs[name])))
+        assert diff <= 1e-4, f'{name}: max |jaxsim - reference| = {diff:.3g}'
+        worst_abs = max(worst_abs, diff)
+        if name.endswith('attention/self/key/bias'):
+            continue
+        theirs_update = theirs[name] - start[name]
+        assert np.any(theirs_update != 0), f'{name}: the reference did not update it'
+        rel = np.abs(ours[name] - theirs[name]) / np.maximum(np.abs(theirs_update), 1e-30)
+        median = float(np.median(rel))
+        assert median <= 1e-2, f'{name}: updates differ from the reference by {median:.3g} (median)'
+        worst_rel = max(worst_rel, median)
+    return worst_abs, worst_rel
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests.
+# ---------------------------------------------------------------------------------------------
+
+def test_unsup_steps_match_reference():
+    """all-MiniLM-L6-v2, unsupervised SimCSE, the paper's optimizer, dropout off."""
+    cfg = paper_config('unsup_simcse_bert_base', model='bundled', dropout=0.0)
+    encoder, base, params = initial_params(cfg)
+    premises = list(dict.fromkeys(t[0] for t in snli_triplets()))[:BATCH * STEPS]
+    batches = batches_of(base.tokenizer, premises)
+    model = reference_model(cfg, base.path, 'bert', params)
+    check_decay_rule(model, params, 'bert')
+
+    theirs = train_reference(model, cfg, batches, views=2)
+    final, ours = train_jaxsim(cfg, encoder, params, batches)
+    check_steps(ours, theirs)
+    check_params(final, reference_params(model, 'bert', base.config), params)
+
+
+def test_sup_steps_match_reference(tmp_path):
+    """A tiny RoBERTa, supervised SimCSE on SNLI triplets, dropout off: the paper's optimizer,
+    plus what its settings leave unexercised: weight decay 0.1 (0 in the paper), clipping
+    that acts on some steps (gradient norms here are 0.08-0.12) and a hard-negative weight
+    of 1 (the reference adds it to the hard negative's logit)."""
+    folder = tmp_path / 'tiny-roberta'
+    write_tiny_model(folder, 'roberta', add_pooler=False)
+    cfg = paper_config('sup_simcse_bert_base', model=str(folder), dropout=0.0, weight_decay=0.1,
+                       max_grad_norm=0.1,
+                       objective_kwargs={'temp': 0.05, 'hard_negative_weight': 1.0})
+    encoder, base, params = initial_params(cfg)
+    batches = batches_of(base.tokenizer, snli_triplets()[:BATCH * STEPS])
+    model = reference_model(cfg, base.path, 'roberta', params)
+    check_decay_rule(model, params, 'roberta')
+
+    theirs = train_reference(model, cfg, batches, views=3)
+    final, ours = train_jaxsim(cfg, encoder, params, batches)
+    clipped = theirs['grad_norm'] > cfg.max_grad_norm
+    assert clipped.any() and not clipped.all(), theirs['grad_norm']
+    check_steps(ours, theirs)
+    check_params(final, reference_params(model, 'roberta', base.config), params)
+
+
+def test_dropout_losses_agree_in_distribution():
+    """Unsupervised SimCSE with dropout 0.1 (all-MiniLM-L6-v2): first-step losses over 20 seeds
+    on one batch agree in mean.
+
+    Within 3 standard errors of the difference: the seeds are fixed, so the test is
+    deterministic, but any change to how dropout bits are drawn is a new sample, and a 2-SE
+    bound would fail one such change in twenty. The batch is chosen so that the bound still
+    catches a dropout site left out: with attention-probability dropout off, the reference's
+    mean falls from 0.0225 to 0.0067, about 6 standard errors.
+    """
+    import torch
+
+    cfg = paper_config('unsup_simcse_bert_base', model='bundled', dropout=0.1)
+    encoder, base, params = initial_params(cfg)
+    premises = list(dict.fromkeys(t[0] for t in snli_triplets()))[:2 * BATCH]
+    batch = tokenize_examples(base.tokenizer, premises, MAX_LEN)
+    model = reference_model(cfg, base.path, 'bert', params)
+    inputs = reference_batch(batch, views=2)
+    theirs = []
+    with torch.no_grad():
+        for seed in range(SEEDS):
+            torch.manual_seed(seed)
+            theirs.append(model(**inputs).loss.item())
+        model.eval()
+        no_dropout = model(**inputs).loss.item()
+    theirs = np.asarray(theirs)
+
+    configure_jax()
+    objective, loss = objective_loss(cfg)
+    loss_fn = make_loss_fn(encoder, loss, objective.views)
+    # The key the train step uses at step 0 for a run seeded `seed`.
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 0))(np.arange(SEEDS))
+    ours = np.asarray(jax.jit(jax.vmap(lambda k: loss_fn(params, batch, k)[0]))(keys))
+
+    stderr = np.sqrt(ours.var(ddof=1) / SEEDS + theirs.var(ddof=1) / SEEDS)
+    assert abs(ours.mean() - theirs.mean()) <= 3 * stderr, (ours.mean(), theirs.mean(), stderr)
+    # The comparison has something to detect: dropout moves the loss well beyond that bound.
+    assert theirs.mean() - no_dropout > 4 * stderr, (theirs.mean(), no_dropout, stderr)
