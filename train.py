@@ -10,7 +10,8 @@ The logic lives in jaxsim.train; this file parses flags and turns outcomes into 
 import os
 
 # Before JAX and transformers load: no "PyTorch was not found" advice (jaxsim uses
-# transformers for tokenizers only) and no libtpu / XLA start-up chatter.
+# transformers for tokenizers only) and no libtpu / XLA start-up chatter. runtime.setup()
+# below sets the same, but only after `import jaxsim` has loaded the XLA library.
 for _name, _value in {'TRANSFORMERS_NO_ADVISORY_WARNINGS': '1', 'TRANSFORMERS_VERBOSITY': 'error',
                       'TF_CPP_MIN_LOG_LEVEL': '1', 'TPU_MIN_LOG_LEVEL': '2',
                       'TPU_STDERR_LOG_LEVEL': '2', 'GRPC_VERBOSITY': 'ERROR'}.items():
@@ -63,14 +64,22 @@ def main(argv=None) -> int:
     # orbax logs every save at INFO; JAX logs backend probing (libtpu) at INFO.
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)
-    for signum in (signal.SIGINT, signal.SIGTERM):  # before training: stop at once, cleanly
-        signal.signal(signum, _raise_interrupted)
+    # Before training a signal stops at once (nothing to save); the loop defers it to a save.
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return run(args, overrides)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def run(args, overrides) -> int:
     main_process = True
     try:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         main_process = distributed.is_main_process()
         configure_jax()
-        runtime.enable_compilation_cache()  # the step and eval buckets compile for seconds
+        runtime.setup()  # quiet libraries; compilation cache: the step compiles for seconds
         fields = apply_overrides(load_config_file(args.config), overrides)
         cfg = TrainConfig.from_dict(fields, source=args.config)
         allow = parse_key_list(args.allow_change, extra=DERIVED_KEYS)
@@ -93,8 +102,8 @@ def main(argv=None) -> int:
     except Interrupted as e:
         name = signal.Signals(e.signum).name
         if e.step is None:
-            print(f'interrupted by {name} before training started; nothing to resume yet',
-                  file=sys.stderr)
+            print(f'interrupted by {name}; rerun the same command to continue (from the last '
+                  f'checkpoint, if any)', file=sys.stderr)
         else:
             print(f'interrupted by {name}: state saved at step {e.step}; rerun the same command '
                   f'to resume', file=sys.stderr)

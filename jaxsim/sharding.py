@@ -39,7 +39,7 @@ PARAM_LOGICAL_AXES: tuple[tuple[str, tuple], ...] = (
     (r'attention/output/dense/kernel$', ('heads', 'embed')),
     (r'intermediate/dense/kernel$', ('embed', 'mlp')),
     (r'layer_\d+/output/dense/kernel$', ('mlp', 'embed')),
-    (r'(mlp|pooler/dense)/kernel$', ('embed', None)),
+    (r'pooler/dense/kernel$', ('embed', None)),
 )
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from jaxsim import sharding as sharding_lib
+from jaxsim import runtime, sharding as sharding_lib
 from jaxsim.data import batching
 from jaxsim.io.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
 from jaxsim.io.workdir import write_model
@@ -222,8 +222,11 @@ class _Loop:
 
     def _save(self, step: int, metrics: Optional[dict] = None) -> None:
         if self.ckpt is not None and self.cfg.checkpoint:
-            self.ckpt.save(step, self.state, data={'iterator': self.it.get_state()},
-                           config=self.cfg.to_dict(), metrics=metrics)
+            # orbax warns about every checkpoint saved without the ranking metric; only
+            # evaluation steps have one, the others are kept as 'latest' on purpose.
+            with runtime.quiet_absl_messages('did not provide metrics'):
+                self.ckpt.save(step, self.state, data={'iterator': self.it.get_state()},
+                               config=self.cfg.to_dict(), metrics=metrics)
 
     def _drain(self, pending: deque, keep: int, bar) -> Optional[dict]:
         """Reads the metrics of all but `keep` dispatched steps; writes their rows.

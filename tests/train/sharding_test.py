@@ -1,0 +1,202 @@
+"""Sharding: golden PartitionSpecs, batch-size refusal, and 1 device vs 8-device meshes.
+
+The equivalence check runs in a subprocess with 8 fake CPU devices. A mesh changes only where
+the float32 sums of a step are split and in which order the partial sums are combined, so the
+results may differ from one device by rounding, never by more. The bounds are those of
+reordered float32 summation: a sum of n terms computed in two orders differs by at most about
+2 (n - 1) u sum|terms|, u = 2^-24. The longest sums a mesh splits are the weight gradients'
+sums over the tokens of the global batch (n = rows x views x length), and the terms' scale is
+that of the gradient entries, so every gradient entry must agree within 2 n u max|g| and
+every loss within 2 n u |loss| (the loss is a mean over the batch). SGD steps keep these
+bounds (an update is lr x gradient); Adam would not: it divides by sqrt(v), which turns the
+rounding noise of a near-zero gradient into a full-size update of either sign.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from jaxsim import sharding
+
+REPO = Path(__file__).resolve().parents[2]
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+def _mesh(data, fsdp, tensor):
+    return AbstractMesh((data, fsdp, tensor), sharding.MESH_AXES)
+
+
+class _S:  # a shape-only leaf
+    def __init__(self, *shape):
+        self.shape = shape
+
+
+def _params():
+    dense = lambda i, o: {'kernel': _S(i, o), 'bias': _S(o)}  # noqa: E731
+    norm = {'scale': _S(32), 'bias': _S(32)}
+    layer = {'attention': {'self': {n: dense(32, 32) for n in ('query', 'key', 'value')},
+                           'output': {'dense': dense(32, 32), 'LayerNorm': norm}},
+             'intermediate': {'dense': dense(32, 48)},
+             'output': {'dense': dense(48, 32), 'LayerNorm': norm}}
+    return {'bert': {'embeddings': {'word_embeddings': {'embedding': _S(30522, 32)},
+                                    'position_embeddings': {'embedding': _S(64, 32)}},
+                     'encoder': {'layer_0': layer}},
+            'pooler': {'dense': dense(32, 32)}}
+
+
+def test_golden_partition_specs_fsdp():
+    specs = sharding.param_specs(_params(), _mesh(4, 2, 1))
+    emb, lay = specs['bert']['embeddings'], specs['bert']['encoder']['layer_0']
+    assert emb['word_embeddings']['embedding'] == P(None, 'fsdp')
+    assert emb['position_embeddings']['embedding'] == P(None, 'fsdp')
+    assert lay['attention']['self']['query']['kernel'] == P('fsdp')
+    assert lay['attention']['output']['dense']['kernel'] == P(None, 'fsdp')
+    assert lay['intermediate']['dense']['kernel'] == P('fsdp')
+    assert lay['output']['dense']['kernel'] == P(None, 'fsdp')
+    assert lay['output']['LayerNorm']['scale'] == P()
+    assert specs['pooler']['dense']['kernel'] == P('fsdp')  # the SimCSE head
+    assert specs['pooler']['dense']['bias'] == P()
+
+
+def test_golden_partition_specs_tensor_and_replicated():
+    specs = sharding.param_specs(_params(), _mesh(2, 1, 4))
+    lay = specs['bert']['encoder']['layer_0']
+    # vocab 30522 is not divisible by 4: that dimension falls back to replicated.
+    assert specs['bert']['embeddings']['word_embeddings']['embedding'] == P()
+    assert lay['attention']['self']['query']['kernel'] == P(None, 'tensor')
+    assert lay['intermediate']['dense']['kernel'] == P(None, 'tensor')
+    assert lay['output']['dense']['kernel'] == P('tensor')
+    flat = sharding.param_specs(_params(), _mesh(8, 1, 1))
+    assert all(s == P() for s in _leaves(flat))  # pure data parallel: all replicated
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+    else:
+        yield tree
+
+
+def test_global_batch_must_split_over_mesh():
+    mesh = _mesh(4, 2, 1)
+    assert sharding.check_global_batch(64, mesh) == 8
+    assert sharding.check_global_batch(64, mesh, grad_accum_steps=2) == 4
+    with pytest.raises(ValueError, match='cannot be split over 8 batch shards'):
+        sharding.check_global_batch(60, mesh)
+    with pytest.raises(ValueError, match='not divisible by grad_accum_steps'):
+        sharding.check_global_batch(64, mesh, grad_accum_steps=3)
+
+
+_SCRIPT = textwrap.dedent('''
+    import functools, json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from jaxsim import sharding
+    from jaxsim.data.batching import to_global
+    from jaxsim.models.bert import BertConfig
+    from jaxsim.models.encoder import SentenceEncoder, init_params
+    from jaxsim.objectives import get_objective
+    from jaxsim.train.config import TrainConfig
+    from jaxsim.train.optim import make_optimizer
+    from jaxsim.train.state import create_state, param_shardings
+    from jaxsim.train.step import (batch_shardings, compiler_options, configure_jax,
+                                   make_loss_fn, make_train_step)
+    configure_jax()
+    assert jax.device_count() == 8, jax.devices()
+    O0 = compiler_options(True)
+    config = BertConfig(vocab_size=2000, hidden_size=32, num_hidden_layers=1,
+                        num_attention_heads=4, intermediate_size=48, max_position_embeddings=64,
+                        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    encoder = SentenceEncoder(config, pooler='cls', mlp_only_train=True)
+    cfg = TrainConfig(train_file='x', optimizer='sgd', learning_rate=0.1, max_grad_norm=0.0)
+    flat = lambda tree: [np.asarray(x) for x in jax.tree.leaves(tree)]  # noqa: E731
+    out = {}
+    for objective, views, accum in (('unsup', 1, 1), ('sup', 3, 2)):
+        rng = np.random.default_rng(0)
+        ids = rng.integers(1000, 2000, size=(3, 16, views, 12)).astype(np.int32)
+        mask = (np.arange(12) < rng.integers(4, 13, (3, 16, views, 1))).astype(np.int32)
+        batches = [{'input_ids': ids[i] * mask[i], 'attention_mask': mask[i],
+                    'token_type_ids': np.zeros_like(ids[i])} for i in range(3)]
+        meshes = {'single': sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]),
+                  'data8': sharding.make_mesh(8, 1, 1),
+                  'data4_fsdp2': sharding.make_mesh(4, 2, 1),
+                  'data2_tensor4': sharding.make_mesh(2, 1, 4)}
+        if objective == 'sup':  # sup with gradient accumulation on two meshes
+            meshes = {k: meshes[k] for k in ('single', 'data4_fsdp2')}
+        loss = get_objective(objective).loss
+        res = {}
+        for name, mesh in meshes.items():
+            params = init_params(encoder, jax.random.key(0), param_shardings(encoder, mesh))
+            init = flat(params)
+            bs = batch_shardings(mesh)
+            grad_fn = jax.jit(jax.value_and_grad(make_loss_fn(encoder, loss, 2 if views == 1
+                                                             else views), has_aux=True),
+                              compiler_options=O0)
+            (l0, _), g0 = grad_fn(params, to_global(batches[0], bs), jax.random.key(7))
+            tx = make_optimizer(cfg, 3)
+            state, sh = create_state(params, tx, jax.random.key(1), mesh, O0)
+            step = make_train_step(encoder, loss, tx, views=2 if views == 1 else views,
+                                   mesh=mesh, state_shardings=sh, grad_accum_steps=accum,
+                                   compiler_options=O0)
+            losses = []
+            for b in batches:
+                state, m = step(state, to_global(b, bs))
+                losses.append(float(m['loss']))
+            spec = state.params['bert']['encoder']['layer_0']['intermediate']['dense'][
+                'kernel'].sharding.spec
+            res[name] = dict(init=init, loss0=float(l0), grads=flat(g0), losses=losses,
+                             params=flat(state.params), spec=str(spec))
+        ref = res['single']
+        gmax = max(float(np.abs(g).max()) for g in ref['grads'])
+        pmax = max(float(np.abs(p).max()) for p in ref['params'])
+        out[objective] = {'tokens': 16 * max(views, 2) * 12, 'grad_max': gmax, 'param_max': pmax,
+                          'loss0': ref['loss0'], 'losses': ref['losses'], 'meshes': {}}
+        for name, r in res.items():
+            out[objective]['meshes'][name] = dict(
+                spec=r['spec'],
+                init_equal=all(np.array_equal(a, b) for a, b in zip(r['init'], ref['init'])),
+                loss0_diff=abs(r['loss0'] - ref['loss0']),
+                loss_diffs=[abs(a - b) for a, b in zip(r['losses'], ref['losses'])],
+                grad_diff=max(float(np.abs(a - b).max()) for a, b in zip(r['grads'],
+                                                                         ref['grads'])),
+                param_diff=max(float(np.abs(a - b).max()) for a, b in zip(r['params'],
+                                                                          ref['params'])),
+                param_change=max(float(np.abs(a - b).max()) for a, b in zip(r['params'],
+                                                                            ref['init'])))
+    print('RESULT' + json.dumps(out), flush=True)
+''')
+
+
+def test_meshes_compute_the_single_device_step_up_to_float32_rounding():
+    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
+               JAX_PLATFORMS='cpu')
+    proc = subprocess.run([sys.executable, '-c', _SCRIPT, str(REPO)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.split('RESULT')[-1])
+    print(json.dumps(out, indent=1))
+    lr, steps = 0.1, 3
+    for objective, res in out.items():
+        n = res['tokens']  # the longest sum a mesh splits: over the batch's tokens
+        grad_tol = 2 * n * U * res['grad_max']
+        assert all(map(lambda v: v == v, res['losses'])) and res['losses'][0] != res['losses'][-1]
+        for name, r in res['meshes'].items():
+            where = f'{objective} {name}'
+            assert r['init_equal'], where  # params are created identically on every mesh
+            assert r['loss0_diff'] <= 2 * n * U * abs(res['loss0']), where
+            assert max(r['loss_diffs']) <= 2 * n * U * max(map(abs, res['losses'])), where
+            assert r['grad_diff'] <= grad_tol, (where, r['grad_diff'], grad_tol)
+            # SGD: each step moves a parameter by lr x gradient, rounded to the parameter.
+            param_tol = steps * (lr * grad_tol + 2 * U * res['param_max'])
+            assert r['param_diff'] <= param_tol, (where, r['param_diff'], param_tol)
+            assert r['param_change'] > 100 * param_tol, where  # the steps really moved params
+        meshes = res['meshes']
+        assert meshes['data4_fsdp2']['spec'] == str(P('fsdp'))
+        if 'data2_tensor4' in meshes:
+            assert meshes['data2_tensor4']['spec'] == str(P(None, 'tensor'))

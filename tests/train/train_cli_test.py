@@ -1,0 +1,84 @@
+"""train.py: one summary line, no start-up noise, one-line errors with exit code 1."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train
+from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.train import records
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / 'configs' / 'tiny_unsup_simcse.py')
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    """A corpus and a 40-pair STS-B."""
+    root = tmp_path_factory.mktemp('cli')
+    lines = (SENTEVAL_ROOT / 'SNLI' / 's1.dev').read_text().splitlines()[:64]
+    (root / 'corpus.txt').write_text('\n'.join(lines) + '\n')
+    stsb = root / 'senteval' / 'STS' / 'STSBenchmark'
+    stsb.mkdir(parents=True)
+    for split in ('dev', 'test'):
+        src = SENTEVAL_ROOT / 'STS' / 'STSBenchmark' / f'sts-{split}.csv'
+        (stsb / src.name).write_text('\n'.join(src.read_text().splitlines()[:40]) + '\n')
+    return root
+
+
+def _cli(args):
+    env = dict(os.environ, JAX_PLATFORMS='cpu')
+    return subprocess.run([sys.executable, str(REPO / 'train.py'), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_cli_prints_the_summary_and_no_start_up_noise(data, tmp_path):
+    p = _cli(['--config', TINY, '--workdir', str(tmp_path / 'w'),
+              f'--config.train_file={data / "corpus.txt"}', '--config.max_steps=2',
+              f'--config.senteval_root={data / "senteval"}', '--config.eval_every=2',
+              '--config.eval_max_len=16'])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert re.fullmatch(r'best STS-B dev -?\d+\.\d\d @ step [02], test -?\d+\.\d\d\n', p.stdout)
+    assert 'final evaluation: STS-B test with the parameters of step' in p.stderr
+    for noise in ('PyTorch was not found', 'libtpu', 'Traceback', 'TPU'):
+        assert noise not in p.stderr + p.stdout, noise
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--config.learnign_rate=1'],
+     "unknown config key 'learnign_rate' (did you mean 'learning_rate'?)"),
+    (['--config.batch_size=abc'], '--config.batch_size=abc: expected an integer'),
+    (['--config.batch_size=15', '--config.grad_accum_steps=2'],
+     'train config: batch_size 15 is not divisible by grad_accum_steps 2'),
+    (['--config.learning_rate=-1'], 'train config: learning_rate must be a finite number >= 0'),
+    (['--config.objective=nope'], "unknown objective 'nope'; choose one of"),
+    (['--config.train_file=/nonexistent/x.txt'], '/nonexistent/x.txt: sentence file not found'),
+    (['--allow-change=max_step'], "unknown config key 'max_step' (did you mean 'max_steps'?)"),
+])
+def test_bad_input_is_one_error_line_and_exit_code_1(data, tmp_path, capsys, args, message):
+    base = ['--config', TINY, '--workdir', str(tmp_path / 'w'), '--noprogress',
+            f'--config.train_file={data / "corpus.txt"}']
+    assert train.main(base + args) == 1
+    out, err = capsys.readouterr()
+    assert out == '' and err.count('\n') == 1 and err.startswith('error: '), err
+    assert message in err
+    assert not (tmp_path / 'w').exists()  # nothing written for a refused run
+
+
+def test_read_only_workdir_is_one_error_line(data, tmp_path, capsys, monkeypatch):
+    ro = tmp_path / 'ro'
+    ro.mkdir()
+    os.chmod(ro, 0o555)
+    if os.getuid() == 0:
+        # root may write anywhere; answer access() as the kernel would for a plain user.
+        monkeypatch.setattr(records.os, 'access', lambda path, mode: not (
+            mode & os.W_OK and not os.stat(path).st_mode & 0o002))
+    args = ['--config', TINY, '--workdir', str(ro / 'run'), '--noprogress',
+            f'--config.train_file={data / "corpus.txt"}']
+    assert train.main(args) == 1
+    out, err = capsys.readouterr()
+    assert err == f'error: {ro / "run"}: not writable ({ro} is read-only)\n'
+    assert list(ro.iterdir()) == []
