@@ -3,8 +3,13 @@
 Random unit vectors (corpus and queries), so inner product = cosine, as in a normalized
 sentence index. For each (rows, dim): both indexes hold the same vectors; each searches the
 same query batch for its top-k after a warm-up call (jaxsim's compilation is timed apart);
-the contenders run in interleaved rounds and the best of --repeats rounds gives queries/s. Also reported: the overlap of jaxsim's exact
-rows with faiss's, and the `approx_max_k` path's speed and recall against the exact search.
+the contenders run in interleaved rounds and the best of --repeats rounds gives queries/s.
+Also reported: the overlap of jaxsim's exact rows with faiss's, and the `approx_max_k`
+path's speed and recall against the exact search.
+
+faiss is given its BLAS path for every batch (`--faiss-blas-threshold 0`; its default
+heuristic sends small batches, e.g. 256 queries of dimension 384, to a ~10x slower loop) and
+its best OpenMP thread count among --faiss-threads (OMP_WAIT_POLICY=PASSIVE).
 
 "ratio" (top level) = geometric mean over the configurations of jaxsim_qps / faiss_qps
 (> 1: jaxsim faster).
@@ -12,7 +17,7 @@ rows with faiss's, and the `approx_max_k` path's speed and recall against the ex
     pip install faiss-cpu        # or: pip install -e .[bench]
     python benchmarks/search_speed.py --json /tmp/search_speed.json
         [--rows 100000,1000000] [--dims 384,768] [--queries 256] [--top-k 10] [--repeats 3]
-        [--faiss-threads NPROC]
+        [--faiss-threads 1,NPROC]
 """
 from __future__ import annotations
 
@@ -94,8 +99,6 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
         "approx_recall": overlap(approx.rows, ours.rows),
         "data_s": make_s, "build_s": build_s, "load_average_1min": os.getloadavg()[0],
     }
-    del index, flat
-    gc.collect()
     return row
 
 
@@ -106,15 +109,20 @@ def main():
     parser.add_argument("--queries", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--faiss-threads", default=str(os.cpu_count()),
+    parser.add_argument("--faiss-threads", default=f"1,{os.cpu_count()}",
                         help="OpenMP thread counts to time faiss with, e.g. 1,8; the best "
                              "counts (XLA:CPU uses every core)")
+    parser.add_argument("--faiss-blas-threshold", type=int, default=0,
+                        help="faiss.cvar.distance_compute_blas_threshold (0: always BLAS)")
     parser.add_argument("--block-rows", type=int, default=None)
     parser.add_argument("--query-batch", type=int, default=None)
     parser.add_argument("--approx-recall", type=float, default=0.95)
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
 
+    # Idle OpenMP threads sleep instead of spinning: with spinning, faiss with several threads
+    # ran up to 7x slower than with one on a shared machine. Read when faiss loads OpenMP.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import faiss
     import jax
 
@@ -124,9 +132,15 @@ def main():
     args.block_rows = args.block_rows or DEFAULT_BLOCK_ROWS
     args.query_batch = args.query_batch or DEFAULT_QUERY_BATCH
     args.faiss_threads = sorted({int(t) for t in args.faiss_threads.split(",")})
+    # faiss sends a batch to BLAS only when queries * dim >= this threshold (128000 by
+    # default), else to a per-pair loop about 10x slower: 256 queries of dimension 384 would
+    # take that loop. 0 gives faiss its BLAS path for every batch here.
+    default_blas_threshold = faiss.cvar.distance_compute_blas_threshold
+    faiss.cvar.distance_compute_blas_threshold = args.faiss_blas_threshold
     load_before = os.getloadavg()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{jax.device_count()}, "
-          f"faiss {faiss.__version__} (best of {args.faiss_threads} threads), "
+          f"faiss {faiss.__version__} (best of {args.faiss_threads} threads, BLAS threshold "
+          f"{args.faiss_blas_threshold}), "
           f"{os.cpu_count()} cpus, "
           f"load average {load_before[0]:.2f}")
     print(f"{'rows':>9} {'dim':>4} {'jaxsim q/s':>11} {'faiss q/s':>10} {'ratio':>6} "
@@ -135,6 +149,7 @@ def main():
     for rows in (int(r) for r in args.rows.split(",")):
         for dim in (int(d) for d in args.dims.split(",")):
             r = run_config(rows, dim, args, faiss, SearchIndex)
+            gc.collect()  # both indexes of this configuration go before the next is built
             results.append(r)
             print(f"{rows:>9} {dim:>4} {r['jaxsim_qps']:>11.0f} {r['faiss_qps']:>10.0f} "
                   f"{r['ratio']:>6.2f} {r['overlap_with_faiss']:>8.4f} {r['approx_qps']:>11.0f} "
@@ -146,6 +161,9 @@ def main():
         out = {"ratio": ratio,
                "ratio_definition": "geometric mean over configs of jaxsim_qps / faiss_qps",
                "configs": results, "faiss_threads": args.faiss_threads, "cpus": os.cpu_count(),
+               "faiss_blas_threshold": args.faiss_blas_threshold,
+               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+               "faiss_default_blas_threshold": default_blas_threshold,
                "block_rows": args.block_rows, "query_batch": args.query_batch,
                "load_average_before": load_before, "load_average_after": load_after,
                "jax": jax.__version__, "faiss": faiss.__version__,

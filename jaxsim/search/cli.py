@@ -27,8 +27,8 @@ def index_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxsim index",
         description="Encode a corpus (one sentence a line) into a search index folder.")
-    parser.add_argument("--model", default=None,
-                        help="HF folder, hub id or train workdir (default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument("--model", default=None, help="HF folder, hub id or train workdir "
+                                                       "(default: bundled all-MiniLM-L6-v2)")
     parser.add_argument("--input", required=True, type=Path, help="corpus, one sentence a line")
     parser.add_argument("--out", required=True, type=Path, help="index folder to write")
     parser.add_argument("--pooler", default=None, help="pooler (default: the model's own)")
