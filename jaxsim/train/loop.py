@@ -20,6 +20,7 @@ from typing import Mapping, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
@@ -54,11 +55,16 @@ def _grad_divisor(cfg: TrainConfig, mesh) -> float:
 
 
 def _latest_step(workdir: Path) -> Optional[int]:
-    folder = workdir / CHECKPOINT_DIR
-    if not folder.is_dir():
-        return None
-    with Checkpointer(folder, read_only=True) as ckpt:
-        return ckpt.latest_step()
+    """The step to resume from; every process takes process 0's answer (they must agree)."""
+    folder, latest = workdir / CHECKPOINT_DIR, None
+    if folder.is_dir():
+        with Checkpointer(folder, read_only=True) as ckpt:
+            latest = ckpt.latest_step()
+    if jax.process_count() > 1:
+        latest = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if latest is None
+                                                                    else latest)))
+        latest = None if latest < 0 else latest
+    return latest
 
 
 def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, Path], *,
