@@ -1,0 +1,83 @@
+"""The run record of a workdir: same run resumes, another is refused in one line, allowed
+changes are recorded; the metrics log drops rows past the restored step; strict JSON."""
+import json
+import math
+
+import pytest
+
+from jaxsim.train import records
+from jaxsim.train.config import TrainConfig
+
+DERIVED = {'data': {'source': 'c.txt', 'examples': 10, 'sha256': 'sha256:aa'},
+           'grad_divisor': 1.0}
+
+
+def _record(**changes):
+    derived = {**DERIVED, **changes.pop('derived', {})}
+    return records.make_record(TrainConfig(train_file='c.txt', **changes), derived,
+                               {'total_steps': 5})
+
+
+def test_new_same_other_and_allowed_runs(tmp_path):
+    d = records.check_workdir(tmp_path, _record())
+    assert not d.resume and d.changed == {}
+    records.write_json(tmp_path / 'config.json', d.record)
+    same = records.check_workdir(tmp_path, _record(mesh_data=2, log_every=1), step=3)
+    assert same.resume and same.changed == {}
+    assert same.record['changes'] == [{'at_step': 3, 'allowed': {},
+                                       'operational': {'mesh_data': [-1, 2],
+                                                       'log_every': [10, 1]}}]
+    with pytest.raises(records.RunMismatchError) as e:
+        records.check_workdir(tmp_path, _record(max_steps=9, derived={'grad_divisor': 4.0}))
+    message = str(e.value)
+    assert '\n' not in message
+    assert 'max_steps 0 -> 9' in message and 'grad_divisor 1.0 -> 4.0' in message
+    assert message.endswith('--allow-change=grad_divisor,max_steps')
+    allowed = records.check_workdir(tmp_path, _record(max_steps=9), allow=('max_steps',), step=4)
+    assert allowed.resume and allowed.changed == {'max_steps': (0, 9)}
+    assert allowed.record['changes'][-1] == {'at_step': 4, 'allowed': {'max_steps': [0, 9]},
+                                             'operational': {}}
+    # Changed training data is a difference too, named 'data'.
+    with pytest.raises(records.RunMismatchError, match=r"\(data \{.*--allow-change=data$"):
+        records.check_workdir(tmp_path, _record(derived={'data': {**DERIVED['data'],
+                                                                  'sha256': 'sha256:bb'}}))
+
+
+def test_foreign_folders_are_refused(tmp_path):
+    (tmp_path / 'config.json').write_text('{"architectures": ["BertModel"]}')
+    with pytest.raises(records.RunMismatchError, match='not a jaxsim train record'):
+        records.check_workdir(tmp_path, _record())
+    other = tmp_path / 'o'
+    (other / 'checkpoints').mkdir(parents=True)
+    with pytest.raises(records.RunMismatchError, match='holds checkpoints but no config.json'):
+        records.check_workdir(other, _record())
+    (tmp_path / 'file').write_text('x')
+    with pytest.raises(records.RunMismatchError, match='is not a folder'):
+        records.check_writable(tmp_path / 'file' / 'run')
+
+
+def test_metrics_log_continues_from_the_restored_step(tmp_path):
+    log = records.MetricsLog(tmp_path, keep_upto=None)
+    for step in range(1, 6):
+        log.write(step, {'loss': 1.0 / step})
+    log.close()
+    with (tmp_path / 'metrics.jsonl').open('a') as f:
+        f.write('{"step": 6, "lo')  # a row torn by a kill
+    log = records.MetricsLog(tmp_path, keep_upto=3)
+    assert [r['step'] for r in log.rows] == [1, 2, 3]
+    log.write(4, {'loss': math.nan, 'stsb_dev': 70.0})
+    with pytest.raises(ValueError, match='row for step 4 after step 4'):
+        log.write(4, {'loss': 1.0})
+    log.close()
+    rows = [json.loads(x) for x in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+    assert [r['step'] for r in rows] == [1, 2, 3, 4] and rows[-1] == {
+        'step': 4, 'loss': None, 'stsb_dev': 70.0}
+    assert [r['step'] for r in records.MetricsLog(tmp_path, None, enabled=False).rows] == []
+
+
+def test_json_files_are_strict(tmp_path):
+    records.write_json(tmp_path / 'r.json', {'a': math.inf, 'b': [1.0, math.nan], 'c': 'x'})
+    assert json.loads((tmp_path / 'r.json').read_text(),
+                      parse_constant=lambda name: pytest.fail(name)) == {
+        'a': None, 'b': [1.0, None], 'c': 'x'}
+    assert not list(tmp_path.glob('*.tmp'))
