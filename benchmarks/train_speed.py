@@ -7,14 +7,27 @@ so only the step is timed. Prints steps/s of each and the ratio jaxsim / PyTorch
   python benchmarks/train_speed.py [--steps 6] [--warmup 2] [--threads 2]
 """
 import argparse
+import functools
 import os
-import sys
 import time
 from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxsim import sharding
+from jaxsim.data.batching import to_global
+from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer
+from jaxsim.models.encoder import init_params
+from jaxsim.objectives import get_objective
 from jaxsim.paths import SENTEVAL_ROOT as SENTEVAL
+from jaxsim.train import build
+from jaxsim.train.config import TrainConfig, load_config_file
+from jaxsim.train.optim import make_optimizer, make_schedule
+from jaxsim.train.state import create_state, param_shardings
+from jaxsim.train.step import batch_shardings, configure_jax, make_loss_fn, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def batch_arrays(tokenizer, batch, max_len):
@@ -35,22 +48,23 @@ def time_steps(step, n_warmup, n_steps):
 
 
 def bench_jax(ids, mask, args):
-    import jax
-    import numpy as np
-    from jaxsim import sharding, train_lib
-    from jaxsim.data import pipeline
-    from configs.minilm_unsup_simcse import get_config
-    c = get_config()
-    c.update(batch_size=args.batch, max_len=args.max_len, max_steps=1000, dtype=args.dtype)
-    cfg = train_lib.TrainConfig.from_dict(c)
-    bundle = train_lib.build_model(cfg)
+    configure_jax()
+    fields = load_config_file(str(ROOT / 'configs' / 'minilm_unsup_simcse.py'))
+    fields.update(batch_size=args.batch, max_len=args.max_len, max_steps=1000, dtype=args.dtype)
+    cfg = TrainConfig.from_dict(fields)
+    base = build.load_base(cfg)
+    encoder = build.make_encoder(cfg, base.config)
     mesh = sharding.make_mesh()
-    tx = train_lib.make_optimizer(cfg, 1000)
-    state, sh = train_lib.create_state(bundle.params, tx, cfg, mesh)
-    step_fn = train_lib.make_train_step(bundle.module, tx, cfg, mesh, sh, 1000)
+    params = init_params(encoder, jax.random.key(0), param_shardings(encoder, mesh),
+                         base.bert_params)
+    tx = make_optimizer(cfg, 1000)
+    state, sh = create_state(params, tx, jax.random.key(1), mesh)
+    loss = functools.partial(get_objective('unsup').loss, **cfg.objective_kwargs)
+    step_fn = make_train_step(encoder, loss, tx, views=2, mesh=mesh, state_shardings=sh,
+                              schedule=make_schedule(cfg, 1000))
     b = {'input_ids': ids[:, None], 'attention_mask': mask[:, None],
          'token_type_ids': np.zeros_like(ids)[:, None]}
-    batch = pipeline.to_global(b, train_lib.batch_shardings(mesh, 1), args.batch)
+    batch = to_global(b, batch_shardings(mesh))
     t = time.perf_counter()
     holder = {'state': state}
 
@@ -62,7 +76,7 @@ def bench_jax(ids, mask, args):
     sps = time_steps(step, args.warmup - 1, args.steps)
 
     # Where the time goes: the forward pass alone (dropout on, no grad, no update).
-    loss_fn = jax.jit(train_lib.make_loss_fn(bundle.module, cfg))
+    loss_fn = jax.jit(make_loss_fn(encoder, loss, 2))
     key = jax.random.key(0)
     fwd = lambda: jax.block_until_ready(loss_fn(holder['state'].params, batch, key)[0])  # noqa
     fwd_sps = time_steps(fwd, 1, args.steps)
@@ -114,7 +128,6 @@ def main():
     args = ap.parse_args()
     import torch
     torch.set_num_threads(args.threads)
-    from jaxsim.pretrained import bundled_model_path, load_tokenizer
     path = bundled_model_path()
     ids, mask = batch_arrays(load_tokenizer(path), args.batch, args.max_len)
     print(f'batch {args.batch} x 2 views, max_len {args.max_len}, {args.dtype}, '
