@@ -61,12 +61,19 @@ def tf_default_uniform(fan_out: int):
     """TF1's default variable initializer (glorot uniform) for a [1, 1, 1, C] variable.
 
     `tf.get_variable` without an initializer draws U(-l, l) with l = sqrt(6 / (fan_in +
-    fan_out)); for Glow's (1, 1, 1, C) actnorm variables fan_in = 1 and fan_out = C.
+    fan_out)); for Glow's (1, 1, 1, C) actnorm variables fan_in = 1 and fan_out = C. Drawn on
+    the host (see `host_normal`).
     """
     limit = math.sqrt(6.0 / (1 + fan_out))
 
     def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, -limit, limit)
+        del dtype
+
+        def host(kd):
+            return _host_rng(kd).uniform(-limit, limit, shape).astype(np.float32)
+
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, jnp.float32),
+                                 jax.random.key_data(key))
 
     return init
 

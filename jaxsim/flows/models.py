@@ -14,17 +14,57 @@ from jaxsim.flows.config import FlowConfig, FlowError
 from jaxsim.flows.layers import FLOW_LAYERS, FlowOutput
 
 
-def layer_keys(config: FlowConfig) -> list[list[str]]:
-    """Per level, the submodule keys of its layers in application order (also param names)."""
-    return [[f'l{l}_s{s}_{j}_{spec.layer}' for s in range(config.depth)
-             for j, spec in enumerate(config.step)] for l in range(config.levels)]
+def step_keys(config: FlowConfig) -> list[str]:
+    """Keys of one step's layers in application order (param names: layers_<key>)."""
+    return [f'{j}_{spec.layer}' for j, spec in enumerate(config.step)]
+
+
+class Step(nn.Module):
+    """One flow step: the config's `step` layers applied in order on `features` channels.
+
+    Attributes:
+      config: the flow config.
+      features: channels at this level.
+    """
+
+    config: FlowConfig
+    features: int
+
+    def setup(self):
+        self.layers = {key: FLOW_LAYERS.get(spec.layer)(features=self.features, **spec.kwargs())
+                       for key, spec in zip(step_keys(self.config), self.config.step)}
+
+    def _run(self, x, init: bool) -> FlowOutput:
+        logdet = jnp.zeros(x.shape[:1], jnp.float32)
+        for key in step_keys(self.config):
+            layer = self.layers[key]
+            if init and hasattr(layer, 'init_from_batch'):
+                x, ld = layer.init_from_batch(x)
+            else:
+                x, ld = layer.forward(x)
+            logdet = logdet + jnp.broadcast_to(ld, x.shape[:1])
+        return FlowOutput(x, logdet)
+
+    def forward(self, x: jax.Array) -> FlowOutput:
+        return self._run(x, init=False)
+
+    def init_from_batch(self, x: jax.Array) -> FlowOutput:
+        return self._run(x, init=True)
+
+    def inverse(self, z: jax.Array) -> jax.Array:
+        for key in reversed(step_keys(self.config)):
+            z = self.layers[key].inverse(z)
+        return z
 
 
 class Flow(nn.Module):
     """`config.levels` levels of `config.depth` steps over [batch, dim] vectors.
 
     Level l works on dim / 2^l channels; after every level but the last, the second half of
-    the channels is factored out to the prior (Glow's split, as in BERT-flow).
+    the channels is factored out to the prior (Glow's split, as in BERT-flow). The steps of a
+    level share one structure, so their params are stacked ([depth, ...] leaves under
+    'l<level>') and the level runs as a `lax.scan` over them: the compiled program holds one
+    step per level, not `depth`, which keeps the fit's compilation cheap.
 
     Attributes:
       config: the flow config (layers by registry name).
@@ -34,31 +74,42 @@ class Flow(nn.Module):
     config: FlowConfig
     dim: int
 
-    def setup(self):
-        cfg = self.config
-        layers = {}
-        for keys, d in zip(layer_keys(cfg), cfg.level_dims(self.dim)):
-            for key, spec in zip(keys, cfg.step * cfg.depth):
-                layers[key] = FLOW_LAYERS.get(spec.layer)(features=d, **spec.kwargs())
-        self.layers = layers  # param names: layers_l<level>_s<step>_<index>_<layer name>
+    def _step(self, level: int) -> Step:
+        # parent=None: a detached module applied functionally to one slice of the stack.
+        return Step(self.config, self.config.level_dims(self.dim)[level], parent=None)
 
-    def _run(self, keys, x, init: bool):
-        logdet = jnp.zeros(x.shape[:1], jnp.float32)
-        for key in keys:
-            layer = self.layers[key]
-            if init and hasattr(layer, 'init_from_batch'):
-                x, ld = layer.init_from_batch(x)
-            else:
-                x, ld = layer.forward(x)
-            logdet = logdet + jnp.broadcast_to(ld, x.shape[:1])
-        return x, logdet
+    def setup(self):
+        def init_level(key, level):
+            step = self._step(level)
+            x = jnp.zeros((1, step.features), jnp.float32)
+            one = lambda k: step.init(k, x, method='forward').get('params', {})  # noqa: E731
+            return jax.lax.map(one, jax.random.split(key, self.config.depth))
+
+        self.stacks = [self.param(f'l{l}', init_level, l) for l in range(self.config.levels)]
+
+    def _level(self, level: int, x: jax.Array, init: bool) -> FlowOutput:
+        step = self._step(level)
+
+        def body(carry, params):
+            x, logdet = carry
+            if init:
+                out, v = step.apply({'params': params}, x, method='init_from_batch',
+                                    mutable=['params'])
+                return (out.z, logdet + out.logdet), v.get('params', {})
+            out = step.apply({'params': params}, x, method='forward')
+            return (out.z, logdet + out.logdet), None
+
+        (x, logdet), new = jax.lax.scan(body, (x, jnp.zeros(x.shape[:1], jnp.float32)),
+                                        self.stacks[level], length=self.config.depth)
+        if init:
+            self.put_variable('params', f'l{level}', new)
+        return FlowOutput(x, logdet)
 
     def _forward(self, x: jax.Array, init: bool) -> FlowOutput:
         eps = []  # factored-out halves, level 0 first
         logdet = jnp.zeros(x.shape[:1], jnp.float32)
-        keys = layer_keys(self.config)
         for l in range(self.config.levels):
-            x, ld = self._run(keys[l], x, init)
+            x, ld = self._level(l, x, init)
             logdet = logdet + ld
             if l < self.config.levels - 1:
                 half = x.shape[-1] // 2
@@ -78,11 +129,12 @@ class Flow(nn.Module):
     def inverse(self, z: jax.Array) -> jax.Array:
         """z: [batch, dim] -> x [batch, dim]."""
         dims = self.config.level_dims(self.dim)
-        keys = layer_keys(self.config)
         x = z[:, z.shape[-1] - dims[-1]:]
         for l in range(self.config.levels - 1, -1, -1):
-            for key in reversed(keys[l]):
-                x = self.layers[key].inverse(x)
+            step = self._step(l)
+            x, _ = jax.lax.scan(
+                lambda x, params: (step.apply({'params': params}, x, method='inverse'), None),
+                x, self.stacks[l], length=self.config.depth, reverse=True)
             if l > 0:
                 start = sum(dims[1:l])  # eps of level l-1 has dims[l] channels
                 x = jnp.concatenate([x, z[:, start: start + dims[l]]], axis=-1)
@@ -98,8 +150,8 @@ def make_flow(config: FlowConfig, dim: int) -> Flow:
     """
     config.check_dim(dim)
     flow = Flow(config, dim)
-    for keys, d in zip(layer_keys(config), config.level_dims(dim)):
-        for key, spec in zip(keys[: len(config.step)], config.step):
+    for d in config.level_dims(dim):
+        for spec in config.step:
             module = FLOW_LAYERS.get(spec.layer)
             try:
                 # Abstract init of one layer: runs its setup (option checks) without compiling.

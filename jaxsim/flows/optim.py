@@ -55,8 +55,15 @@ def decay_mask(params: Any, exclude: tuple[str, ...]) -> Any:
         {k: not any(re.search(r, k) for r in exclude) for k in flat}, sep='/')
 
 
-def make_optimizer(config: FlowConfig) -> optax.GradientTransformation:
-    """The optimizer of `config`: [clip] -> adam (bias-corrected or not) -> [decay] -> -lr."""
+def make_optimizer(config: FlowConfig, mask: Any = None) -> optax.GradientTransformation:
+    """The optimizer of `config`: [clip] -> adam (bias-corrected or not) -> [decay] -> -lr.
+
+    Args:
+      config: the flow config.
+      mask: for params that are one flat vector, a boolean vector of the same length saying
+        where weight decay applies (default: `decay_mask` of the params tree with
+        `config.weight_decay_exclude`).
+    """
     parts = []
     if config.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(config.clip_norm))
@@ -66,7 +73,11 @@ def make_optimizer(config: FlowConfig) -> optax.GradientTransformation:
         parts.append(optax.scale_by_adam(eps=config.adam_eps))
     if config.weight_decay > 0:
         exclude = config.weight_decay_exclude
-        parts.append(optax.add_decayed_weights(
-            config.weight_decay, mask=lambda p: decay_mask(p, exclude)))
+        if mask is not None:  # elementwise rate: decay * 1 where it applies, * 0 elsewhere
+            parts.append(optax.add_decayed_weights(
+                config.weight_decay * jnp.asarray(mask, jnp.float32)))
+        else:
+            parts.append(optax.add_decayed_weights(
+                config.weight_decay, mask=lambda p: decay_mask(p, exclude)))
     parts.append(optax.scale(-config.learning_rate))
     return optax.chain(*parts)

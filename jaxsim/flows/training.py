@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxsim import sharding
 from jaxsim.flows.config import FlowConfig, FlowError
 from jaxsim.flows.models import make_flow
-from jaxsim.flows.optim import make_optimizer
+from jaxsim.flows.optim import decay_mask, make_optimizer
 from jaxsim.flows.prior import nats_to_bits_per_dim, nll_nats
 
 CHUNK_STEPS = 16  # optimizer steps per jitted call
@@ -91,18 +91,48 @@ def _row_nll(model, params, x):
 
 
 def compiled(config: FlowConfig, dim: int, mesh: Mesh):
-    """Jitted (init, train_chunk, eval_nll) for a config, size and mesh; cached so refitting
-    (one flow per eval task, another epoch count or held-out fraction) compiles nothing new."""
+    """(FlatParams, jitted init, train_chunk, eval_nll) for a config, size and mesh; cached so
+    refitting (one flow per eval task, another epoch count or held-out fraction) compiles
+    nothing new."""
     # Only the fields that shape the compiled programs key the cache.
     return _compiled(config.replace(name='', max_epochs=1, val_fraction=0.0, patience=1,
                                     evals_per_epoch=1, init_batch_size=2, dropout_noise=False),
                      dim, mesh)
 
 
+class FlatParams:
+    """The params tree <-> one flat float32 vector.
+
+    The optimizer runs on the flat vector: one clip/Adam/decay chain instead of one per leaf (a
+    flow has ~100 small leaves), which cuts the fit's compile time by a third. The model itself
+    takes the tree (slicing params out of a vector inside the forward pass triples the compile
+    time of the evaluation).
+    """
+
+    def __init__(self, abstract: Any):
+        self.leaves, self.treedef = jax.tree.flatten(abstract)
+        self.sizes = [int(np.prod(leaf.shape)) for leaf in self.leaves]
+
+    def ravel(self, tree: Any) -> jax.Array:
+        return jnp.concatenate([jnp.ravel(leaf).astype(jnp.float32)
+                                for leaf in jax.tree.leaves(tree)])
+
+    def unravel(self, flat: jax.Array) -> Any:
+        ends = np.cumsum(self.sizes)
+        return jax.tree.unflatten(self.treedef, [
+            flat[end - size: end].reshape(leaf.shape)
+            for end, size, leaf in zip(ends, self.sizes, self.leaves)])
+
+
 @functools.lru_cache(maxsize=16)
 def _compiled(config: FlowConfig, dim: int, mesh: Mesh):
     model = make_flow(config, dim)
-    tx = make_optimizer(config)
+    flat = FlatParams(jax.eval_shape(lambda: model.init(
+        jax.random.key(0), jnp.zeros((1, dim), jnp.float32), method='forward'))['params'])
+    mask = decay_mask(jax.tree.unflatten(flat.treedef, [0] * len(flat.leaves)),
+                      config.weight_decay_exclude)
+    flat_mask = np.concatenate([np.full(n, m) for n, m in zip(flat.sizes, jax.tree.leaves(mask))])
+    tx = make_optimizer(config, mask=flat_mask)
     rep = NamedSharding(mesh, PartitionSpec())
     rows = sharding.batch_sharding(mesh, 2)  # [batch, dim]: batch over the data axes
     per_row = (1.0 / (dim * math.log(2.0))) if config.objective == 'bits_per_dim' else 1.0
@@ -113,7 +143,7 @@ def _compiled(config: FlowConfig, dim: int, mesh: Mesh):
             _, v = model.apply({'params': params}, x_init, method='init_from_batch',
                                mutable=['params'])
             params = v['params']
-        return params, tx.init(params)
+        return params, tx.init(flat.ravel(params))
 
     def loss_fn(params, xb):
         nll = _row_nll(model, params, xb)  # [batch]
@@ -127,8 +157,8 @@ def _compiled(config: FlowConfig, dim: int, mesh: Mesh):
             xb, ok = inputs
             xb = jax.lax.with_sharding_constraint(xb, rows)
             (_, nll), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, xb)
-            updates, s_new = tx.update(grads, s, p)
-            p_new = jax.tree.map(lambda a, b: a + b, p, updates)
+            updates, s_new = tx.update(flat.ravel(grads), s, flat.ravel(p))
+            p_new = jax.tree.map(lambda a, b: a + b, p, flat.unravel(updates))
             keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
             return (jax.tree.map(keep, p_new, p), jax.tree.map(keep, s_new, s)), nll
 
@@ -141,7 +171,7 @@ def _compiled(config: FlowConfig, dim: int, mesh: Mesh):
         return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.sum(mask)
 
     batch_in = sharding.batch_sharding(mesh, 3)
-    return (jax.jit(init, out_shardings=rep),
+    return (flat, jax.jit(init, out_shardings=rep),
             jax.jit(train_chunk, in_shardings=(rep, rep, batch_in, rep), out_shardings=rep),
             jax.jit(eval_nll, in_shardings=rep, out_shardings=rep))
 
@@ -223,7 +253,7 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
                         'from the encoder in train mode')
     mesh = mesh if mesh is not None else default_mesh(config.batch_size)
     num_val, steps = _plan(n, config, sharding.batch_shards(mesh))
-    init_fn, train_chunk, eval_nll = compiled(config, dim, mesh)
+    flat, init_fn, train_chunk, eval_nll = compiled(config, dim, mesh)
     split_key, init_key, param_key, shuffle_key, noise_key = jax.random.split(key, 5)
 
     order = _rng(split_key).permutation(n)
@@ -296,5 +326,5 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
                 break
     finally:
         bar.close()
-    return FitResult(params=best[1], history=history, best_step=best[2],
+    return FitResult(params=jax.device_get(best[1]), history=history, best_step=best[2],
                      stopped_early=stopped_early, init_nll=init_nll)

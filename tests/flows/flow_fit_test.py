@@ -98,8 +98,9 @@ def test_realnvp_gains_stay_bounded_after_a_step():
     cfg = load_config_file(_CONFIGS / 'flow_realnvp.py').replace(max_epochs=1)
     x = _near_constant(n=1000)
     result = fit_flow(x, cfg, jax.random.key(0))
-    gains = [np.abs(np.asarray(v['logs'])).max() for k, v in result.params.items()
+    gains = [np.abs(np.asarray(v['logs'])).max() for k, v in result.params['l0'].items()
              if k.endswith('actnorm')]
+    assert len(gains) == 2
     # Data init standardizes live channels (|log gain| up to log(1/0.01) ~ 4.6); the dead ones
     # keep gain 1 instead of the 1e3 (log 6.9) a floored std would give at every layer.
     assert max(gains) < 5.0, gains

@@ -225,12 +225,14 @@ def test_latent_layout_is_splits_then_top():
     cfg = FlowConfig(levels=3, depth=1, step=(layer('reverse'),))
     module = make_flow(cfg, 8)
     x = np.arange(16, dtype=np.float32).reshape(2, 8)
-    z, logdet = module.apply({}, x, method='forward')
+    v = module.init(jax.random.key(0), x, method='forward')
+    assert not jax.tree.leaves(v)  # reversals have no parameters
+    z, logdet = module.apply(v, x, method='forward')
     r0 = x[:, ::-1]  # level 0 (8 channels)
     r1 = r0[:, :4][:, ::-1]  # level 1 keeps the first half, reversed
     r2 = r1[:, :2][:, ::-1]  # level 2
     np.testing.assert_array_equal(np.asarray(z), np.concatenate([r0[:, 4:], r1[:, 2:], r2], 1))
-    np.testing.assert_array_equal(np.asarray(module.apply({}, z, method='inverse')), x)
+    np.testing.assert_array_equal(np.asarray(module.apply(v, z, method='inverse')), x)
     np.testing.assert_array_equal(np.asarray(logdet), 0.0)
 
 
@@ -276,12 +278,13 @@ def test_user_registered_layer_is_usable_in_a_config():
     assert FlowConfig.from_dict(cfg.to_dict()) == cfg  # configs name layers: JSON round trip
     module = make_flow(cfg, 4)
     x = np.asarray(_data(4, n=3))
-    z, logdet = module.apply({}, x, method='forward')
+    v = module.init(jax.random.key(0), x, method='forward')
+    z, logdet = module.apply(v, x, method='forward')
     l0 = 3 * x + 1
     expected = np.concatenate([l0[:, 2:], 3 * l0[:, :2] + 1], axis=1)
     np.testing.assert_allclose(np.asarray(z), expected, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(logdet), 6 * math.log(3.0), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(module.apply({}, z, method='inverse')), x, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(module.apply(v, z, method='inverse')), x, rtol=1e-5)
 
 
 def test_prior_and_nll_units():

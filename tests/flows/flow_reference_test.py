@@ -48,15 +48,17 @@ def _np_bert_flow(x, params, levels, depth):
     objective = np.zeros(x.shape[0])
     eps = []
     for level in range(levels):
+        stack = params[f'l{level}']  # the level's steps, stacked on the leading axis
         for s in range(depth):  # revnet_step: actnorm, invertible (permutation), additive
-            x, ld = _np_actnorm(x, params[f'layers_l{level}_s{s}_0_actnorm'])
+            step = jax.tree.map(lambda a: a[s], stack)
+            x, ld = _np_actnorm(x, step['layers_0_actnorm'])
             objective += ld
             c = x.shape[1]
             w = np.zeros((c, c))
             w[np.arange(c), c - 1 - np.arange(c)] = 1.0  # np_w[i][channels-1-i] = 1
             x = x @ w
             x1, x2 = np.split(x, 2, axis=-1)
-            net = params[f'layers_l{level}_s{s}_2_additive_coupling']['shift_net']
+            net = step['layers_2_additive_coupling']['shift_net']
             x = np.concatenate([x1, x2 + _np_conv_stack(x1, net)], axis=-1)
         if level < levels - 1:  # split: x2 ~ N(0, 1), eps = x2
             x1, x2 = np.split(x, 2, axis=-1)
@@ -97,8 +99,9 @@ def test_bert_flow_forward_matches_the_reference_computation(bert_flow_params):
             + np.asarray(logdet))
     np.testing.assert_allclose(nll / (dim * math.log(2)), bpd_ref, rtol=1e-4)
     # The reversal has no parameters; every other variable is one the reference creates.
-    names = {k.split('_', 4)[-1] for k in v['params']}
-    assert names == {'actnorm', 'additive_coupling'}
+    assert set(v['params']) == {'l0', 'l1', 'l2'}
+    assert set(v['params']['l0']) == {'layers_0_actnorm', 'layers_2_additive_coupling'}
+    assert v['params']['l1']['layers_0_actnorm']['b'].shape == (3, 16)  # [depth, channels]
 
 
 def test_bert_flow_config_is_the_default_and_reads_as_the_reference():
@@ -161,8 +164,10 @@ def test_bert_adamw_matches_adam_weight_decay_optimizer(exclude):
     grads_seq = [{k: (rng.standard_normal(v.shape) * scale).astype(np.float32)
                   for k, v in params.items()} for scale in (5.0, 3.0, 0.01, 0.02, 0.1)]
     tx = make_optimizer(FlowConfig(weight_decay_exclude=exclude))
-    nest = lambda d: traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in d.items()},  # noqa: E731
-                                                  sep='/')
+
+    def nest(d):
+        return traverse_util.unflatten_dict({k: jnp.asarray(v) for k, v in d.items()}, sep='/')
+
     tree = nest(params)
     state = tx.init(tree)
     for g in grads_seq:
