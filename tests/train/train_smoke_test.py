@@ -1,6 +1,8 @@
 """End to end in-process: a tiny random BERT through train_and_evaluate (STS-B selection,
-checkpoints, exact resume, the workdir as a model, refusal of another run, a finished rerun,
-the NaN stop, a user objective with its own hyperparameters, run_seeds)."""
+checkpoints, exact resume, the workdir as a model for encode/eval/export, refusal of another
+run, a finished rerun, the NaN stop, a user objective with its own hyperparameters, run_seeds).
+"""
+import functools
 import hashlib
 import json
 import shutil
@@ -15,7 +17,9 @@ import jaxsim
 from configs.tiny_unsup_simcse import get_config
 from jaxsim.data.senteval import load_stsb
 from jaxsim.eval.metrics import spearman_x100
+from jaxsim.eval.runner import stsb_dev_score
 from jaxsim.io.checkpoint import Checkpointer
+from jaxsim.io.export import export_model
 from jaxsim.objectives import ObjectiveError, register_objective
 from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.train import loop
@@ -95,6 +99,11 @@ def test_train_select_resume_and_use_the_workdir_as_a_model(corpus, senteval, tm
     dev = load_stsb(senteval, 'dev')
     e1, e2 = jaxsim.encode(model, dev.sent1), jaxsim.encode(model, dev.sent2)
     assert abs(spearman_x100(e1, e2, dev.gold) - r.best_dev) < 1e-3
+    # ... and so does the evaluation package's STS protocol, and an export read back.
+    encode_fn = functools.partial(jaxsim.encode, model)
+    assert abs(stsb_dev_score(encode_fn, [senteval]) - r.best_dev) < 1e-3
+    exported = jaxsim.load_pretrained(export_model(model, tmp_path / 'export'))
+    np.testing.assert_allclose(jaxsim.encode(exported, dev.sent1), e1, atol=1e-5)
 
     # A finished run rerun: says so, changes nothing.
     before = _files(a)
