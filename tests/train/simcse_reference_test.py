@@ -16,6 +16,7 @@ their first-step losses over 20 seeds must agree in mean (the noise SimCSE learn
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import sys
@@ -83,12 +84,12 @@ def _reference_classes():
     return {'bert': compatible(ref.BertForCL), 'roberta': compatible(ref.RobertaForCL)}
 
 
-def reference_model(cfg: TrainConfig, model_path: str, model_type: str, params):
+def reference_model(cfg: TrainConfig, base: build.BaseModel, model_type: str, params):
     """The reference model holding jaxsim's initial `params`, in training mode."""
     import torch
     import transformers
 
-    hf_config = transformers.AutoConfig.from_pretrained(model_path)
+    hf_config = transformers.AutoConfig.from_pretrained(base.path)
     if cfg.dropout >= 0:
         hf_config.hidden_dropout_prob = cfg.dropout
         hf_config.attention_probs_dropout_prob = cfg.dropout
@@ -96,9 +97,8 @@ def reference_model(cfg: TrainConfig, model_path: str, model_type: str, params):
     model_args = types.SimpleNamespace(
         pooler_type=cfg.pooler, mlp_only_train=cfg.mlp_only_train, do_mlm=False, **kwargs)
     model = _reference_classes()[model_type](hf_config, model_args=model_args)
-    encoder_config = build.load_base(cfg).config
     state = {f'{model_type}.{k}': v
-             for k, v in encoder_params_to_hf(params, encoder_config, include_pooler=False).items()}
+             for k, v in encoder_params_to_hf(params, base.config, include_pooler=False).items()}
     head = params['pooler']['dense']
     state['mlp.dense.weight'] = np.ascontiguousarray(np.asarray(head['kernel']).T)
     state['mlp.dense.bias'] = np.asarray(head['bias'])
@@ -137,6 +137,19 @@ def hf_trainer_decay_names(model) -> set:
     return set(transformers.Trainer.get_decay_parameter_names(None, model))
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """The reference's batches are tiny: a second thread gains nothing, and on a busy machine
+    its thread pool's spinning costs several times the work."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def train_reference(model, cfg: TrainConfig, batches, views: int) -> dict:
     """What the HF Trainer does per step: backward, clip, AdamW step, scheduler step."""
     import torch
@@ -151,16 +164,17 @@ def train_reference(model, cfg: TrainConfig, batches, views: int) -> dict:
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, cfg.warmup_steps,
                                                              len(batches))
     record = {'loss': [], 'grad_norm': [], 'lr': []}
-    for batch in batches:
-        record['lr'].append(scheduler.get_last_lr()[0])
-        loss = model(**reference_batch(batch, views)).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        model.zero_grad()
-        record['loss'].append(loss.item())
-        record['grad_norm'].append(norm.item())
+    with one_torch_thread():
+        for batch in batches:
+            record['lr'].append(scheduler.get_last_lr()[0])
+            loss = model(**reference_batch(batch, views)).loss
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            model.zero_grad()
+            record['loss'].append(loss.item())
+            record['grad_norm'].append(norm.item())
     return {k: np.asarray(v) for k, v in record.items()}
 
 
@@ -182,13 +196,19 @@ def objective_loss(cfg: TrainConfig):
                                         **check_kwargs(objective, cfg.objective_kwargs))
 
 
+_START: dict = {}  # (model, pooler, seed) -> initial params; dropout does not change them
+
+
 def initial_params(cfg: TrainConfig):
-    """(encoder, base, params): jaxsim's starting point, as its training builds it."""
+    """(encoder, base, params): jaxsim's starting point, as its training loop builds it."""
     base = build.load_base(cfg)
     encoder = build.make_encoder(cfg, base.config)
-    params = init_params(encoder, jax.random.fold_in(jax.random.key(cfg.seed), 1),
-                         bert_params=base.bert_params)
-    return encoder, base, jax.tree.map(np.asarray, params)
+    key = (cfg.model, cfg.pooler, cfg.seed)
+    if key not in _START:
+        params = init_params(encoder, jax.random.fold_in(jax.random.key(cfg.seed), 1),
+                             bert_params=base.bert_params)
+        _START[key] = jax.tree.map(np.asarray, params)
+    return encoder, base, _START[key]
 
 
 def train_jaxsim(cfg: TrainConfig, encoder, params, batches):
@@ -290,7 +310,7 @@ def test_unsup_steps_match_reference():
     encoder, base, params = initial_params(cfg)
     premises = list(dict.fromkeys(t[0] for t in snli_triplets()))[:BATCH * STEPS]
     batches = batches_of(base.tokenizer, premises)
-    model = reference_model(cfg, base.path, 'bert', params)
+    model = reference_model(cfg, base, 'bert', params)
     check_decay_rule(model, params, 'bert')
 
     theirs = train_reference(model, cfg, batches, views=2)
@@ -311,7 +331,7 @@ def test_sup_steps_match_reference(tmp_path):
                        objective_kwargs={'temp': 0.05, 'hard_negative_weight': 1.0})
     encoder, base, params = initial_params(cfg)
     batches = batches_of(base.tokenizer, snli_triplets()[:BATCH * STEPS])
-    model = reference_model(cfg, base.path, 'roberta', params)
+    model = reference_model(cfg, base, 'roberta', params)
     check_decay_rule(model, params, 'roberta')
 
     theirs = train_reference(model, cfg, batches, views=3)
@@ -338,10 +358,10 @@ def test_dropout_losses_agree_in_distribution():
     encoder, base, params = initial_params(cfg)
     premises = list(dict.fromkeys(t[0] for t in snli_triplets()))[:2 * BATCH]
     batch = tokenize_examples(base.tokenizer, premises, MAX_LEN)
-    model = reference_model(cfg, base.path, 'bert', params)
+    model = reference_model(cfg, base, 'bert', params)
     inputs = reference_batch(batch, views=2)
     theirs = []
-    with torch.no_grad():
+    with torch.no_grad(), one_torch_thread():
         for seed in range(SEEDS):
             torch.manual_seed(seed)
             theirs.append(model(**inputs).loss.item())
