@@ -105,7 +105,8 @@ class FlowCalibration(Calibration):
           config: FlowConfig or path, instead of `arg`.
           seed: PRNG seed; the fit is a pure function of (x, config, seed, embed).
           embed: `embed(key) -> [N, D]` dropout-noised embeddings of the same sentences;
-            each epoch trains on a fresh draw (required by configs with dropout_noise).
+            configs with dropout_noise train each epoch on a fresh draw (and require it);
+            other configs ignore it.
           mesh: device mesh the batch is split over (default: all local devices).
           progress: tqdm bar (default: on above 5,000 rows).
         """

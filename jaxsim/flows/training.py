@@ -231,10 +231,10 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
       x: [N, D] embeddings, finite (the clean, eval-mode vectors).
       config: architecture and fitting settings.
       key: PRNG key; all randomness derives from it.
-      embed: optional `embed(key) -> [N, D]` returning freshly dropout-noised embeddings of
-        the same N sentences (the encoder in train mode). When given, each epoch trains on
-        `embed(fold_in(key, epoch))` (held-out NLL stays on the clean x); required when
-        `config.dropout_noise`.
+      embed: `embed(key) -> [N, D]` returning freshly dropout-noised embeddings of the same N
+        sentences (the encoder in train mode). Used when `config.dropout_noise` (then
+        required): each epoch trains on `embed(fold_in(key, epoch))`, while the held-out NLL
+        stays on the clean x. Ignored otherwise, so a caller can always offer it.
       mesh: the batch is split over its data axes (default: `default_mesh`).
       progress: show a tqdm bar.
 
@@ -261,7 +261,7 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
     eval_x, eval_mask = _padded(x[val_idx] if num_val else x[train_idx])
 
     def epoch_rows(epoch: int) -> np.ndarray:
-        if embed is None:
+        if not config.dropout_noise:
             return x[train_idx]
         noised = check_matrix(embed(jax.random.fold_in(noise_key, epoch)),
                               f'embed(key) at epoch {epoch}')

@@ -118,11 +118,14 @@ def test_dropout_noise_option_draws_fresh_embeddings_each_epoch():
     cfg = _GLOW.replace(max_epochs=2, dropout_noise=True)
     noisy = fit_flow(x, cfg, jax.random.key(0), embed=embed)
     assert len(keys) == 2 and keys[0] != keys[1]
-    clean = fit_flow(x, cfg.replace(dropout_noise=False), jax.random.key(0))
+    # Without dropout_noise the config fits the clean vectors: embed is offered but unused.
+    clean = fit_flow(x, cfg.replace(dropout_noise=False), jax.random.key(0), embed=embed)
+    assert len(keys) == 2
     assert not np.allclose(_apply(cfg, _DIM, noisy.params, x[:5]),
                            _apply(cfg, _DIM, clean.params, x[:5]))
     # The same key gives the same noise, so the noised fit is reproducible.
     again = fit_flow(x, cfg, jax.random.key(0), embed=embed)
+    assert len(keys) == 4 and keys[2:] == keys[:2]
     np.testing.assert_array_equal(_apply(cfg, _DIM, again.params, x[:5]),
                                   _apply(cfg, _DIM, noisy.params, x[:5]))
 
@@ -158,4 +161,5 @@ def test_bad_inputs_are_rejected_before_compiling(no_compile):
 def test_embed_returning_the_wrong_shape_is_a_clear_error():
     x, _ = _anisotropic(n=300)
     with pytest.raises(FlowError, match=r'embed\(key\) returned shape \(10, 8\)'):
-        fit_flow(x, _GLOW.replace(max_epochs=1), jax.random.key(0), embed=lambda k: x[:10])
+        fit_flow(x, _GLOW.replace(max_epochs=1, dropout_noise=True), jax.random.key(0),
+                 embed=lambda k: x[:10])
