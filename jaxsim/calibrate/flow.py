@@ -87,7 +87,8 @@ class FlowCalibration(Calibration):
     arg_type = str
 
     def __init__(self, config: FlowConfig, dim: int, params: Any, history: tuple = (),
-                 best_step: int = 0):
+                 best_step: int = 0, note: str = ''):
+        self.note = note
         self.config = config
         self.dim = int(dim)
         self.params = params
@@ -121,7 +122,8 @@ class FlowCalibration(Calibration):
                               progress=show)
         except FlowError as e:
             raise CalibrationError(str(e)) from None
-        return cls(cfg, arr.shape[1], result.params, tuple(result.history), result.best_step)
+        return cls(cfg, arr.shape[1], result.params, tuple(result.history), result.best_step,
+                   result.note)
 
     def _input(self, x: Any, what: str) -> np.ndarray:
         try:

@@ -76,6 +76,7 @@ class FitResult:
       best_step: optimizer step of `params`.
       stopped_early: patience ran out before `max_epochs`.
       init_nll: NLL (nats per row) of the evaluation rows at initialisation.
+      note: non-empty when the fit deviated from the config (a smaller batch for few rows).
     """
 
     params: Any
@@ -83,6 +84,7 @@ class FitResult:
     best_step: int
     stopped_early: bool
     init_nll: float
+    note: str = ''
 
 
 def _row_nll(model, params, x):
@@ -210,17 +212,24 @@ def check_not_diverged(nll: float, init_nll: float, x: np.ndarray, config: FlowC
         + '. Try a lower learning_rate or clip_norm > 0.')
 
 
-def _plan(n: int, config: FlowConfig, shards: int) -> tuple[int, int]:
-    """(held-out rows, optimizer steps per epoch), checked before anything is compiled."""
+def _plan(n: int, config: FlowConfig, shards: int) -> tuple[int, int, int, str]:
+    """(held-out rows, batch size, optimizer steps per epoch, note), checked before anything
+    is compiled. Fewer training rows than `batch_size` shrink the batch to all of them (a
+    multiple of the mesh's batch shards), with a note, rather than refusing the matrix."""
     if config.batch_size % shards:
         raise FlowError(f'flow batch_size={config.batch_size} cannot be split over the '
                         f'{shards} batch shards of the mesh; choose a multiple of {shards}')
     num_val = max(1, round(n * config.val_fraction)) if config.val_fraction > 0 else 0
     num_train = n - num_val
-    if num_train < config.batch_size:
-        raise FlowError(f'flow fit: {n} rows minus {num_val} held out leave {num_train} '
-                        f'training rows, fewer than batch_size={config.batch_size}')
-    return num_val, num_train // config.batch_size
+    batch, note = config.batch_size, ''
+    if num_train < batch:
+        batch = num_train // shards * shards
+        if batch < 2:
+            raise FlowError(f'flow fit: {n} rows minus {num_val} held out leave {num_train} '
+                            f'training rows, too few for a batch over {shards} device(s)')
+        note = (f'flow fit: only {num_train} training rows (of {n}, {num_val} held out): '
+                f'batch {batch} instead of batch_size={config.batch_size}')
+    return num_val, batch, num_train // batch, note
 
 
 def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[EmbedFn] = None,
@@ -252,7 +261,7 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
                         '(dropout_noise=True): pass embed=callable(key) -> [N, D] vectors '
                         'from the encoder in train mode')
     mesh = mesh if mesh is not None else default_mesh(config.batch_size)
-    num_val, steps = _plan(n, config, sharding.batch_shards(mesh))
+    num_val, batch, steps, note = _plan(n, config, sharding.batch_shards(mesh))
     flat, init_fn, train_chunk, eval_nll = compiled(config, dim, mesh)
     split_key, init_key, param_key, shuffle_key, noise_key = jax.random.split(key, 5)
 
@@ -290,10 +299,10 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
             if epoch:
                 train_x = epoch_rows(epoch)
             perm = _rng(shuffle_key, epoch).permutation(len(train_idx))
-            idx = np.zeros(chunks * CHUNK_STEPS * config.batch_size, np.int64)
-            idx[: steps * config.batch_size] = perm[: steps * config.batch_size]
+            idx = np.zeros(chunks * CHUNK_STEPS * batch, np.int64)
+            idx[: steps * batch] = perm[: steps * batch]
             # [batch, chunk, step-in-chunk, dim]: the batch axis first, as the mesh splits it.
-            batches = train_x[idx].reshape(chunks, CHUNK_STEPS, config.batch_size, dim)
+            batches = train_x[idx].reshape(chunks, CHUNK_STEPS, batch, dim)
             batches = batches.transpose(0, 2, 1, 3)
             valid = (np.arange(chunks * CHUNK_STEPS) < steps).reshape(chunks, CHUNK_STEPS)
             nlls = []
@@ -327,4 +336,4 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
     finally:
         bar.close()
     return FitResult(params=jax.device_get(best[1]), history=history, best_step=best[2],
-                     stopped_early=stopped_early, init_nll=init_nll)
+                     stopped_early=stopped_early, init_nll=init_nll, note=note)
