@@ -163,8 +163,7 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
             metrics['lr'] = jnp.asarray(schedule(state.step), jnp.float32)
         return new, metrics
 
-    batch_shardings = {k: sharding_lib.batch_sharding(mesh, 3) for k in FIELDS}
-    return jax.jit(train_step, in_shardings=(state_shardings, batch_shardings),
+    return jax.jit(train_step, in_shardings=(state_shardings, batch_shardings(mesh)),
                    out_shardings=(state_shardings, replicated), donate_argnums=0,
                    compiler_options=compiler_options)
 
