@@ -17,6 +17,7 @@ their first-step losses over 20 seeds must agree in mean (the noise SimCSE learn
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib.util
 import sys
@@ -111,16 +112,19 @@ def reference_model(cfg: TrainConfig, base: build.BaseModel, model_type: str, pa
     return model
 
 
-def reference_params(model, model_type: str, encoder_config) -> dict:
-    """The reference model's weights as a jaxsim parameter tree (numpy)."""
-    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    params, _ = hf_to_encoder_params(
-        {k: v for k, v in state.items()
+def flat_tree(named, model_type: str, encoder_config) -> dict:
+    """Reference tensors by name (weights or gradients) -> {jaxsim path 'a/b/c': numpy}."""
+    tree, _ = hf_to_encoder_params(
+        {k: v for k, v in named.items()
          if k.startswith(f'{model_type}.') and not k.startswith(f'{model_type}.pooler.')},
         encoder_config, 'reference')
-    params['pooler'] = {'dense': {'kernel': state['mlp.dense.weight'].T,
-                                  'bias': state['mlp.dense.bias']}}
-    return params
+    tree['pooler'] = {'dense': {'kernel': named['mlp.dense.weight'].T,
+                                'bias': named['mlp.dense.bias']}}
+    return flat(tree)
+
+
+def flat(tree) -> dict:
+    return traverse_util.flatten_dict(jax.tree.map(np.asarray, tree), sep='/')
 
 
 def reference_batch(batch: dict, views: int):
@@ -150,8 +154,13 @@ def one_torch_thread():
         torch.set_num_threads(before)
 
 
-def train_reference(model, cfg: TrainConfig, batches, views: int) -> dict:
-    """What the HF Trainer does per step: backward, clip, AdamW step, scheduler step."""
+def train_reference(model, cfg: TrainConfig, batches, views: int) -> tuple[dict, dict]:
+    """What the HF Trainer does per step: backward, clip, AdamW step, scheduler step.
+
+    Returns:
+      (per-step 'loss', 'grad_norm' (before clipping) and 'lr'; the first step's gradients
+      by parameter name).
+    """
     import torch
     import transformers
 
@@ -169,13 +178,23 @@ def train_reference(model, cfg: TrainConfig, batches, views: int) -> dict:
             record['lr'].append(scheduler.get_last_lr()[0])
             loss = model(**reference_batch(batch, views)).loss
             loss.backward()
+            if not record['loss']:
+                first_grads = {n: p.grad.numpy().copy() for n, p in named if p.grad is not None}
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             optimizer.step()
             scheduler.step()
             model.zero_grad()
             record['loss'].append(loss.item())
             record['grad_norm'].append(norm.item())
-    return {k: np.asarray(v) for k, v in record.items()}
+    return {k: np.asarray(v) for k, v in record.items()}, first_grads
+
+
+def float64_gradients(model, batch: dict, views: int) -> dict:
+    """The reference's gradients on `batch` computed in float64 (on a copy of the model)."""
+    exact = copy.deepcopy(model).double()
+    with one_torch_thread():
+        exact(**reference_batch(batch, views)).loss.backward()
+    return {n: p.grad.numpy() for n, p in exact.named_parameters() if p.grad is not None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,35 +288,58 @@ def check_steps(ours: dict, theirs: dict):
     np.testing.assert_allclose(ours['lr'], theirs['lr'], rtol=1e-6)
 
 
-def check_params(ours, theirs, start) -> tuple[float, float]:
-    """Every parameter within 1e-4 of the reference, and each tensor's update the same.
+def check_params(ours: dict, theirs: dict, start: dict, exact_grads: dict, first_grads: dict):
+    """Every parameter within 1e-4 of the reference, and each tensor's update the same (the
+    median over the tensor of |our update - theirs| / |theirs| under 1%), except in the
+    entries whose first Adam step float32 rounding decides.
 
-    The update check is elementwise: |our update - theirs| / |theirs|, whose median over each
-    tensor must be under 1%. The median, because Adam's first steps are about the sign of the
-    gradient: an entry whose exact gradient is ~0 moves by about the learning rate in a
-    direction rounding decides, in either framework. Attention key biases are all such
-    entries (a bias on every key shifts each query's scores by a constant, which softmax
-    ignores), so they are held to the absolute bound only.
+    Adam's first update is lr * g / (|g| + eps), the sign of the gradient for |g| >> eps; where
+    the exact gradient is within rounding error of zero, either framework may step either way,
+    and the runs then differ by up to ~2 lr a step there. Those entries are the ones whose
+    float64 gradient is nonzero and under ten times the largest float32 rounding error of its
+    tensor, both measured on the reference (so nothing jaxsim does can widen the set); they
+    must be under 1% of all. They include every attention key bias, whose exact gradient is
+    zero: a bias added to every key shifts each query's scores by a constant.
+    """
+    excluded = {}
+    for name, g64 in exact_grads.items():
+        error = np.max(np.abs(first_grads[name] - g64))
+        excluded[name] = (g64 != 0) & (np.abs(g64) <= 10 * error)
+    assert set(ours) == set(theirs) == set(start) == set(excluded)
+    count, total = sum(m.sum() for m in excluded.values()), sum(m.size for m in excluded.values())
+    assert count <= 0.01 * total, f'{count} of {total} entries at rounding level'
+    for name in sorted(ours):
+        keep = ~excluded[name]
+        if not keep.any():
+            continue
+        diff = np.abs(ours[name] - theirs[name])[keep]
+        assert diff.max() <= 1e-4, f'{name}: max |jaxsim - reference| = {diff.max():.3g}'
+        update = (theirs[name] - start[name])[keep]
+        assert np.any(update != 0), f'{name}: the reference did not update it'
+        median = np.median(diff / np.maximum(np.abs(update), 1e-30))
+        assert median <= 1e-2, f'{name}: updates differ from the reference by {median:.3g} (median)'
+
+
+def compare_training(cfg: TrainConfig, model_type: str, rows, views: int) -> dict:
+    """Trains both from the same start on the same batches; checks every step and the end.
 
     Returns:
-      (max abs difference, max median relative update difference), for the record.
+      The reference's per-step record.
     """
-    ours, theirs, start = (traverse_util.flatten_dict(t, sep='/') for t in (ours, theirs, start))
-    assert set(ours) == set(theirs) == set(start)
-    worst_abs, worst_rel = 0.0, 0.0
-    for name in sorted(ours):
-        diff = float(np.max(np.abs(ours[name] - theirs[name])))
-        assert diff <= 1e-4, f'{name}: max |jaxsim - reference| = {diff:.3g}'
-        worst_abs = max(worst_abs, diff)
-        if name.endswith('attention/self/key/bias'):
-            continue
-        theirs_update = theirs[name] - start[name]
-        assert np.any(theirs_update != 0), f'{name}: the reference did not update it'
-        rel = np.abs(ours[name] - theirs[name]) / np.maximum(np.abs(theirs_update), 1e-30)
-        median = float(np.median(rel))
-        assert median <= 1e-2, f'{name}: updates differ from the reference by {median:.3g} (median)'
-        worst_rel = max(worst_rel, median)
-    return worst_abs, worst_rel
+    encoder, base, params = initial_params(cfg)
+    batches = batches_of(base.tokenizer, rows)
+    model = reference_model(cfg, base, model_type, params)
+    check_decay_rule(model, params, model_type)
+    exact = float64_gradients(model, batches[0], views)
+
+    theirs, first_grads = train_reference(model, cfg, batches, views)
+    final, ours = train_jaxsim(cfg, encoder, params, batches)
+    check_steps(ours, theirs)
+    to_tree = functools.partial(flat_tree, model_type=model_type, encoder_config=base.config)
+    weights = {k: v.numpy() for k, v in model.state_dict().items()}
+    check_params(flat(final), to_tree(weights), flat(params), to_tree(exact),
+                 to_tree(first_grads))
+    return theirs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,16 +349,8 @@ def check_params(ours, theirs, start) -> tuple[float, float]:
 def test_unsup_steps_match_reference():
     """all-MiniLM-L6-v2, unsupervised SimCSE, the paper's optimizer, dropout off."""
     cfg = paper_config('unsup_simcse_bert_base', model='bundled', dropout=0.0)
-    encoder, base, params = initial_params(cfg)
     premises = list(dict.fromkeys(t[0] for t in snli_triplets()))[:BATCH * STEPS]
-    batches = batches_of(base.tokenizer, premises)
-    model = reference_model(cfg, base, 'bert', params)
-    check_decay_rule(model, params, 'bert')
-
-    theirs = train_reference(model, cfg, batches, views=2)
-    final, ours = train_jaxsim(cfg, encoder, params, batches)
-    check_steps(ours, theirs)
-    check_params(final, reference_params(model, 'bert', base.config), params)
+    compare_training(cfg, 'bert', premises, views=2)
 
 
 def test_sup_steps_match_reference(tmp_path):
@@ -329,17 +363,9 @@ def test_sup_steps_match_reference(tmp_path):
     cfg = paper_config('sup_simcse_bert_base', model=str(folder), dropout=0.0, weight_decay=0.1,
                        max_grad_norm=0.1,
                        objective_kwargs={'temp': 0.05, 'hard_negative_weight': 1.0})
-    encoder, base, params = initial_params(cfg)
-    batches = batches_of(base.tokenizer, snli_triplets()[:BATCH * STEPS])
-    model = reference_model(cfg, base, 'roberta', params)
-    check_decay_rule(model, params, 'roberta')
-
-    theirs = train_reference(model, cfg, batches, views=3)
-    final, ours = train_jaxsim(cfg, encoder, params, batches)
+    theirs = compare_training(cfg, 'roberta', snli_triplets()[:BATCH * STEPS], views=3)
     clipped = theirs['grad_norm'] > cfg.max_grad_norm
     assert clipped.any() and not clipped.all(), theirs['grad_norm']
-    check_steps(ours, theirs)
-    check_params(final, reference_params(model, 'roberta', base.config), params)
 
 
 def test_dropout_losses_agree_in_distribution():
