@@ -15,8 +15,9 @@ $(BIN)/python:
 	touch $@
 
 # Tests compare against PyTorch: torch==2.13.0 (CPU) is pinned in the `test` extra.
-# The SimCSE authors' tool (simcse==0.4) loads our exports in a test; its numpy<1.20 and
-# scipy<1.6 pins cannot install here, and it runs on what the test extra installs: --no-deps.
+# The SimCSE authors' package (simcse==0.4) is a reference in tests: its tool loads our
+# exports, and its models train step for step beside ours. Its numpy<1.20 and scipy<1.6 pins
+# cannot install here, and it runs on what the test extra installs: --no-deps.
 .venv/.test: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps simcse==0.4
