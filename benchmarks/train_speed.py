@@ -1,14 +1,32 @@
-"""One unsupervised SimCSE step, jaxsim vs PyTorch, on all-MiniLM-L6-v2 (CPU).
+"""SimCSE train-step throughput: jaxsim's step vs the same step in PyTorch, one process (CPU).
 
-Both sides: batch 64 sentences x 2 dropout views, max_len 32 (fixed padding), mean pooling,
-cosine/0.05 InfoNCE, AdamW (lr 3e-5, linear decay), fp32. Inputs are pre-tokenized for both,
-so only the step is timed. Prints steps/s of each and the ratio jaxsim / PyTorch.
+Both sides: all-MiniLM-L6-v2, fixed padding to `--max-len`, mean pooling, dropout 0.1, cosine /
+0.05 InfoNCE with in-batch negatives, global-norm clipping at 1.0, AdamW (lr 3e-5, linear decay).
+jaxsim runs `jaxsim.train.step.make_train_step` built as `train.py` builds it; PyTorch runs the
+reference step of `torch_reference.py` (`transformers.BertModel` + the same loss +
+`torch.optim.AdamW`). Inputs are tokenized once, so only steps are timed. Rows (objective:dtype):
 
-  python benchmarks/train_speed.py [--steps 6] [--warmup 2] [--threads 2]
+  unsup:float32    unsupervised: each of `--batch` sentences encoded twice (two dropout views)
+  unsup:bfloat16   the same with bf16 compute (float32 master weights), vs PyTorch float32
+  sup:float32      supervised: (premise, entailment, contradiction) SNLI triplets, 3 views
+
+For each row the sides run alternately `--repeats` times, `--steps` steps each
+(`common.alternating_rates`): ratio = jaxsim steps/s / PyTorch steps/s (median, min, max).
+Peak RSS of each side's train loop is measured in its own subprocess (resource.getrusage; the
+PyTorch one never imports JAX).
+
+    python benchmarks/train_speed.py [--threads 2] [--repeats 5] [--steps 3] [--json out.json]
 """
+from __future__ import annotations
+
 import argparse
 import functools
+import json
 import os
+import resource
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,129 +34,204 @@ import jax
 import numpy as np
 
 from jaxsim import sharding
-from jaxsim.data.batching import to_global
+from jaxsim.data import readers
+from jaxsim.data.batching import tokenize_examples
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer
 from jaxsim.models.encoder import init_params
-from jaxsim.objectives import get_objective
-from jaxsim.paths import SENTEVAL_ROOT as SENTEVAL
-from jaxsim.train import build
-from jaxsim.train.config import TrainConfig, load_config_file
-from jaxsim.train.optim import make_optimizer, make_schedule
-from jaxsim.train.state import create_state, param_shardings
-from jaxsim.train.step import batch_shardings, configure_jax, make_loss_fn, make_train_step
+from jaxsim.objectives import check_kwargs, get_objective
+from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.train import build, optim, state as state_lib, step as step_lib
+from jaxsim.train.config import TrainConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch_reference  # noqa: E402
+from common import alternating_rates, seconds, set_threads, write_json  # noqa: E402
 
-
-def batch_arrays(tokenizer, batch, max_len):
-    lines = (SENTEVAL / 'SNLI' / 's1.dev').read_text().splitlines()
-    sents = list(dict.fromkeys(s.strip() for s in lines if s.strip()))[:batch]
-    enc = tokenizer(sents, max_length=max_len, truncation=True, padding='max_length',
-                    return_tensors='np')
-    return enc['input_ids'].astype('int32'), enc['attention_mask'].astype('int32')
+ROWS = ("unsup:float32", "unsup:bfloat16", "sup:float32")
+OBJECTIVES = ("unsup", "sup")
+HERE = Path(__file__).resolve().parent
 
 
-def time_steps(step, n_warmup, n_steps):
-    for _ in range(n_warmup):
-        step()
-    t = time.perf_counter()
-    for _ in range(n_steps):
-        step()
-    return n_steps / (time.perf_counter() - t)
+def parse_rows(text: str) -> list[tuple[str, str]]:
+    rows = [tuple(r.split(":")) for r in text.split(",") if r]
+    for row in rows:
+        if len(row) != 2 or row[0] not in OBJECTIVES or row[1] not in ("float32", "bfloat16"):
+            raise SystemExit(f"error: bad row {':'.join(row)!r}; objectives {OBJECTIVES}, "
+                             f"dtypes float32, bfloat16")
+    return rows
 
 
-def bench_jax(ids, mask, args):
-    configure_jax()
-    fields = load_config_file(str(ROOT / 'configs' / 'minilm_unsup_simcse.py'))
-    fields.update(batch_size=args.batch, max_len=args.max_len, max_steps=1000, dtype=args.dtype)
-    cfg = TrainConfig.from_dict(fields)
+def examples(objective: str, batch: int) -> list:
+    """The first `batch` unique SNLI dev sentences (unsup) or triplets (sup)."""
+    if objective == "sup":
+        return readers.build_snli_triplets(SENTEVAL_ROOT / "SNLI", ("dev",))[:batch]
+    lines = readers.read_sentences(SENTEVAL_ROOT / "SNLI" / "s1.dev")
+    return list(dict.fromkeys(s for s in lines if s.strip()))[:batch]
+
+
+def tokenized(objective: str, batch: int, max_len: int) -> dict:
+    """{'input_ids', 'attention_mask', 'token_type_ids'}: int32 [batch, views, max_len]."""
+    return tokenize_examples(load_tokenizer(bundled_model_path()), examples(objective, batch),
+                             max_len)
+
+
+def jaxsim_step(objective: str, dtype: str, arrays: dict, **config):
+    """A no-argument callable running one jaxsim train step (blocking), built as train.py does.
+
+    `config`: extra TrainConfig fields (e.g. another PRNG implementation).
+    """
+    step_lib.configure_jax()
+    batch, _, max_len = arrays["input_ids"].shape
+    ref = torch_reference
+    cfg = TrainConfig(model="bundled", pooler="avg", mlp_only_train=False, dropout=ref.DROPOUT,
+                      objective=objective, dtype=dtype, data_format="senteval_corpus",
+                      batch_size=batch, max_len=max_len, max_steps=ref.TOTAL_STEPS,
+                      learning_rate=ref.LR, max_grad_norm=ref.CLIP, **config)
     base = build.load_base(cfg)
     encoder = build.make_encoder(cfg, base.config)
+    obj = get_objective(objective)
     mesh = sharding.make_mesh()
-    params = init_params(encoder, jax.random.key(0), param_shardings(encoder, mesh),
-                         base.bert_params)
-    tx = make_optimizer(cfg, 1000)
-    state, sh = create_state(params, tx, jax.random.key(1), mesh)
-    loss = functools.partial(get_objective('unsup').loss, **cfg.objective_kwargs)
-    step_fn = make_train_step(encoder, loss, tx, views=2, mesh=mesh, state_shardings=sh,
-                              schedule=make_schedule(cfg, 1000))
-    b = {'input_ids': ids[:, None], 'attention_mask': mask[:, None],
-         'token_type_ids': np.zeros_like(ids)[:, None]}
-    batch = to_global(b, batch_shardings(mesh))
-    t = time.perf_counter()
-    holder = {'state': state}
+    tx = optim.make_optimizer(cfg, ref.TOTAL_STEPS)
+    root = jax.random.key(cfg.seed)
+    params = init_params(encoder, jax.random.fold_in(root, 1),
+                         state_lib.param_shardings(encoder, mesh), base.bert_params)
+    state, shardings = state_lib.create_state(params, tx, jax.random.fold_in(root, 2), mesh)
+    train_step = step_lib.make_train_step(
+        encoder, functools.partial(obj.loss, **check_kwargs(obj, {"temp": ref.TEMP})), tx,
+        views=obj.views, mesh=mesh, state_shardings=shardings,
+        schedule=optim.make_schedule(cfg, ref.TOTAL_STEPS))
+    placed = {k: jax.device_put(v, s) for (k, v), s in
+              zip(arrays.items(), step_lib.batch_shardings(mesh).values())}
+    holder = {"state": state}
 
-    def step():
-        holder['state'], m = step_fn(holder['state'], batch)
-        jax.block_until_ready(m['loss'])
-    step()
-    print(f'jaxsim: compile + first step {time.perf_counter() - t:.1f}s')
-    sps = time_steps(step, args.warmup - 1, args.steps)
+    def run():
+        holder["state"], metrics = train_step(holder["state"], placed)
+        jax.block_until_ready(metrics["loss"])
 
-    # Where the time goes: the forward pass alone (dropout on, no grad, no update).
-    loss_fn = jax.jit(make_loss_fn(encoder, loss, 2))
-    key = jax.random.key(0)
-    fwd = lambda: jax.block_until_ready(loss_fn(holder['state'].params, batch, key)[0])  # noqa
-    fwd_sps = time_steps(fwd, 1, args.steps)
-    return sps, fwd_sps
+    return run
 
 
-def bench_torch(ids, mask, args, model_path):
-    import torch
-    import torch.nn.functional as F
-    from transformers import BertModel
-    torch.manual_seed(0)
-    model = BertModel.from_pretrained(str(model_path), add_pooling_layer=False)
-    model.config.hidden_dropout_prob = 0.1
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-5, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / 1000))
-    ids_t = torch.from_numpy(ids).long().repeat_interleave(2, 0)   # [2B, L], views adjacent
-    mask_t = torch.from_numpy(mask).long().repeat_interleave(2, 0)
+def memory_child(objective: str, dtype: str, folder: Path) -> None:
+    """Runs a few jaxsim steps on saved arrays and prints the process's memory figures."""
+    arrays = dict(np.load(folder / f"{objective}.npz"))
+    baseline = _status_mb("VmRSS")
+    run = jaxsim_step(objective, dtype, arrays)
+    for _ in range(3):
+        run()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: kilobytes
+    print("RSS " + json.dumps({"peak_rss_mb": round(peak, 1),
+                               "peak_vmhwm_mb": round(_status_mb("VmHWM"), 1),
+                               "after_imports_rss_mb": round(baseline, 1),
+                               "step_rss_mb": round(peak - baseline, 1)}), flush=True)
 
-    def step():
-        out = model(input_ids=ids_t, attention_mask=mask_t).last_hidden_state
-        m = mask_t.unsqueeze(-1).float()
-        z = ((out * m).sum(1) / m.sum(1)).view(-1, 2, out.shape[-1])
-        z1, z2 = z[:, 0], z[:, 1]
-        sim = F.cosine_similarity(z1.unsqueeze(1), z2.unsqueeze(0), dim=-1) / 0.05
-        loss = F.cross_entropy(sim, torch.arange(len(z1)))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    sps = time_steps(step, args.warmup, args.steps)
 
-    def fwd():
-        with torch.no_grad():
-            model(input_ids=ids_t, attention_mask=mask_t)
-    fwd_sps = time_steps(fwd, 1, args.steps)
-    return sps, fwd_sps
+def _status_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak) of this process, from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024.0
+    return float("nan")
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument('--steps', type=int, default=6)
-    ap.add_argument('--warmup', type=int, default=2)
-    ap.add_argument('--batch', type=int, default=64)
-    ap.add_argument('--max_len', type=int, default=32)
-    ap.add_argument('--threads', type=int, default=2)
-    ap.add_argument('--dtype', default='float32')
-    args = ap.parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help=f"comma-separated objective:dtype rows (default {','.join(ROWS)})")
+    parser.add_argument("--batch", type=int, default=64, help="examples per step")
+    parser.add_argument("--max-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed repeat")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--rss-child", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    rows = parse_rows(args.rows)
+    set_threads(args.threads)  # before JAX's backend and torch's pool start
+    if args.threads != os.cpu_count():  # XLA:CPU's pool, like torch.set_num_threads
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" intra_op_parallelism_threads={args.threads}").strip()
+    if args.rss_child:
+        (objective, dtype), folder = args.rss_child[0].split(":"), Path(args.rss_child[1])
+        memory_child(objective, dtype, folder)
+        return
+    memory = {} if args.no_rss else measure_memory(rows, args)
+
     import torch
+
     torch.set_num_threads(args.threads)
-    path = bundled_model_path()
-    ids, mask = batch_arrays(load_tokenizer(path), args.batch, args.max_len)
-    print(f'batch {args.batch} x 2 views, max_len {args.max_len}, {args.dtype}, '
-          f'{args.threads} torch threads, {os.cpu_count()} CPUs')
-    torch_sps, torch_fwd = bench_torch(ids, mask, args, path)
-    print(f'pytorch: {torch_sps:.3f} steps/s  (forward only {torch_fwd:.3f}/s)')
-    jax_sps, jax_fwd = bench_jax(ids, mask, args)
-    print(f'jaxsim:  {jax_sps:.3f} steps/s  (forward only {jax_fwd:.3f}/s)')
-    print(f'ratio jaxsim/pytorch: {jax_sps / torch_sps:.2f}x  '
-          f'(forward only {jax_fwd / torch_fwd:.2f}x)')
+    model_path = str(bundled_model_path())
+    record = {"threads": args.threads, "batch": args.batch, "max_len": args.max_len,
+              "steps_per_repeat": args.steps, "model": "all-MiniLM-L6-v2", "rows": {}}
+    torch_runs = {}
+    for objective, dtype in rows:
+        arrays = tokenized(objective, args.batch, args.max_len)
+        if objective not in torch_runs:
+            torch_runs[objective] = torch_reference.make_step(
+                torch_reference.load_model(model_path), arrays, unsup=objective == "unsup")
+            for _ in range(2):  # warm-up (allocator, first-call paths)
+                torch_runs[objective]()
+        theirs_one = torch_runs[objective]
+        ours_one = jaxsim_step(objective, dtype, arrays)
+        first = seconds(ours_one)  # compile + one step
+        warm = seconds(ours_one)
+        ours = lambda: [ours_one() for _ in range(args.steps)]  # noqa: E731
+        theirs = lambda: [theirs_one() for _ in range(args.steps)]  # noqa: E731
+        rates = alternating_rates(ours, theirs, args.steps, args.repeats)
+        rows_per_step = args.batch * (2 if objective == "unsup" else 3)
+        row = {"objective": objective, "dtype": dtype, "reference_dtype": "float32",
+               "jaxsim_steps_per_s": rates["ours_per_s"],
+               "pytorch_steps_per_s": rates["reference_per_s"],
+               "jaxsim_sentences_per_s": rates["ours_per_s"] * rows_per_step,
+               "pytorch_sentences_per_s": rates["reference_per_s"] * rows_per_step,
+               "ratio": rates["ratio"], "ratio_min": rates["ratio_min"],
+               "ratio_max": rates["ratio_max"], "repeats": rates["repeats"],
+               "compile_s": round(max(first - warm, 0.0), 2)}
+        rss = ""
+        if memory:
+            row["jaxsim_memory"] = memory[("jaxsim", objective, dtype)]
+            row["pytorch_memory"] = memory[("torch", objective, "float32")]
+            rss = (f"  peak RSS jaxsim {row['jaxsim_memory']['peak_rss_mb']:.0f} MB, "
+                   f"PyTorch {row['pytorch_memory']['peak_rss_mb']:.0f} MB")
+        record["rows"][f"{objective}:{dtype}"] = row
+        print(f"{objective:5s} {dtype:8s}  jaxsim {row['jaxsim_steps_per_s']:.3f} steps/s  "
+              f"PyTorch fp32 {row['pytorch_steps_per_s']:.3f} steps/s  ratio {row['ratio']:.2f}x "
+              f"(min {row['ratio_min']:.2f}, max {row['ratio_max']:.2f})  compile "
+              f"{row['compile_s']:.1f} s{rss}", flush=True)
+    headline = record["rows"].get("unsup:float32") or next(iter(record["rows"].values()))
+    record["ratio"] = headline["ratio"]
+    record["ratio_row"] = f"{headline['objective']}:{headline['dtype']}"
+    record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    write_json(args.json, record)
 
 
-if __name__ == '__main__':
+def measure_memory(rows, args) -> dict:
+    """{(side, objective, dtype): memory figures}, each side in its own subprocess."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        model_path = str(bundled_model_path())
+        for objective in sorted({o for o, _ in rows}):
+            np.savez(folder / f"{objective}.npz", **tokenized(objective, args.batch,
+                                                              args.max_len))
+            cmd = [sys.executable, str(HERE / "torch_reference.py"), "--arrays",
+                   str(folder / f"{objective}.npz"), "--model", model_path,
+                   "--threads", str(args.threads)]
+            out[("torch", objective, "float32")] = _child(cmd)
+        for objective, dtype in rows:
+            cmd = [sys.executable, __file__, "--rss-child", f"{objective}:{dtype}", str(folder),
+                   "--threads", str(args.threads)]
+            out[("jaxsim", objective, dtype)] = _child(cmd)
+    return out
+
+
+def _child(cmd: list) -> dict:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RSS ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"memory subprocess {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RSS "):])
+
+
+if __name__ == "__main__":
     main()

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsim.errors import JaxsimError
+from jaxsim.models import ops
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
 
@@ -132,45 +133,8 @@ class BertOutput(flax.struct.PyTreeNode):
         return self.hidden_states[-1]
 
 
-@jax.custom_vjp
-def _bf16_matmul(x, w):
-    """x [..., in] @ w [in, out] on low-precision operands, accumulated and returned in float32."""
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-
-
-def _bf16_matmul_fwd(x, w):
-    return _bf16_matmul(x, w), (x, w)
-
-
-def _bf16_matmul_bwd(residuals, g):
-    # The incoming cotangent is float32; casting it to the operands' dtype keeps both backward
-    # products on the fast low-precision dot path (float32 accumulation).
-    x, w = residuals
-    g = g.astype(w.dtype)
-    dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-    dw = jax.lax.dot_general(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]),
-                             (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-_bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
-
-
-def _mixed_precision_dot_general(lhs, rhs, dimension_numbers, precision=None,
-                                 preferred_element_type=None, **kwargs):
-    """`lax.dot_general` for Dense under bf16 compute: low-precision operands, float32 result.
-
-    CPUs with bf16 dot units (AVX512-BF16/AMX) run such a dot ~4x faster than float32, while a
-    bf16-output dot takes a slow path; the float32 result also keeps residuals precise.
-    """
-    (lhs_contract, rhs_contract), batch_dims = dimension_numbers
-    if tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,) \
-            and rhs.ndim == 2 and batch_dims == ((), ()):
-        return _bf16_matmul(lhs, rhs)
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision,
-                               preferred_element_type=jnp.float32)
+# The name tests and callers know for flax Dense's bf16 contraction.
+_mixed_precision_dot_general = ops.mixed_precision_dot_general
 
 
 def _dense(features: int, dtype, name: str) -> nn.Dense:
@@ -178,6 +142,28 @@ def _dense(features: int, dtype, name: str) -> nn.Dense:
     return nn.Dense(features, dtype=dtype, param_dtype=jnp.float32,
                     dot_general=_mixed_precision_dot_general if low_precision else None,
                     kernel_init=nn.initializers.normal(0.02), name=name)
+
+
+class DenseParams(nn.Module):
+    """The kernel [in, features] and bias [features] of a dense layer, under flax Dense's names
+    and initializers (so the Hugging Face name map is unchanged); the caller applies them, which
+    lets a layer fuse products (query/key/value) or fuse the bias into its activation."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array]:
+        kernel = self.param("kernel", nn.initializers.normal(0.02),
+                            (in_features, self.features), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
+        return kernel, bias
+
+
+def _dropout(module: nn.Module, x: jax.Array, rate: float, deterministic: bool) -> jax.Array:
+    """Dropout with a key from the module's 'dropout' stream (nothing drawn when off)."""
+    if deterministic or rate == 0.0:
+        return x
+    return ops.dropout(x, rate, module.make_rng("dropout"))
 
 
 def _layer_norm(config: BertConfig, dtype) -> nn.LayerNorm:
@@ -209,7 +195,7 @@ class BertEmbeddings(nn.Module):
             position_ids_for(cfg, input_ids))
         x = x + embed("token_type_embeddings", cfg.type_vocab_size)(token_type_ids)
         x = _layer_norm(cfg, self.dtype)(x)
-        return nn.Dropout(cfg.hidden_dropout_prob)(x, deterministic=deterministic)
+        return _dropout(self, x, cfg.hidden_dropout_prob, deterministic)
 
 
 class BertSelfAttention(nn.Module):
@@ -219,15 +205,20 @@ class BertSelfAttention(nn.Module):
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
         cfg = self.config
-        batch, length, _ = x.shape
-        split = lambda t: t.reshape(batch, length, cfg.num_attention_heads, cfg.head_dim)
-        q = split(_dense(cfg.hidden_size, self.dtype, "query")(x))  # [B, L, heads, head_dim]
-        k = split(_dense(cfg.hidden_size, self.dtype, "key")(x))
-        v = split(_dense(cfg.hidden_size, self.dtype, "value")(x))
+        batch, length, hidden = x.shape
+        # query, key and value as ONE product with a [hidden, 3, hidden] kernel: one pass over
+        # x and a wider dot (3x the output columns) instead of three narrow ones, forward and
+        # backward. Stacking on a new axis keeps each kernel's 'heads' sharding intact.
+        params = [DenseParams(cfg.hidden_size, name=n)(hidden) for n in ("query", "key", "value")]
+        kernel = jnp.stack([k for k, _ in params], axis=1)  # [hidden, 3, hidden]
+        bias = jnp.stack([b for _, b in params])  # [3, hidden]
+        qkv = ops.matmul(x, kernel, self.dtype) + bias  # [B, L, 3, hidden] float32
+        qkv = qkv.reshape(batch, length, 3, cfg.num_attention_heads, cfg.head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, L, heads, head_dim]
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(cfg.head_dim).astype(self.dtype)
         # Softmax in float32 even under bf16 compute: the additive mask is -inf-like.
         probs = jax.nn.softmax(scores.astype(jnp.float32) + attention_bias, axis=-1)
-        probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=deterministic)
+        probs = _dropout(self, probs, cfg.attention_probs_dropout_prob, deterministic)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
         return out.reshape(batch, length, cfg.hidden_size)
 
@@ -240,8 +231,9 @@ class BertResidualOutput(nn.Module):
 
     @nn.compact
     def __call__(self, x, residual, deterministic: bool):
-        x = _dense(self.config.hidden_size, self.dtype, "dense")(x)
-        x = nn.Dropout(self.config.hidden_dropout_prob)(x, deterministic=deterministic)
+        kernel, bias = DenseParams(self.config.hidden_size, name="dense")(x.shape[-1])
+        x = ops.matmul(x, kernel, self.dtype) + bias
+        x = _dropout(self, x, self.config.hidden_dropout_prob, deterministic)
         return _layer_norm(self.config, self.dtype)(x + residual)
 
 
@@ -263,8 +255,11 @@ class BertIntermediate(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = _dense(self.config.intermediate_size, self.dtype, "dense")(x)
-        return _ACTIVATIONS[self.config.hidden_act](x)
+        kernel, bias = DenseParams(self.config.intermediate_size, name="dense")(x.shape[-1])
+        d = ops.matmul(x, kernel, self.dtype)  # [B, L, intermediate] float32
+        if self.config.hidden_act == "gelu":
+            return ops.bias_gelu(d, bias)  # BERT's exact GELU, fused with the bias add
+        return _ACTIVATIONS[self.config.hidden_act](d + bias)
 
 
 class BertLayer(nn.Module):

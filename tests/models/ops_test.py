@@ -1,0 +1,98 @@
+"""The encoder's fused operations: same values and gradients as the plain JAX expressions,
+and a dropout mask with the right statistics from the paired-word threefry stream."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsim.models import ops
+
+
+def _rand(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def test_matmul_float32_and_bf16_with_a_multi_axis_kernel():
+    rng = np.random.default_rng(0)
+    x, w, r = _rand(rng, 3, 5, 12), _rand(rng, 12, 3, 7), _rand(rng, 3, 5, 3, 7)
+
+    def loss(x, w, dtype):
+        out = ops.matmul(x, w, dtype)
+        assert out.dtype == jnp.float32 and out.shape == (3, 5, 3, 7)
+        return jnp.sum(out * r)
+
+    plain = jax.value_and_grad(lambda x, w: jnp.sum(jnp.einsum("bli,ijk->bljk", x, w) * r),
+                               argnums=(0, 1))(x, w)
+    f32 = jax.value_and_grad(loss, argnums=(0, 1))(x, w, jnp.float32)
+    np.testing.assert_allclose(f32[0], plain[0], rtol=1e-5)
+    for ours, ref in zip(f32[1], plain[1]):
+        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+    bf16 = jax.value_and_grad(loss, argnums=(0, 1))(x, w, jnp.bfloat16)
+    for ours, ref in zip(bf16[1], plain[1]):
+        assert ours.dtype == jnp.float32
+        rel = float(jnp.linalg.norm(ours - ref) / jnp.linalg.norm(ref))
+        assert 0 < rel < 2e-2  # bf16 operands: visible but small rounding
+
+
+def test_bias_gelu_is_the_exact_gelu_with_its_exact_gradient():
+    rng = np.random.default_rng(1)
+    d, b, r = _rand(rng, 4, 6, 9) * 3, _rand(rng, 9), _rand(rng, 4, 6, 9)
+    h = np.asarray(d + b, np.float64)
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(h / np.sqrt(2)))
+    exact = h * cdf  # float64 x Phi(x)
+    exact_grad = np.asarray(r, np.float64) * (cdf + h * np.exp(-h * h / 2) / np.sqrt(2 * np.pi))
+    np.testing.assert_allclose(ops.bias_gelu(d, b), exact, rtol=0, atol=2e-6)
+    dd, db = jax.grad(lambda d, b: jnp.sum(ops.bias_gelu(d, b) * r), argnums=(0, 1))(d, b)
+    np.testing.assert_allclose(dd, exact_grad, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(db, exact_grad.sum(axis=(0, 1)), rtol=0, atol=2e-5)
+    # jax's own exact GELU agrees; the tanh approximation differs by ~1e-3 (the test would
+    # see the wrong formula).
+    np.testing.assert_allclose(jax.nn.gelu(d + b, approximate=False), exact, rtol=0, atol=2e-6)
+    assert float(np.abs(np.asarray(jax.nn.gelu(d + b, approximate=True)) - exact).max()) > 1e-4
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_dropout_statistics_scaling_and_keys(impl):
+    shape = (400, 7, 33)  # odd last axis: the paired-word path slices its second half
+    x = jnp.ones(shape, jnp.float32) * 2.0
+    key = jax.random.key(0, impl=impl)
+    y = np.asarray(ops.dropout(x, 0.1, key))
+    kept = y != 0
+    n = kept.size
+    assert abs(kept.mean() - 0.9) < 5 * np.sqrt(0.09 / n)
+    np.testing.assert_allclose(y[kept], 2.0 / 0.9, rtol=1e-6)
+    np.testing.assert_array_equal(y, np.asarray(ops.dropout(x, 0.1, key)))  # a pure function
+    other = np.asarray(ops.dropout(x, 0.1, jax.random.key(1, impl=impl))) != 0
+    assert (other != kept).mean() > 0.1
+    # Elements fed by the two words of one hash (j and j + 17 on the last axis) are independent.
+    a, b = kept[..., :16].ravel().astype(float), kept[..., 17:33].ravel().astype(float)
+    assert abs(np.corrcoef(a, b)[0, 1]) < 5 / np.sqrt(a.size)
+    assert ops.dropout(x, 0.0, key) is x
+    np.testing.assert_array_equal(ops.dropout(x, 1.0, key), 0.0)
+
+
+def test_dropout_keep_rate_follows_the_rate():
+    x = jnp.ones((256, 64, 64), jnp.float32)
+    for rate in (0.05, 0.5, 0.9):
+        kept = float(jnp.mean(ops.dropout(x, rate, jax.random.key(3)) != 0))
+        assert abs(kept - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / x.size), rate
+
+
+def test_dropout_accepts_raw_threefry_key_data():
+    x = jnp.ones((8, 10), jnp.float32)
+    typed = ops.dropout(x, 0.3, jax.random.key(5))
+    raw = ops.dropout(x, 0.3, jax.random.key_data(jax.random.key(5)))
+    np.testing.assert_array_equal(typed, raw)
+
+
+def test_mixed_precision_dot_general_routes_only_the_dense_contraction():
+    a = jnp.ones((3, 4), jnp.bfloat16)
+    b = jnp.ones((5, 4), jnp.bfloat16)
+    out = ops.mixed_precision_dot_general(a, b, (((1,), (1,)), ((), ())))
+    assert out.dtype == jnp.float32 and out.shape == (3, 5) and float(out[0, 0]) == 4.0
+    dense = ops.mixed_precision_dot_general(a, b.T, (((1,), (0,)), ((), ())))
+    assert dense.dtype == jnp.float32 and float(dense[0, 0]) == 4.0
