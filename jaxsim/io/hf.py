@@ -149,13 +149,16 @@ def hf_to_encoder_params(state_dict: Mapping[str, np.ndarray], config: BertConfi
     """A checkpoint's tensors -> a `SentenceEncoder` tree {'bert': ..., 'pooler': ...}.
 
     BERT's own pooler layer, when the checkpoint has one, lands under 'pooler' (the 'cls'
-    pooler's dense + tanh).
+    pooler's dense + tanh), and its masked-LM head under 'mlm_head'.
     """
     params, report = hf_to_params(state_dict, config, source)
     params = dict(params)
     tree = {"bert": {k: v for k, v in params.items() if k != "pooler"}}
     if "pooler" in params:
         tree["pooler"] = params["pooler"]
+    mlm = hf_to_mlm_params(state_dict, config)
+    if mlm is not None:
+        tree["mlm_head"] = mlm
     return tree, report
 
 

@@ -3,7 +3,8 @@
 Training, encoding, evaluation, checkpoints and export all use this module, so a trained model
 is used exactly as it was trained. Parameter tree:
   {'bert': BertModel params (without BERT's pooler layer),
-   'pooler': the pooler's own parameters (only for poolers that have some, e.g. 'cls')}
+   'pooler': the pooler's own parameters (only for poolers that have some, e.g. 'cls'),
+   'mlm_head': the masked-LM head (only with `mlm=True`: SimCSE's auxiliary MLM objective)}
 """
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ import numpy as np
 from flax import traverse_util
 
 from jaxsim.models.bert import BertConfig, BertModel
+from jaxsim.models.mlm import MlmHead
 from jaxsim.models.poolers import PoolerError, get_pooler
+
+# Parameter subtrees a model may carry without using them for its vectors: another pooler's
+# weights (e.g. BERT's own pooler layer under an 'avg' model) and a training-only MLM head.
+_OPTIONAL_SUBTREES = ("pooler/", "mlm_head/")
 
 
 class SentenceEncoder(nn.Module):
@@ -28,12 +34,15 @@ class SentenceEncoder(nn.Module):
       mlp_only_train: apply the pooler's head (the 'cls' dense + tanh) only in training, as
         SimCSE's unsupervised recipe does; evaluation then uses the raw [CLS].
       dtype: compute dtype (float32, or bfloat16 with float32 parameters).
+      mlm: also create the masked-LM head's parameters (see `mlm_logits`); the vectors do not
+        use it.
     """
 
     config: BertConfig
     pooler: str = "avg"
     mlp_only_train: bool = False
     dtype: Any = jnp.float32
+    mlm: bool = False
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, token_type_ids=None, train: bool = False):
@@ -51,7 +60,25 @@ class SentenceEncoder(nn.Module):
         bert = BertModel(self.config, dtype=self.dtype, add_pooler=False, name="bert")
         pooling = get_pooler(self.pooler).build(self.config, self.dtype, "pooler")
         output = bert(input_ids, attention_mask, token_type_ids, deterministic=not train)
+        if self.mlm and self.is_initializing():
+            word_embeddings = bert.variables["params"]["embeddings"]["word_embeddings"]
+            MlmHead(self.config, self.dtype, name="mlm_head")(output.hidden_states[-1],
+                                                             word_embeddings["embedding"])
         return pooling(output, attention_mask, use_head=train or not self.mlp_only_train)
+
+
+def mlm_logits(encoder: SentenceEncoder, params: Mapping, input_ids, attention_mask,
+               token_type_ids, key: jax.Array) -> jax.Array:
+    """Masked-LM logits [batch, len, vocab] (float32), in training mode (dropout from `key`).
+
+    The same BERT weights as the vectors, then the MLM head against the tied word embeddings.
+    """
+    bert = BertModel(encoder.config, dtype=encoder.dtype, add_pooler=False)
+    output = bert.apply({"params": params["bert"]}, input_ids, attention_mask, token_type_ids,
+                        deterministic=False, rngs={"dropout": key})
+    embeddings = params["bert"]["embeddings"]["word_embeddings"]["embedding"]
+    return MlmHead(encoder.config, encoder.dtype).apply(
+        {"params": params["mlm_head"]}, output.hidden_states[-1], embeddings)
 
 
 def param_shapes(encoder: SentenceEncoder) -> dict:
@@ -75,7 +102,7 @@ def check_params(encoder: SentenceEncoder, params: Mapping, source: str) -> None
                           f"average pooler")
     problems = [f"missing {k} {tuple(expected[k].shape)}" for k in missing]
     problems += [f"unexpected {k}" for k in got if k not in expected
-                 and not k.startswith("pooler/")]  # another pooler's weights may ride along
+                 and not k.startswith(_OPTIONAL_SUBTREES)]
     problems += [f"{k} has shape {tuple(got[k].shape)}, expected {tuple(expected[k].shape)}"
                  for k in expected if k in got and tuple(got[k].shape) != tuple(expected[k].shape)]
     if problems:
@@ -93,7 +120,8 @@ def _put_like(value, like: jax.Array) -> jax.Array:
 
 
 def init_params(encoder: SentenceEncoder, key: jax.Array, shardings: Optional[Any] = None,
-                bert_params: Optional[Mapping] = None) -> dict:
+                bert_params: Optional[Mapping] = None,
+                mlm_params: Optional[Mapping] = None) -> dict:
     """Initial parameters, created where they live by each module's own initializers.
 
     Args:
@@ -117,4 +145,7 @@ def init_params(encoder: SentenceEncoder, key: jax.Array, shardings: Optional[An
         target = params["bert"]
         check_params(encoder, {**params, "bert": bert_params}, "pretrained encoder")
         params["bert"] = jax.tree.map(_put_like, dict(bert_params), dict(target))
+    if mlm_params is not None and "mlm_head" in params:
+        params = dict(params)
+        params["mlm_head"] = jax.tree.map(_put_like, dict(mlm_params), dict(params["mlm_head"]))
     return params

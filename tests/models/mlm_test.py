@@ -8,6 +8,7 @@ import pytest
 
 from jaxsim.io.hf import hf_to_encoder_params, hf_to_mlm_params
 from jaxsim.models.bert import BertConfig, BertModel
+from jaxsim.models.encoder import SentenceEncoder, check_params, init_params, mlm_logits
 from jaxsim.models.mlm import IGNORE, MlmHead, mask_tokens, mlm_loss
 from tests.conftest import random_padded_ids
 
@@ -18,8 +19,10 @@ def test_mlm_logits_match_transformers(model_type):
     import transformers
 
     torch.manual_seed(0)
+    # No dropout, so the training-mode path (mlm_logits) is comparable to eval-mode torch.
     common = dict(vocab_size=101, hidden_size=36, num_hidden_layers=2, num_attention_heads=3,
-                  intermediate_size=37, max_position_embeddings=40, hidden_act="gelu")
+                  intermediate_size=37, max_position_embeddings=40, hidden_act="gelu",
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     if model_type == "roberta":
         hf_config = transformers.RobertaConfig(type_vocab_size=1, pad_token_id=1, **common)
         model = transformers.RobertaForMaskedLM(hf_config)
@@ -47,6 +50,27 @@ def test_mlm_logits_match_transformers(model_type):
     logits = MlmHead(config).apply({"params": head_params}, hidden, embeddings)
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(logits)[real], expected.numpy()[real], atol=2e-4)
+    # The encoder's own path: the head rides in its tree and mlm_logits uses it.
+    encoder = SentenceEncoder(config, pooler="avg", mlm=True)
+    check_params(encoder, encoder_params, "checkpoint")
+    np.testing.assert_array_equal(encoder_params["mlm_head"]["bias"], head_params["bias"])
+    via_encoder = mlm_logits(encoder, encoder_params, ids, mask, np.zeros_like(ids),
+                             jax.random.key(0))
+    np.testing.assert_allclose(np.asarray(via_encoder)[real], expected.numpy()[real], atol=2e-4)
+
+
+def test_encoder_mlm_tree_and_pretrained_head():
+    config = BertConfig(vocab_size=30, hidden_size=12, num_hidden_layers=1,
+                        num_attention_heads=3, intermediate_size=13, max_position_embeddings=20)
+    encoder = SentenceEncoder(config, pooler="avg", mlm=True)
+    params = init_params(encoder, jax.random.key(0))
+    assert params["mlm_head"]["dense"]["kernel"].shape == (12, 12)
+    np.testing.assert_array_equal(params["mlm_head"]["bias"], 0.0)
+    head = jax.tree.map(lambda x: np.full(x.shape, 0.5, np.float32), params["mlm_head"])
+    loaded = init_params(encoder, jax.random.key(0), mlm_params=head)
+    np.testing.assert_array_equal(loaded["mlm_head"]["bias"], 0.5)
+    # The vectors do not depend on the head; a model without mlm accepts the extra subtree.
+    check_params(SentenceEncoder(config, pooler="avg"), params, "workdir")
 
 
 def test_checkpoint_without_head_gives_none():
