@@ -21,8 +21,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from jaxsim.errors import JaxsimError
 from jaxsim.io.checkpoint import CHECKPOINT_DIR
 from jaxsim.io.workdir import CONFIG_FILE
-from jaxsim.train.config import (OPERATIONAL_KEYS, TrainConfig, differences, fingerprint,
-                                 run_defining)
+from jaxsim.train.config import (OPERATIONAL_KEYS, TrainConfig, base_config, differences,
+                                 fingerprint, run_defining)
 
 METRICS_FILE = 'metrics.jsonl'
 RESULT_FILE = 'result.json'
@@ -94,7 +94,10 @@ def make_record(cfg: TrainConfig, derived: Mapping[str, Any], run: Mapping[str, 
 
 
 def _compared(record: Mapping[str, Any]) -> dict:
-    return {**run_defining(record.get('config') or {}), **(record.get('derived') or {})}
+    # A config key added to jaxsim after the run started counts at its default: new settings
+    # default to the behaviour the run already had.
+    config = {**base_config().to_dict(), **(record.get('config') or {})}
+    return {**run_defining(config), **(record.get('derived') or {})}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,15 @@ def test_new_same_other_and_allowed_runs(tmp_path):
                                                                   'sha256': 'sha256:bb'}}))
 
 
+def test_keys_added_since_the_run_started_count_at_their_default(tmp_path):
+    old = _record()
+    del old['config']['eval_at_end'], old['config']['last_batch']  # absent from older records
+    records.write_json(tmp_path / 'config.json', old)
+    assert records.check_workdir(tmp_path, _record()).changed == {}
+    with pytest.raises(records.RunMismatchError, match='last_batch "drop" -> "keep"'):
+        records.check_workdir(tmp_path, _record(last_batch='keep'))
+
+
 def test_foreign_folders_are_refused(tmp_path):
     (tmp_path / 'config.json').write_text('{"architectures": ["BertModel"]}')
     with pytest.raises(records.RunMismatchError, match='not a jaxsim train record'):
