@@ -35,12 +35,14 @@ class BaseModel:
       tokenizer: the `transformers` tokenizer.
       bert_params: pretrained 'bert' parameter subtree (host arrays), or None (random init).
       path: the folder it was read from.
+      mlm_params: the checkpoint's masked-LM head (host arrays), or None.
     """
 
     config: BertConfig
     tokenizer: Any
     bert_params: Optional[Any]
     path: str
+    mlm_params: Optional[Any] = None
 
 
 def load_base(cfg: TrainConfig) -> BaseModel:
@@ -48,11 +50,13 @@ def load_base(cfg: TrainConfig) -> BaseModel:
     path = bundled_model_path() if cfg.model == 'bundled' else resolve_model_path(cfg.model)
     if cfg.random_init:
         config = BertConfig.from_json(Path(path) / 'config.json')
-        tokenizer, bert_params = load_tokenizer(Path(path)), None
+        tokenizer, bert_params, mlm_params = load_tokenizer(Path(path)), None, None
     else:
         model = load_pretrained(path)
         config, tokenizer = model.config, model.tokenizer
         bert_params = jax.tree.map(np.asarray, model.params['bert'])
+        mlm_params = (jax.tree.map(np.asarray, model.params['mlm_head'])
+                      if 'mlm_head' in model.params else None)
     overrides = dict(cfg.model_overrides)
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(BertConfig)})
     if unknown:
@@ -64,7 +68,8 @@ def load_base(cfg: TrainConfig) -> BaseModel:
     if cfg.dropout >= 0:
         overrides.update({k: cfg.dropout for k in _DROPOUT_FIELDS})
     config = dataclasses.replace(config, **overrides)
-    return BaseModel(config=config, tokenizer=tokenizer, bert_params=bert_params, path=str(path))
+    return BaseModel(config=config, tokenizer=tokenizer, bert_params=bert_params, path=str(path),
+                     mlm_params=mlm_params)
 
 
 def make_encoder(cfg: TrainConfig, config: BertConfig) -> SentenceEncoder:
@@ -72,6 +77,7 @@ def make_encoder(cfg: TrainConfig, config: BertConfig) -> SentenceEncoder:
     get_pooler(cfg.pooler)
     dtype = jnp.bfloat16 if cfg.dtype == 'bfloat16' else jnp.float32
     return SentenceEncoder(config, pooler=cfg.pooler, mlp_only_train=cfg.mlp_only_train,
+                           mlm=cfg.mlm_weight > 0,
                            dtype=dtype)
 
 

@@ -49,6 +49,8 @@ class TrainConfig:
       dtype: 'float32' or 'bfloat16' compute; master params are always float32.
     Objective:
       objective: a registered objective ('unsup', 'sup', or one registered by user code).
+      mlm_weight: add SimCSE's auxiliary masked-LM loss with this weight (0 = off; the paper
+        uses 0.1 for its transfer-task models); mlm_probability: share of tokens masked.
       objective_kwargs: its hyperparameters by name, e.g. {'temp': 0.05,
         'hard_negative_weight': 0.0}; unset ones keep the loss's defaults.
     Data:
@@ -143,6 +145,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     checkpoint_every: int = 0
     fast_compile: bool = False
+    mlm_weight: float = 0.0
+    mlm_probability: float = 0.15
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -182,6 +186,10 @@ class TrainConfig:
             _bad("data_format 'tfds' needs tfds_name")
         if self.data_format in ('text', 'csv') and not self.train_file:
             _bad(f"train_file is empty (data_format {self.data_format!r})")
+        if not (math.isfinite(self.mlm_weight) and self.mlm_weight >= 0):
+            _bad(f'mlm_weight must be a finite number >= 0, got {self.mlm_weight}')
+        if not 0 < self.mlm_probability < 1:
+            _bad(f'mlm_probability must be in (0, 1), got {self.mlm_probability}')
         if not self.objective:
             _bad('objective is empty')
         try:

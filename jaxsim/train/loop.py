@@ -31,6 +31,7 @@ from jaxsim.io.workdir import write_model
 from jaxsim.model import SentenceModel
 from jaxsim.models.encoder import init_params
 from jaxsim.objectives import check_kwargs, get_objective
+from jaxsim.objectives.mlm import MlmSettings
 from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig, parse_key_list
 from jaxsim.train.evaluate import DEV_METRIC, optional_evaluator
@@ -157,14 +158,17 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
         it.set_state(restored.data['iterator'])
         say(f'resuming {workdir} from step {step} of {total}')
     else:
-        params = init_params(encoder, init_key, param_shardings(encoder, mesh), base.bert_params)
+        params = init_params(encoder, init_key, param_shardings(encoder, mesh), base.bert_params,
+                             mlm_params=base.mlm_params)
         state, shardings = create_state(params, tx, dropout_key, mesh, options)
         step = 0
     train_step = make_train_step(
         encoder, functools.partial(objective.loss, **objective_kwargs), tx,
         views=objective.views, mesh=mesh, state_shardings=shardings,
         grad_accum_steps=cfg.grad_accum_steps, grad_divisor=derived['grad_divisor'],
-        schedule=make_schedule(cfg, total), compiler_options=options)
+        schedule=make_schedule(cfg, total), compiler_options=options,
+        mlm=(MlmSettings.from_tokenizer(base.tokenizer, cfg.mlm_weight, cfg.mlm_probability,
+                                        base.config.vocab_size) if encoder.mlm else None))
     log = records.MetricsLog(workdir, keep_upto=latest, enabled=main)
     loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
                  progress and main)

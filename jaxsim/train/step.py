@@ -18,6 +18,7 @@ from jaxsim import sharding as sharding_lib
 from jaxsim.data.batching import FIELDS
 from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.objectives import LossFn, ObjectiveError
+from jaxsim.objectives.mlm import MlmSettings, mlm_term
 from jaxsim.train.state import TrainState
 
 Batch = Mapping[str, jax.Array]
@@ -75,12 +76,23 @@ def encode_views(encoder: SentenceEncoder, params: Any, batch: Batch, key: jax.A
     return z.reshape(b, views, -1).astype(jnp.float32)  # [B, V, H]
 
 
-def make_loss_fn(encoder: SentenceEncoder, loss: LossFn, views: int) -> Callable:
-    """`loss_fn(params, batch, key) -> (loss, aux)`: encode the views, apply the objective."""
+def make_loss_fn(encoder: SentenceEncoder, loss: LossFn, views: int,
+                 mlm: Optional[MlmSettings] = None) -> Callable:
+    """`loss_fn(params, batch, key) -> (loss, aux)`: encode the views, apply the objective,
+    plus `mlm.weight` x the masked-LM term on masked copies of the same sentences (aux 'mlm')."""
 
     def loss_fn(params, batch: Batch, key):
         value, aux = loss(encode_views(encoder, params, batch, key, views))
-        return value.astype(jnp.float32), dict(aux)
+        value, aux = value.astype(jnp.float32), dict(aux)
+        if mlm is not None:
+            ids = batch['input_ids']
+            b, d, length = ids.shape
+            # Every view is masked on its own, as the reference's collator masks each copy.
+            rows = {k: jnp.repeat(batch[k], views // d, axis=1).reshape(-1, length)
+                    for k in FIELDS}
+            aux['mlm'] = mlm_term(encoder, params, rows, jax.random.fold_in(key, 1), mlm)
+            value = value + mlm.weight * aux['mlm']
+        return value, aux
 
     return loss_fn
 
@@ -89,7 +101,8 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
                     *, views: int, mesh: Mesh, state_shardings: TrainState,
                     grad_accum_steps: int = 1, grad_divisor: float = 1.0,
                     schedule: Optional[optax.Schedule] = None,
-                    compiler_options: Optional[dict] = None) -> Callable:
+                    compiler_options: Optional[dict] = None,
+                    mlm: Optional[MlmSettings] = None) -> Callable:
     """The jitted `train_step(state, batch) -> (state, metrics)`.
 
     Args:
@@ -107,6 +120,7 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
         config's `grad_reduction`); 1 is the gradient of the loss.
       schedule: the learning-rate schedule, reported as metrics['lr'].
       compiler_options: XLA compiler options.
+      mlm: add SimCSE's auxiliary masked-LM term (encoder built with `mlm=True`).
 
     The step's dropout key is `fold_in(state.rng, state.step)` (and `fold_in(., i)` for
     micro-batch i), so a run is a pure function of (config, seed, data order), whatever the mesh.
@@ -117,7 +131,7 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
       The jitted step; metrics hold 'loss', 'grad_norm' (of the divided gradient, before
       clipping), 'lr' (with `schedule`) and every aux entry the loss returns.
     """
-    grad_fn = jax.value_and_grad(make_loss_fn(encoder, loss, views), has_aux=True)
+    grad_fn = jax.value_and_grad(make_loss_fn(encoder, loss, views, mlm), has_aux=True)
     accum = grad_accum_steps
     replicated = NamedSharding(mesh, P())
 
@@ -153,11 +167,20 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
         if grad_divisor != 1.0:
             grads = jax.tree.map(lambda g: g / grad_divisor, grads)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
         ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
-        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+
+        def update(operands):
+            params, opt_state, grads = operands
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        # Only the taken branch runs: a good step updates the donated state in place, a bad
+        # one hands it back untouched. (A `where(ok, new, old)` over the whole state would
+        # keep both copies alive and read params and both Adam moments once more.)
+        params, opt_state = jax.lax.cond(ok, update, lambda operands: operands[:2],
+                                         (state.params, state.opt_state, grads))
+        new = state.replace(step=state.step + ok.astype(state.step.dtype), params=params,
+                            opt_state=opt_state)
         metrics = {'loss': value, 'grad_norm': grad_norm, **aux}
         if schedule is not None:
             metrics['lr'] = jnp.asarray(schedule(state.step), jnp.float32)
