@@ -1,0 +1,252 @@
+"""SimCSE train steps on an accelerator: steps/s, achieved TFLOP/s and MFU, with PyTorch beside.
+
+A BERT-base-shaped encoder (hidden 768, 12 layers, 12 heads, intermediate 3072, vocab 30522;
+random init, nothing downloaded) in the paper's two settings, length 32, dropout 0.1, mean
+pooling, cosine / 0.05 InfoNCE, clipping 1.0, AdamW:
+
+  unsup   batch 64 sentences, each encoded twice (two dropout views)
+  sup     batch 512 (premise, entailment, contradiction) triplets
+
+jaxsim runs `jaxsim.train.step.make_train_step` (as `train.py` builds it). FLOPs per step are
+XLA's count for the compiled step (`compiled.cost_analysis()['flops']`; the lowered module's
+count where a backend reports none); achieved TFLOP/s = FLOPs x steps/s, MFU = achieved / the
+device's peak for the compute dtype (table below, or `--peak-tflops`). The PyTorch reference
+(`torch_reference.py`: transformers BertModel + the same loss + AdamW; bf16 through autocast
+with float32 master weights) runs on the same device in the same run where torch has that
+device (CUDA, or the CPU); its TFLOP/s use the same per-step count. ratio = jaxsim steps/s /
+PyTorch steps/s.
+
+float32 means float32 products on both sides (`--fp32-matmul tf32` allows TF32 on both, with the
+TF32 peak). `--tiny` swaps in a tiny model and batches so the script runs on a CPU in seconds
+(its test runs it that way).
+
+    python benchmarks/device_bench.py [--dtype bfloat16] [--steps 10] [--json out.json]
+    python benchmarks/device_bench.py --tiny --dtype float32 --json /tmp/tiny.json
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxsim import sharding
+from jaxsim.models.encoder import init_params
+from jaxsim.objectives import check_kwargs, get_objective
+from jaxsim.train import build, optim, state as state_lib, step as step_lib
+from jaxsim.train.config import TrainConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch_reference  # noqa: E402
+from common import write_json  # noqa: E402
+
+BERT_BASE = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
+             "num_attention_heads": 12, "intermediate_size": 3072,
+             "max_position_embeddings": 512, "type_vocab_size": 2}
+TINY = {"vocab_size": 1000, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "intermediate_size": 37, "max_position_embeddings": 64, "type_vocab_size": 2}
+# setting -> (objective, examples per step, sentences per example in the batch arrays)
+SETTINGS = {"unsup": ("unsup", 64, 1), "sup": ("sup", 512, 3)}
+TINY_BATCH = {"unsup": 8, "sup": 8}
+LENGTH, TINY_LENGTH = 32, 16
+
+# Dense peak TFLOP/s by device kind (first matching substring): (bf16, fp32, tf32).
+# NVIDIA: SXM data-sheet figures without sparsity; TPU: per chip. None: not published/used.
+PEAKS = (
+    ("H200", 989.4, 66.9, 494.7),
+    ("H100", 989.4, 66.9, 494.7),
+    ("A100", 312.0, 19.5, 156.0),
+    ("L40S", 362.1, 91.6, 181.0),
+    ("L4", 121.0, 30.3, 60.0),
+    ("A10", 125.0, 31.2, 62.5),
+    ("V100", None, 15.7, None),
+    ("T4", None, 8.1, None),
+    ("TPU v6", 918.0, None, None),
+    ("TPU v5p", 459.0, None, None),
+    ("TPU v5 lite", 197.0, None, None),
+    ("TPU v5e", 197.0, None, None),
+    ("TPU v4", 275.0, None, None),
+)
+
+
+def peak_tflops(device_kind: str, dtype: str, fp32_matmul: str) -> float | None:
+    for pattern, bf16, fp32, tf32 in PEAKS:
+        if pattern.lower() in device_kind.lower():
+            if dtype == "bfloat16":
+                return bf16
+            return tf32 if fp32_matmul == "tf32" else fp32
+    return None
+
+
+def random_batch(rng: np.random.Generator, batch: int, views: int, length: int,
+                 vocab: int) -> dict:
+    """int32 [batch, views, length] ids with random lengths (>= length / 4) and their masks."""
+    ids = rng.integers(5, vocab, size=(batch, views, length)).astype(np.int32)
+    lengths = rng.integers(max(2, length // 4), length + 1, size=(batch, views, 1))
+    mask = (np.arange(length)[None, None] < lengths).astype(np.int32)
+    return {"input_ids": ids * mask, "attention_mask": mask,
+            "token_type_ids": np.zeros_like(ids)}
+
+
+def jaxsim_step(objective: str, dtype: str, arrays: dict, arch: dict, fast_compile: bool):
+    """(run one step, FLOPs per step, FLOPs source, compile seconds)."""
+    step_lib.configure_jax()
+    batch, _, length = arrays["input_ids"].shape
+    ref = torch_reference
+    cfg = TrainConfig(model="bundled", random_init=True, model_overrides=arch, pooler="avg",
+                      mlp_only_train=False, dropout=ref.DROPOUT, objective=objective,
+                      dtype=dtype, data_format="senteval_corpus", batch_size=batch,
+                      max_len=length, max_steps=ref.TOTAL_STEPS, learning_rate=ref.LR,
+                      max_grad_norm=ref.CLIP, fast_compile=fast_compile)
+    base = build.load_base(cfg)
+    encoder = build.make_encoder(cfg, base.config)
+    obj = get_objective(objective)
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    options = step_lib.compiler_options(cfg.fast_compile)
+    tx = optim.make_optimizer(cfg, ref.TOTAL_STEPS)
+    root = jax.random.key(cfg.seed)
+    params = init_params(encoder, jax.random.fold_in(root, 1),
+                         state_lib.param_shardings(encoder, mesh))
+    state, shardings = state_lib.create_state(params, tx, jax.random.fold_in(root, 2), mesh,
+                                              options)
+    train_step = step_lib.make_train_step(
+        encoder, functools.partial(obj.loss, **check_kwargs(obj, {"temp": ref.TEMP})), tx,
+        views=obj.views, mesh=mesh, state_shardings=shardings, compiler_options=options)
+    placed = {k: jax.device_put(v, s) for (k, v), s in
+              zip(arrays.items(), step_lib.batch_shardings(mesh).values())}
+    start = time.perf_counter()
+    lowered = train_step.lower(state, placed)
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - start
+    flops, source = _flops(compiled), "compiled"
+    if not flops:
+        flops, source = _flops(lowered), "lowered"
+    holder = {"state": state}
+
+    def run():
+        holder["state"], metrics = compiled(holder["state"], placed)
+        jax.block_until_ready(metrics["loss"])
+
+    return run, flops, source, compile_s
+
+
+def _flops(stage) -> float:
+    analysis = stage.cost_analysis()
+    if isinstance(analysis, (list, tuple)):  # older JAX: one dict per module
+        analysis = analysis[0] if analysis else {}
+    return float((analysis or {}).get("flops", 0.0))
+
+
+def torch_device() -> str | None:
+    """torch's device matching JAX's backend, or None when torch lacks it."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return "cpu"
+    if backend in ("gpu", "cuda") and torch.cuda.is_available():
+        return "cuda"
+    return None
+
+
+def steps_per_s(run, steps: int, warmup: int) -> tuple[float, list]:
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return 1.0 / statistics.median(times), times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--settings", default="unsup,sup", help="unsup, sup or both")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--fp32-matmul", default="highest", choices=("highest", "tf32"),
+                        help="float32 products: true float32, or TF32 on both sides")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's peak for the dtype (overrides the table)")
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="tiny model and batches (CPU test)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    settings = [s for s in args.settings.split(",") if s]
+    for s in settings:
+        if s not in SETTINGS:
+            parser.error(f"unknown setting {s!r}; known: {', '.join(SETTINGS)}")
+    if args.dtype == "float32":
+        jax.config.update("jax_default_matmul_precision",
+                          "tensorfloat32" if args.fp32_matmul == "tf32" else "highest")
+    device = jax.devices()[0]
+    kind = device.device_kind
+    peak = args.peak_tflops or peak_tflops(kind, args.dtype, args.fp32_matmul)
+    arch = TINY if args.tiny else BERT_BASE
+    length = TINY_LENGTH if args.tiny else LENGTH
+    tdev = None if args.no_torch else torch_device()
+    record = {"device_kind": kind, "platform": device.platform, "dtype": args.dtype,
+              "fp32_matmul": args.fp32_matmul if args.dtype == "float32" else None,
+              "peak_tflops": peak, "peak_source": "--peak-tflops" if args.peak_tflops else
+              ("table" if peak else None), "model": "tiny" if args.tiny else "bert-base",
+              "architecture": arch, "length": length, "steps": args.steps,
+              "warmup": args.warmup, "torch_device": tdev, "settings": {}}
+    rng = np.random.default_rng(0)
+    for name in settings:
+        objective, batch, views = SETTINGS[name]
+        batch = TINY_BATCH[name] if args.tiny else batch
+        arrays = random_batch(rng, batch, views, length, arch["vocab_size"])
+        run, flops, source, compile_s = jaxsim_step(objective, args.dtype, arrays, arch,
+                                                    fast_compile=args.tiny)
+        ours, _ = steps_per_s(run, args.steps, args.warmup)
+        row = {"objective": objective, "batch": batch, "views": 2 if objective == "unsup"
+               else 3, "flops_per_step": flops, "flops_source": source,
+               "compile_s": round(compile_s, 2), "jaxsim_steps_per_s": ours,
+               "jaxsim_tflops": flops * ours / 1e12}
+        row["jaxsim_mfu"] = row["jaxsim_tflops"] / peak if peak else None
+        if tdev is not None:
+            theirs, _ = steps_per_s(_torch_run(objective, arrays, arch, args, tdev),
+                                    args.steps, args.warmup)
+            row.update(pytorch_steps_per_s=theirs, pytorch_tflops=flops * theirs / 1e12,
+                       pytorch_mfu=flops * theirs / 1e12 / peak if peak else None,
+                       ratio=ours / theirs)
+        record["settings"][name] = row
+        mfu = f"  MFU {row['jaxsim_mfu']:.1%}" if peak else "  (no peak known: --peak-tflops)"
+        line = (f"{name:5s} batch {batch:4d}  jaxsim {ours:8.3f} steps/s "
+                f"{row['jaxsim_tflops']:8.3f} TFLOP/s{mfu}")
+        if "ratio" in row:
+            line += (f"  | PyTorch ({tdev}) {row['pytorch_steps_per_s']:8.3f} steps/s  "
+                     f"ratio {row['ratio']:.2f}x")
+        print(line, flush=True)
+    first = record["settings"][settings[0]]
+    record["ratio"] = first.get("ratio")  # None where no PyTorch ran on this device
+    record["ratio_setting"] = settings[0]
+    write_json(args.json, record)
+
+
+def _torch_run(objective: str, arrays: dict, arch: dict, args, device: str):
+    import torch
+
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = args.fp32_matmul == "tf32"
+        torch.backends.cudnn.allow_tf32 = args.fp32_matmul == "tf32"
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count())))
+    model = torch_reference.load_model(config=arch)
+    autocast = torch.bfloat16 if args.dtype == "bfloat16" else None
+    return torch_reference.make_step(model, arrays, unsup=objective == "unsup", device=device,
+                                     autocast_dtype=autocast)
+
+
+if __name__ == "__main__":
+    main()
