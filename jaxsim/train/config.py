@@ -22,6 +22,7 @@ from jaxsim.errors import JaxsimError
 from jaxsim.paths import SENTEVAL_ROOT
 
 DATA_FORMATS = ('text', 'csv', 'snli', 'senteval_corpus', 'tfds')
+PRNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
 # Settings that change how a run is executed or logged, not what it computes: a rerun in the
 # same workdir may change them freely (e.g. resume an 8-device run on 4 devices).
 OPERATIONAL_KEYS = frozenset({
@@ -71,6 +72,8 @@ class TrainConfig:
       optimizer: 'adamw' (HF Trainer's AdamW: no decay on biases and LayerNorm) or 'sgd'.
       learning_rate, warmup_steps (linear warmup, then linear decay to 0), weight_decay,
       max_grad_norm (global-norm clipping; 0 = off), adam_b1, adam_b2, adam_eps, seed.
+      prng_impl: dropout PRNG: 'threefry2x32' (masks independent of the mesh) or 'rbg' /
+        'unsafe_rbg' (faster on TPU, slower on CPU, masks depend on the mesh); see step.py.
       grad_reduction: how the gradient is scaled under data parallelism.
         'global_mean' (default): the gradient of the loss of the whole global batch. It does
           not depend on the device count, so a run means the same on 1 or 64 devices.
@@ -130,6 +133,7 @@ class TrainConfig:
     adam_b2: float = 0.999
     adam_eps: float = 1e-8
     seed: int = 42
+    prng_impl: str = 'threefry2x32'
     mesh_data: int = -1
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
@@ -153,7 +157,8 @@ class TrainConfig:
             _check_type(f.name, getattr(self, f.name), _DEFAULTS[f.name])
         choices = {'data_format': DATA_FORMATS, 'dtype': ('float32', 'bfloat16'),
                    'last_batch': ('drop', 'keep'), 'optimizer': ('adamw', 'sgd'),
-                   'grad_reduction': ('global_mean', 'replica_mean')}
+                   'grad_reduction': ('global_mean', 'replica_mean'),
+                   'prng_impl': PRNG_IMPLS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _bad(f'{name} must be one of {", ".join(allowed)}, got {getattr(self, name)!r}')

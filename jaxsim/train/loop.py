@@ -42,6 +42,7 @@ from jaxsim.train.state import (abstract_state, create_state, param_shardings, s
                                 state_shardings)
 from jaxsim.train.step import (batch_shardings, check_jax_configured, compiler_options,
                                make_train_step)
+from jaxsim.train.step import dropout_key as make_dropout_key
 
 
 def _say(enabled: bool, message: str) -> None:
@@ -143,7 +144,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
         write_model(workdir, model, base_model=cfg.model)
     options = compiler_options(cfg.fast_compile)
     root_key = jax.random.key(cfg.seed)
-    init_key, dropout_key = jax.random.fold_in(root_key, 1), jax.random.fold_in(root_key, 2)
+    init_key, dropout_key = jax.random.fold_in(root_key, 1), make_dropout_key(root_key,
+                                                                             cfg.prng_impl)
     tx = make_optimizer(cfg, total)
     shardings = state_shardings(state_shape(encoder, tx, dropout_key), mesh)
     ckpt = None
@@ -168,7 +170,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
         grad_accum_steps=cfg.grad_accum_steps, grad_divisor=derived['grad_divisor'],
         schedule=make_schedule(cfg, total), compiler_options=options,
         mlm=(MlmSettings.from_tokenizer(base.tokenizer, cfg.mlm_weight, cfg.mlm_probability,
-                                        base.config.vocab_size) if encoder.mlm else None))
+                                        base.config.vocab_size) if encoder.mlm else None),
+        prng_impl=cfg.prng_impl)
     log = records.MetricsLog(workdir, keep_upto=latest, enabled=main)
     loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
                  progress and main)

@@ -19,6 +19,7 @@ from jaxsim.data.batching import FIELDS
 from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.objectives import LossFn, ObjectiveError
 from jaxsim.objectives.mlm import MlmSettings, mlm_term
+from jaxsim.train.config import PRNG_IMPLS
 from jaxsim.train.state import TrainState
 
 Batch = Mapping[str, jax.Array]
@@ -38,6 +39,28 @@ def check_jax_configured() -> None:
     if not jax.config.jax_threefry_partitionable:
         raise RuntimeError('jax_threefry_partitionable is off: dropout masks would depend on the '
                            'device mesh; call jaxsim.train.step.configure_jax() first')
+
+
+def dropout_key(root_key: jax.Array, prng_impl: str = 'threefry2x32') -> jax.Array:
+    """The run's dropout key (the root key's 'dropout' use), of the PRNG implementation
+    `prng_impl`.
+
+    threefry2x32 (the default): dropout bits are a function of (key, global index), so masks do
+      not depend on the mesh: same numbers on any device count, exact resumes onto another mesh.
+    rbg / unsafe_rbg: XLA's RngBitGenerator. Faster where the hardware generates bits (TPU); on
+      XLA:CPU it is slower than threefry. Masks then depend on how arrays are laid out over
+      devices: a run is reproducible on the same mesh only ('unsafe_rbg' also derives keys
+      with it).
+    """
+    if prng_impl not in PRNG_IMPLS:
+        raise ValueError(f'unknown prng_impl {prng_impl!r}; known: {", ".join(PRNG_IMPLS)}')
+    key = jax.random.fold_in(root_key, 2)
+    if prng_impl == 'threefry2x32':
+        return key
+    # An rbg key holds 4 words: two threefry draws of the root key.
+    data = jnp.concatenate([jax.random.key_data(key),
+                            jax.random.key_data(jax.random.fold_in(root_key, 3))])
+    return jax.random.wrap_key_data(data, impl=prng_impl)
 
 
 def compiler_options(fast_compile: bool) -> Optional[dict]:
@@ -102,7 +125,8 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
                     grad_accum_steps: int = 1, grad_divisor: float = 1.0,
                     schedule: Optional[optax.Schedule] = None,
                     compiler_options: Optional[dict] = None,
-                    mlm: Optional[MlmSettings] = None) -> Callable:
+                    mlm: Optional[MlmSettings] = None,
+                    prng_impl: str = 'threefry2x32') -> Callable:
     """The jitted `train_step(state, batch) -> (state, metrics)`.
 
     Args:
@@ -121,6 +145,7 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
       schedule: the learning-rate schedule, reported as metrics['lr'].
       compiler_options: XLA compiler options.
       mlm: add SimCSE's auxiliary masked-LM term (encoder built with `mlm=True`).
+      prng_impl: the implementation of `state.rng` (see `dropout_key`).
 
     The step's dropout key is `fold_in(state.rng, state.step)` (and `fold_in(., i)` for
     micro-batch i), so a run is a pure function of (config, seed, data order), whatever the mesh.
@@ -136,7 +161,8 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
     replicated = NamedSharding(mesh, P())
 
     def train_step(state: TrainState, batch: Batch):
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng, impl=prng_impl),
+                                 state.step)
         if accum == 1:
             (value, aux), grads = grad_fn(state.params, batch, key)
         else:
