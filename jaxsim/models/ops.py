@@ -160,17 +160,26 @@ def _flat_index(shape: tuple[int, ...]) -> jax.Array:
 
 
 def _threefry_bits(key_data: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """uint32 bits for `shape`: one threefry2x32 hash of (0, i) per index i of half the last
-    axis gives two words, used for the two halves of that axis."""
+    """uint32 bits for `shape`: one threefry2x32 hash of (0, i) per index i of the first half of
+    the last axis gives two words, the first for that element, the second for its partner in
+    the second half. An odd last axis takes one hash per element (XOR of its words, as jax's
+    partitionable stream does)."""
     *lead, last = shape
-    half = -(-last // 2)
-    counter_shape = (*lead, half)
+    hash_ = jax_random_ext.threefry2x32_p.bind
+    if last % 2:
+        counter = _flat_index(tuple(shape))
+        low, high = hash_(key_data[0], key_data[1], jnp.zeros_like(counter), counter)
+        return low ^ high
+    half = last // 2
+    counter_shape = (*lead, 1, half)
     if math.prod(counter_shape) >= 2 ** 32:
         raise ValueError(f"dropout over {shape} needs more than 2**32 counters")
     counter = _flat_index(counter_shape)
-    low, high = jax_random_ext.threefry2x32_p.bind(
-        key_data[0], key_data[1], jnp.zeros(counter_shape, jnp.uint32), counter)
-    return jnp.concatenate([low, high], axis=-1)[..., :last]
+    low, high = hash_(key_data[0], key_data[1], jnp.zeros_like(counter), counter)
+    # [..., 2, half] by broadcasting (elementwise, so XLA fuses it into the mask's consumer;
+    # a concatenate would be a pass of its own), then the last axis back: a free reshape.
+    first = lax.broadcasted_iota(jnp.int32, (*lead, 2, half), len(lead)) == 0
+    return jnp.where(first, low, high).reshape(shape)
 
 
 def keep_mask(key: jax.Array, shape: tuple[int, ...], keep_prob: float) -> jax.Array:

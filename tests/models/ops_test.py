@@ -57,7 +57,7 @@ def test_bias_gelu_is_the_exact_gelu_with_its_exact_gradient():
 
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
 def test_dropout_statistics_scaling_and_keys(impl):
-    shape = (400, 7, 33)  # odd last axis: the paired-word path slices its second half
+    shape = (400, 7, 34)  # elements j and j + 17 share a hash (its two words)
     x = jnp.ones(shape, jnp.float32) * 2.0
     key = jax.random.key(0, impl=impl)
     y = np.asarray(ops.dropout(x, 0.1, key))
@@ -69,8 +69,10 @@ def test_dropout_statistics_scaling_and_keys(impl):
     other = np.asarray(ops.dropout(x, 0.1, jax.random.key(1, impl=impl))) != 0
     assert (other != kept).mean() > 0.1
     # Elements fed by the two words of one hash (j and j + 17 on the last axis) are independent.
-    a, b = kept[..., :16].ravel().astype(float), kept[..., 17:33].ravel().astype(float)
+    a, b = kept[..., :17].ravel().astype(float), kept[..., 17:].ravel().astype(float)
     assert abs(np.corrcoef(a, b)[0, 1]) < 5 / np.sqrt(a.size)
+    odd = np.asarray(ops.dropout(jnp.ones((300, 33)), 0.1, key)) != 0  # one hash per element
+    assert abs(odd.mean() - 0.9) < 5 * np.sqrt(0.09 / odd.size)
     assert ops.dropout(x, 0.0, key) is x
     np.testing.assert_array_equal(ops.dropout(x, 1.0, key), 0.0)
 
