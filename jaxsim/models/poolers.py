@@ -232,3 +232,6 @@ for _name, (_first, _second) in {"avg_top2": (-2, -1), "avg_first_last": (1, -1)
                                  "avg_embed_last": (0, -1)}.items():
     register_pooler(_name, export=_export_layer_average(_first, _second))(
         _layer_average(_first, _second))
+
+# The poolers jaxsim itself defines (the registry may grow with user registrations).
+BUILTIN_POOLERS = POOLERS.names()

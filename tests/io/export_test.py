@@ -25,11 +25,11 @@ from jaxsim.__main__ import main as cli_main
 from jaxsim.io import export as export_lib
 from jaxsim.io.pretrained import bundled_model_path
 from jaxsim.models.bert import BertModel
-from jaxsim.models.poolers import POOLERS, get_pooler
+from jaxsim.models.poolers import BUILTIN_POOLERS, get_pooler
 from tests.conftest import write_tiny_model, write_tiny_workdir
 
 REPO = Path(__file__).resolve().parents[2]
-BUILT_IN_POOLERS = POOLERS.names()  # at collection time: the built-in ones only
+BUILT_IN_POOLERS = BUILTIN_POOLERS
 SENTENCES = [
     "A man is playing a guitar.",
     "hello",
