@@ -321,7 +321,10 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
                 history.append({'step': step, 'epoch': epoch, 'train_nll': train_nll,
                                 'val_nll': val_nll, 'bpd': float(nats_to_bits_per_dim(
                                     val_nll if num_val else train_nll, dim))})
-                bar.set_postfix(train_nll=f'{train_nll:.2f}', val_nll=f'{val_nll:.2f}')
+                shown = {'train_nll': f'{train_nll:.2f}'}
+                if num_val:  # no held-out rows (BERT-flow's setting): nothing to show
+                    shown['val_nll'] = f'{val_nll:.2f}'
+                bar.set_postfix(**shown)
                 if not num_val:
                     best = (math.nan, params, step)
                 elif val_nll < best[0]:
