@@ -5,8 +5,10 @@ float32 rounding); they differ in what is stored for the backward pass and how t
 laid out:
 
   matmul        x [..., in] @ w [in, *out] in float32, or with bf16 operands, float32
-                accumulation and float32 output (custom VJP: both backward products stay on
-                the bf16 dot path).
+                accumulation and float32 output. Its VJP lays the weight gradient out itself:
+                XLA's own choice transposed the [tokens, out] cotangent and ran the product on
+                a slower dot path; transposing the narrower operand moves fewer bytes and keeps
+                the product on the fast one (-19% float32 step time).
   bias_gelu     exact (erf) GELU of `d + b`, evaluated through erf (one polynomial) rather
                 than erfc (exp and division branches). The custom VJP keeps only `d` and `b` as
                 residuals and recomputes the derivative in one backward elementwise pass.
@@ -41,45 +43,58 @@ def _contract_in(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 @jax.custom_vjp
-def low_precision_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w [in, out] on low-precision operands; float32 accumulation and result."""
+def matmul_2d(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [in, out] (float32 or low-precision operands) -> float32, accumulated in
+    float32."""
     return _contract_in(x, w)
 
 
-def _low_precision_matmul_fwd(x, w):
+def _matmul_2d_fwd(x, w):
     return _contract_in(x, w), (x, w)
 
 
-def _low_precision_matmul_bwd(residuals, g):
+def _weight_grad(rows: jax.Array, g_rows: jax.Array) -> jax.Array:
+    """rows^T @ g_rows: [tokens, in], [tokens, out] -> [in, out] float32.
+
+    The contraction runs over the long token axis of both operands; XLA:CPU's dot kernels want
+    one operand transposed in memory, and left alone it transposes the cotangent. Transposing
+    the narrower operand instead moves fewer bytes (x [tokens, 384] rather than the
+    intermediate cotangent [tokens, 1536]); the barrier keeps XLA from folding it back.
+    """
+    if rows.shape[1] <= g_rows.shape[1]:
+        rows_t = lax.optimization_barrier(jnp.transpose(rows))  # [in, tokens]
+        return lax.dot_general(rows_t, g_rows, (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+    g_t = lax.optimization_barrier(jnp.transpose(g_rows))  # [out, tokens]
+    return jnp.transpose(lax.dot_general(g_t, rows, (((1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32))
+
+
+def _matmul_2d_bwd(residuals, g):
     # The incoming cotangent is float32; casting it to the operands' dtype keeps both backward
     # products on the fast low-precision dot path (float32 accumulation).
     x, w = residuals
     g = g.astype(w.dtype)
     dx = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())),
                          preferred_element_type=jnp.float32)
-    dw = lax.dot_general(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]),
-                         (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    dw = _weight_grad(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]))
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-low_precision_matmul.defvjp(_low_precision_matmul_fwd, _low_precision_matmul_bwd)
+matmul_2d.defvjp(_matmul_2d_fwd, _matmul_2d_bwd)
 
 
 def matmul(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     """x [..., in] @ w [in, *out] -> [..., *out] float32, computed in `dtype`.
 
-    float32: a plain float32 product. bfloat16 (or any other low-precision dtype): bf16
-    operands with float32 accumulation and output. CPUs with bf16 dot units (AVX512-BF16, AMX)
+    float32: a float32 product. bfloat16 (or any other low-precision dtype): bf16 operands
+    with float32 accumulation and output. CPUs with bf16 dot units (AVX512-BF16, AMX)
     run such a product several times faster than float32, while a bf16-output dot takes a slow
     path; the float32 result also keeps the residual stream precise. A kernel with several
     output axes is applied as one [in, prod(out)] matrix (XLA:CPU's dot kernels take 2-D
     operands; a multi-axis bf16 contraction has no fast kernel).
     """
-    w2 = w.reshape(w.shape[0], -1)
-    if jnp.dtype(dtype) == jnp.float32:
-        out = _contract_in(x.astype(jnp.float32), w2.astype(jnp.float32))
-    else:
-        out = low_precision_matmul(x.astype(dtype), w2.astype(dtype))
+    out = matmul_2d(x.astype(dtype), w.reshape(w.shape[0], -1).astype(dtype))
     return out.reshape(x.shape[:-1] + w.shape[1:])
 
 
@@ -87,13 +102,13 @@ def mixed_precision_dot_general(lhs, rhs, dimension_numbers, precision=None,
                                 preferred_element_type=None, **kwargs):
     """`lax.dot_general` for flax Dense under bf16 compute: bf16 operands, float32 result.
 
-    The Dense contraction (lhs [..., in] with rhs [in, out]) goes through the custom VJP of
-    `low_precision_matmul`; any other contraction is a plain dot with a float32 result.
+    The Dense contraction (lhs [..., in] with rhs [in, out]) goes through `matmul_2d` and its
+    VJP; any other contraction is a plain dot with a float32 result.
     """
     (lhs_contract, rhs_contract), batch_dims = dimension_numbers
     if tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,) \
             and rhs.ndim == 2 and batch_dims == ((), ()):
-        return low_precision_matmul(lhs, rhs)
+        return matmul_2d(lhs, rhs)
     return lax.dot_general(lhs, rhs, dimension_numbers, precision,
                            preferred_element_type=jnp.float32)
 
