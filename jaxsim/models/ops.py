@@ -7,8 +7,8 @@ laid out:
   matmul        x [..., in] @ w [in, *out] in float32, or with bf16 operands, float32
                 accumulation and float32 output. Its VJP lays the weight gradient out itself:
                 XLA's own choice transposed the [tokens, out] cotangent and ran the product on
-                a slower dot path; transposing the narrower operand moves fewer bytes and keeps
-                the product on the fast one (-19% float32 step time).
+                a slower dot path (in float32 even for bf16 operands); transposing the
+                narrower operand moves fewer bytes and keeps the product on the fast one.
   bias_gelu     exact (erf) GELU of `d + b`, evaluated through erf (one polynomial) rather
                 than erfc (exp and division branches). The custom VJP keeps only `d` and `b` as
                 residuals and recomputes the derivative in one backward elementwise pass.
@@ -53,21 +53,28 @@ def _matmul_2d_fwd(x, w):
     return _contract_in(x, w), (x, w)
 
 
+def _transposed(a: jax.Array) -> jax.Array:
+    """a [k, m] -> [m, k], written out in memory. Going through a unit axis keeps XLA from
+    folding the transpose into the consuming dot (an optimization barrier would too, but then
+    XLA:CPU runs a bf16 product in float32)."""
+    k, m = a.shape
+    return jnp.transpose(a.reshape(k, m, 1), (1, 0, 2)).reshape(m, k)
+
+
 def _weight_grad(rows: jax.Array, g_rows: jax.Array) -> jax.Array:
     """rows^T @ g_rows: [tokens, in], [tokens, out] -> [in, out] float32.
 
-    The contraction runs over the long token axis of both operands; XLA:CPU's dot kernels want
-    one operand transposed in memory, and left alone it transposes the cotangent. Transposing
-    the narrower operand instead moves fewer bytes (x [tokens, 384] rather than the
-    intermediate cotangent [tokens, 1536]); the barrier keeps XLA from folding it back.
+    The contraction runs over the long token axis of both operands. Left to XLA:CPU it becomes
+    a transposed-operand product on a slow path (bf16 operands even run in float32, at half
+    the bf16 speed), after a copy of the [tokens, out] cotangent. Transposing the narrower
+    operand ourselves moves fewer bytes and keeps a plain product on the fast dot kernels.
     """
+    dims = (((1,), (0,)), ((), ()))
     if rows.shape[1] <= g_rows.shape[1]:
-        rows_t = lax.optimization_barrier(jnp.transpose(rows))  # [in, tokens]
-        return lax.dot_general(rows_t, g_rows, (((1,), (0,)), ((), ())),
+        return lax.dot_general(_transposed(rows), g_rows, dims,
                                preferred_element_type=jnp.float32)
-    g_t = lax.optimization_barrier(jnp.transpose(g_rows))  # [out, tokens]
-    return jnp.transpose(lax.dot_general(g_t, rows, (((1,), (0,)), ((), ())),
-                                         preferred_element_type=jnp.float32))
+    return _transposed(lax.dot_general(_transposed(g_rows), rows, dims,
+                                       preferred_element_type=jnp.float32))
 
 
 def _matmul_2d_bwd(residuals, g):
