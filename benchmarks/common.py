@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -39,6 +40,26 @@ def alternating_rates(ours: Callable[[], object], theirs: Callable[[], object], 
             "reference_per_s": statistics.median(theirs_rates),
             "ratio": statistics.median(ratios), "ratio_min": min(ratios),
             "ratio_max": max(ratios), "repeats": repeats}
+
+
+def status_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak) of this process, from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def print_peak_memory(run: Callable[[], object], steps: int, baseline_mb: float) -> None:
+    """Runs `steps` steps, then prints this process's memory figures as one 'RSS {json}' line
+    (each benchmark side measures itself in its own process, read back by the parent)."""
+    for _ in range(steps):
+        run()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: kilobytes
+    print("RSS " + json.dumps({"peak_rss_mb": round(peak, 1),
+                               "peak_vmhwm_mb": round(status_mb("VmHWM"), 1),
+                               "after_imports_rss_mb": round(baseline_mb, 1),
+                               "step_rss_mb": round(peak - baseline_mb, 1)}), flush=True)
 
 
 def load_average() -> Optional[float]:

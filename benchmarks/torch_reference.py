@@ -10,12 +10,12 @@ JAX, so run as a script it measures PyTorch's own peak memory:
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 from pathlib import Path
 from typing import Callable, Mapping
 
 import numpy as np
+
+from common import print_peak_memory, status_mb
 
 LR, TOTAL_STEPS, TEMP, CLIP, DROPOUT = 3e-5, 1000, 0.05, 1.0, 0.1
 
@@ -83,12 +83,6 @@ def make_step(model, arrays: Mapping[str, np.ndarray], unsup: bool, device: str 
     return run
 
 
-def _status_mb(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024.0
-    return float("nan")
-
 
 def main():
     parser = argparse.ArgumentParser(description="peak memory of the PyTorch reference step")
@@ -102,15 +96,9 @@ def main():
 
     torch.set_num_threads(args.threads)
     arrays = dict(np.load(args.arrays))
-    baseline = _status_mb("VmRSS")
+    baseline = status_mb("VmRSS")
     run = make_step(load_model(args.model), arrays, unsup=arrays["input_ids"].shape[1] == 1)
-    for _ in range(args.steps):
-        run()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: kilobytes
-    print("RSS " + json.dumps({"peak_rss_mb": round(peak, 1),
-                               "peak_vmhwm_mb": round(_status_mb("VmHWM"), 1),
-                               "after_imports_rss_mb": round(baseline, 1),
-                               "step_rss_mb": round(peak - baseline, 1)}), flush=True)
+    print_peak_memory(run, args.steps, baseline)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import argparse
 import functools
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,8 @@ from jaxsim.train.config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch_reference  # noqa: E402
-from common import alternating_rates, seconds, set_threads, write_json  # noqa: E402
+from common import (alternating_rates, print_peak_memory, seconds, set_threads,  # noqa: E402
+                    status_mb, write_json)
 
 ROWS = ("unsup:float32", "unsup:bfloat16", "sup:float32")
 OBJECTIVES = ("unsup", "sup")
@@ -114,23 +114,9 @@ def jaxsim_step(objective: str, dtype: str, arrays: dict, **config):
 def memory_child(objective: str, dtype: str, folder: Path) -> None:
     """Runs a few jaxsim steps on saved arrays and prints the process's memory figures."""
     arrays = dict(np.load(folder / f"{objective}.npz"))
-    baseline = _status_mb("VmRSS")
-    run = jaxsim_step(objective, dtype, arrays)
-    for _ in range(3):
-        run()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: kilobytes
-    print("RSS " + json.dumps({"peak_rss_mb": round(peak, 1),
-                               "peak_vmhwm_mb": round(_status_mb("VmHWM"), 1),
-                               "after_imports_rss_mb": round(baseline, 1),
-                               "step_rss_mb": round(peak - baseline, 1)}), flush=True)
+    baseline = status_mb("VmRSS")
+    print_peak_memory(jaxsim_step(objective, dtype, arrays), 3, baseline)
 
-
-def _status_mb(field: str) -> float:
-    """VmRSS (now) or VmHWM (peak) of this process, from /proc/self/status."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024.0
-    return float("nan")
 
 
 def main():
