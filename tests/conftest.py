@@ -10,6 +10,7 @@ import pytest
 
 import jaxsim
 from jaxsim import bundled_model_path
+from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.io.checkpoint import CheckpointOptions, Checkpointer
 from jaxsim.io.workdir import write_model
 from jaxsim.models.bert import BertConfig
@@ -102,3 +103,16 @@ def write_tiny_workdir(folder, tokenizer, pooler: str = "cls", mlp_only_train: b
             ckpt.save(step, state, metrics={"stsb_dev": metric})
             saved[step] = jax.tree.map(np.asarray, params)
     return saved
+
+
+def write_run_data(root, corpus_source: str, corpus_lines: int, stsb_pairs: int):
+    """A small training corpus (`root/corpus.txt`, the first lines of a shipped SNLI file) and a
+    truncated STS-B (`root/senteval/STS/STSBenchmark`, dev and test) for end-to-end runs."""
+    lines = (SENTEVAL_ROOT / "SNLI" / corpus_source).read_text().splitlines()[:corpus_lines]
+    (root / "corpus.txt").write_text("\n".join(lines) + "\n")
+    stsb = root / "senteval" / "STS" / "STSBenchmark"
+    stsb.mkdir(parents=True)
+    for split in ("dev", "test"):
+        src = SENTEVAL_ROOT / "STS" / "STSBenchmark" / f"sts-{split}.csv"
+        (stsb / src.name).write_text("\n".join(src.read_text().splitlines()[:stsb_pairs]) + "\n")
+    return root

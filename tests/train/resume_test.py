@@ -23,7 +23,7 @@ import pytest
 
 import jaxsim
 from jaxsim.io.checkpoint import Checkpointer
-from jaxsim.paths import SENTEVAL_ROOT
+from tests.conftest import write_run_data
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 20  # 120 sentences / 16 = 7 batches an epoch: the run crosses two epoch boundaries
@@ -88,14 +88,7 @@ sys.exit(train.main(sys.argv[5:]))
 
 @pytest.fixture(scope='module')
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp('resume')
-    lines = (SENTEVAL_ROOT / 'SNLI' / 's2.dev').read_text().splitlines()[:120]
-    (root / 'corpus.txt').write_text('\n'.join(lines) + '\n')
-    stsb = root / 'senteval' / 'STS' / 'STSBenchmark'
-    stsb.mkdir(parents=True)
-    for split in ('dev', 'test'):
-        src = SENTEVAL_ROOT / 'STS' / 'STSBenchmark' / f'sts-{split}.csv'
-        (stsb / src.name).write_text('\n'.join(src.read_text().splitlines()[:32]) + '\n')
+    root = write_run_data(tmp_path_factory.mktemp('resume'), 's2.dev', 120, 32)
     (root / 'cache').mkdir()
     return root
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import train
-from jaxsim.paths import SENTEVAL_ROOT
+from tests.conftest import write_run_data
 from jaxsim.train import records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,15 +18,7 @@ TINY = str(REPO / 'configs' / 'tiny_unsup_simcse.py')
 @pytest.fixture(scope='module')
 def data(tmp_path_factory):
     """A corpus and a 40-pair STS-B."""
-    root = tmp_path_factory.mktemp('cli')
-    lines = (SENTEVAL_ROOT / 'SNLI' / 's1.dev').read_text().splitlines()[:64]
-    (root / 'corpus.txt').write_text('\n'.join(lines) + '\n')
-    stsb = root / 'senteval' / 'STS' / 'STSBenchmark'
-    stsb.mkdir(parents=True)
-    for split in ('dev', 'test'):
-        src = SENTEVAL_ROOT / 'STS' / 'STSBenchmark' / f'sts-{split}.csv'
-        (stsb / src.name).write_text('\n'.join(src.read_text().splitlines()[:40]) + '\n')
-    return root
+    return write_run_data(tmp_path_factory.mktemp('cli'), 's1.dev', 64, 40)
 
 
 # train.py as in the JAX-only install, where transformers finds no PyTorch and would say so.
