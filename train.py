@@ -26,8 +26,9 @@ from absl import logging as absl_logging  # noqa: E402
 
 from jaxsim import distributed, runtime  # noqa: E402
 from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS  # noqa: E402
-from jaxsim.train.config import (TrainConfig, apply_overrides, load_config_file,  # noqa: E402
-                                 parse_key_list)
+from jaxsim.train.config import TrainConfig  # noqa: E402
+from jaxsim.train.config_files import apply_overrides, load_config_file  # noqa: E402
+from jaxsim.train.fingerprint import parse_key_list  # noqa: E402
 from jaxsim.train.loop import format_seed_summary, run_seeds, train_and_evaluate  # noqa: E402
 from jaxsim.train.records import DERIVED_KEYS  # noqa: E402
 from jaxsim.train.signals import Interrupted  # noqa: E402

@@ -1,20 +1,18 @@
-"""The train config: a frozen, validated dataclass; config files and `key=value` overrides.
+"""The train config: a frozen, validated dataclass and its field defaults.
 
 Imports no JAX, so configs can be read, checked and compared without starting a backend.
-Config files (configs/*.py) import only ml_collections: their `get_config()` returns the
-fields they set, merged here over `base_config()` (every field at its default).
+Config files and `key=value` overrides are read in config_files.py; what makes two configs
+the same run is in fingerprint.py.
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import hashlib
-import importlib.util
 import json
 import math
+import types
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping
 
 import ml_collections
 
@@ -23,11 +21,6 @@ from jaxsim.paths import SENTEVAL_ROOT
 
 DATA_FORMATS = ('text', 'csv', 'snli', 'senteval_corpus', 'tfds')
 PRNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
-# Settings that change how a run is executed or logged, not what it computes: a rerun in the
-# same workdir may change them freely (e.g. resume an 8-device run on 4 devices).
-OPERATIONAL_KEYS = frozenset({
-    'mesh_data', 'mesh_fsdp', 'mesh_tensor', 'log_every', 'checkpoint', 'checkpoint_every',
-    'keep_checkpoints', 'eval_batch_size', 'fast_compile'})
 
 
 class ConfigError(JaxsimError):
@@ -154,7 +147,7 @@ class TrainConfig:
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            _check_type(f.name, getattr(self, f.name), _DEFAULTS[f.name])
+            _check_type(f.name, getattr(self, f.name), DEFAULTS[f.name])
         choices = {'data_format': DATA_FORMATS, 'dtype': ('float32', 'bfloat16'),
                    'last_batch': ('drop', 'keep'), 'optimizer': ('adamw', 'sgd'),
                    'grad_reduction': ('global_mean', 'replica_mean'),
@@ -206,7 +199,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = 'train config') -> 'TrainConfig':
         """Builds from a dict / ConfigDict; an unknown key is an error with a suggestion."""
-        d = _plain(d)
+        d = to_plain(d)
         check_keys(d, source)
         for name in ('snli_splits', 'tfds_fields'):
             if isinstance(d.get(name), list):
@@ -215,7 +208,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (tuples as lists)."""
-        return json.loads(json.dumps(_plain(dataclasses.asdict(self))))
+        return json.loads(json.dumps(to_plain(dataclasses.asdict(self))))
 
     def replace(self, **changes) -> 'TrainConfig':
         return dataclasses.replace(self, **changes)
@@ -229,8 +222,10 @@ class TrainConfig:
         return str(root / 'SNLI' if self.data_format == 'snli' else root)
 
 
-_DEFAULTS = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-             for f in dataclasses.fields(TrainConfig)}
+# Every field's default, by name (read-only).
+DEFAULTS: Mapping[str, Any] = types.MappingProxyType(
+    {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+     for f in dataclasses.fields(TrainConfig)})
 
 
 def _bad(message: str):
@@ -250,168 +245,30 @@ def _check_type(name: str, value: Any, default: Any) -> None:
         _bad(f'{name} must be {what}, got {value!r}')
 
 
-def _plain(d: Any) -> Any:
+def to_plain(d: Any) -> Any:
     """ConfigDicts / mappings / tuples -> plain dicts and lists, recursively."""
     if hasattr(d, 'to_dict'):
         d = d.to_dict()
     if isinstance(d, Mapping):
-        return {str(k): _plain(v) for k, v in d.items()}
+        return {str(k): to_plain(v) for k, v in d.items()}
     if isinstance(d, (list, tuple)):
-        return [_plain(v) for v in d]
+        return [to_plain(v) for v in d]
     return d
 
 
 def check_keys(d: Mapping[str, Any], source: str = 'train config') -> None:
     """Raises ConfigError for the first unknown key, suggesting the closest known one."""
     for key in d:
-        if key not in _DEFAULTS:
+        if key not in DEFAULTS:
             raise ConfigError(f'{source}: {unknown_key_message(key)}')
 
 
 def unknown_key_message(key: str) -> str:
-    close = difflib.get_close_matches(key, list(_DEFAULTS), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(key, list(DEFAULTS), n=1, cutoff=0.6)
     hint = f" (did you mean '{close[0]}'?)" if close else ''
     return f"unknown config key '{key}'{hint}"
 
 
 def base_config() -> ml_collections.ConfigDict:
     """Every TrainConfig field at its default, as a ConfigDict."""
-    return ml_collections.ConfigDict(_plain(_DEFAULTS))
-
-
-# ---------------------------------------------------------------------------------------------
-# Config files and command-line overrides.
-# ---------------------------------------------------------------------------------------------
-
-def load_config_file(spec: str) -> dict[str, Any]:
-    """Loads `path.py` or `path.py:arg` (calling `get_config()` / `get_config(arg)`).
-
-    Returns:
-      The file's fields merged over the defaults, as a plain dict (not yet validated as a
-      whole: overrides may still follow).
-    """
-    path_text, _, arg = spec.partition(':') if not Path(spec).is_file() else (spec, '', '')
-    path = Path(path_text)
-    if not path.is_file():
-        raise ConfigError(f'{path}: no such config file')
-    module_spec = importlib.util.spec_from_file_location(f'_jaxsim_config_{path.stem}', path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise ConfigError(f'{path}:{e.lineno}: syntax error: {e.msg}') from None
-    if not hasattr(module, 'get_config'):
-        raise ConfigError(f'{path}: defines no get_config()')
-    fields = module.get_config(arg) if arg else module.get_config()
-    if not isinstance(fields, Mapping) and not hasattr(fields, 'to_dict'):
-        raise ConfigError(f'{path}: get_config() must return a ConfigDict or dict, '
-                          f'got {type(fields).__name__}')
-    fields = _plain(fields)
-    check_keys(fields, str(path))
-    merged = _plain(_DEFAULTS)
-    merged.update(fields)
-    return merged
-
-
-def _parse(text: str, like: Any, key: str) -> Any:
-    """Parses an override value by the type of the field's default."""
-    if isinstance(like, bool):
-        low = text.strip().lower()
-        if low in ('true', '1', 'yes'):
-            return True
-        if low in ('false', '0', 'no'):
-            return False
-        raise ConfigError(f'--config.{key}={text}: expected true or false')
-    if isinstance(like, int):
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f'--config.{key}={text}: expected an integer') from None
-    if isinstance(like, float):
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(f'--config.{key}={text}: expected a number') from None
-    if isinstance(like, (list, tuple)):
-        if text.strip().startswith('['):
-            value = _literal(text, key)
-            if not isinstance(value, list):
-                raise ConfigError(f'--config.{key}={text}: expected a list')
-            return value
-        return [s.strip() for s in text.split(',') if s.strip()]
-    if isinstance(like, dict):
-        value = _literal(text, key)
-        if not isinstance(value, dict):
-            raise ConfigError(f'--config.{key}={text}: expected a dict')
-        return value
-    if like is None:  # an entry of a dict field: a Python literal, else a string
-        try:
-            return ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            return text
-    return text
-
-
-def _literal(text: str, key: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        raise ConfigError(f'--config.{key}={text}: not a valid literal') from None
-
-
-def apply_overrides(fields: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """Applies `key=value` / `dict_field.key=value` overrides (the text after `--config.`).
-
-    Raises:
-      ConfigError: an unknown key (with a suggestion) or a value of the wrong type.
-    """
-    out = _plain(fields)
-    for item in overrides:
-        key, sep, text = item.partition('=')
-        if not sep:
-            raise ConfigError(f'--config.{item}: expected --config.KEY=VALUE')
-        top, _, sub = key.partition('.')
-        if top not in _DEFAULTS:
-            raise ConfigError(unknown_key_message(top))
-        if sub:
-            if not isinstance(_DEFAULTS[top], dict):
-                raise ConfigError(f"--config.{key}: '{top}' is not a dict field")
-            current = dict(out.get(top) or {})
-            current[sub] = _parse(text, None, key)
-            out[top] = current
-        else:
-            out[top] = _parse(text, _DEFAULTS[top], key)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Fingerprints: what makes two configs "the same run".
-# ---------------------------------------------------------------------------------------------
-
-def run_defining(cfg: TrainConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """The fields that determine what a run computes (all but OPERATIONAL_KEYS)."""
-    d = cfg.to_dict() if isinstance(cfg, TrainConfig) else _plain(cfg)
-    return {k: v for k, v in sorted(d.items()) if k not in OPERATIONAL_KEYS}
-
-
-def fingerprint(values: Mapping[str, Any]) -> str:
-    """sha256 of the canonical JSON of `values`."""
-    text = json.dumps(_plain(values), sort_keys=True, separators=(',', ':'), allow_nan=False)
-    return 'sha256:' + hashlib.sha256(text.encode()).hexdigest()
-
-
-def differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Keys whose values differ (a key missing on one side counts as a difference)."""
-    old, new = _plain(old), _plain(new)
-    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k)}
-
-
-def parse_key_list(text: str | Sequence[str], extra: Sequence[str] = ()) -> tuple[str, ...]:
-    """'a,b' -> ('a', 'b'), every name a config key (or one of `extra`)."""
-    items = text.split(',') if isinstance(text, str) else list(text)
-    keys = tuple(k.strip() for k in items if k.strip())
-    for key in keys:
-        if key not in _DEFAULTS and key not in extra:
-            raise ConfigError(unknown_key_message(key))
-    return keys
+    return ml_collections.ConfigDict(to_plain(DEFAULTS))

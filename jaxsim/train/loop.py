@@ -33,8 +33,9 @@ from jaxsim.models.encoder import init_params
 from jaxsim.objectives import check_kwargs, get_objective
 from jaxsim.objectives.mlm import MlmSettings
 from jaxsim.train import build, records
-from jaxsim.train.config import TrainConfig, parse_key_list
+from jaxsim.train.config import TrainConfig
 from jaxsim.train.evaluate import DEV_METRIC, optional_evaluator
+from jaxsim.train.fingerprint import parse_key_list
 from jaxsim.train.optim import make_optimizer, make_schedule
 from jaxsim.train.records import TrainResult
 from jaxsim.train.signals import Interrupted, deferred_signals

@@ -21,8 +21,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 from jaxsim.errors import JaxsimError
 from jaxsim.io.checkpoint import CHECKPOINT_DIR
 from jaxsim.io.workdir import CONFIG_FILE
-from jaxsim.train.config import (OPERATIONAL_KEYS, TrainConfig, base_config, differences,
-                                 fingerprint, run_defining)
+from jaxsim.train.config import TrainConfig, base_config
+from jaxsim.train.fingerprint import OPERATIONAL_KEYS, differences, fingerprint, run_defining
 
 METRICS_FILE = 'metrics.jsonl'
 RESULT_FILE = 'result.json'

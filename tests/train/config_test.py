@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from jaxsim.data.batching import BatchIterator
-from jaxsim.train import config as config_lib
-from jaxsim.train.config import ConfigError, TrainConfig
+from jaxsim.train.config import ConfigError, TrainConfig, base_config
+from jaxsim.train.config_files import apply_overrides, load_config_file
+from jaxsim.train.fingerprint import differences, fingerprint, parse_key_list, run_defining
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p for p in (REPO / 'configs').glob('*.py') if not p.name.startswith('flow_'))
@@ -25,16 +26,17 @@ def _imports(path):
     return names
 
 
-def test_config_module_and_config_files_import_no_jax():
-    assert not _imports(REPO / 'jaxsim' / 'train' / 'config.py') & {'jax', 'flax', 'optax',
-                                                                    'orbax'}
+def test_config_modules_and_config_files_import_no_jax():
+    for name in ('config.py', 'config_files.py', 'fingerprint.py'):
+        imported = _imports(REPO / 'jaxsim' / 'train' / name)
+        assert not imported & {'jax', 'jaxlib', 'flax', 'optax', 'orbax'}, name
     for path in CONFIGS:
         assert _imports(path) <= {'ml_collections'}, path.name
 
 
 @pytest.mark.parametrize('path', CONFIGS, ids=lambda p: p.stem)
 def test_every_config_file_gives_a_valid_train_config(path):
-    fields = config_lib.load_config_file(str(path))
+    fields = load_config_file(str(path))
     if not fields['train_file'] and fields['data_format'] in ('text', 'csv'):
         fields['train_file'] = 'corpus.txt'
     cfg = TrainConfig.from_dict(fields)
@@ -44,7 +46,7 @@ def test_every_config_file_gives_a_valid_train_config(path):
 def test_unknown_keys_are_one_line_with_a_suggestion(tmp_path):
     with pytest.raises(ConfigError, match=r"^unknown config key 'learnign_rate' \(did you mean "
                                           r"'learning_rate'\?\)$"):
-        config_lib.apply_overrides(config_lib.base_config(), ['learnign_rate=1'])
+        apply_overrides(base_config(), ['learnign_rate=1'])
     with pytest.raises(ConfigError, match=r"train config: unknown config key 'zzz'$"):
         TrainConfig.from_dict({'zzz': 1})
     bad = tmp_path / 'cfg.py'
@@ -52,17 +54,17 @@ def test_unknown_keys_are_one_line_with_a_suggestion(tmp_path):
                    '    return ml_collections.ConfigDict({"batchsize": 8})\n')
     with pytest.raises(ConfigError, match=r"cfg.py: unknown config key 'batchsize' \(did you "
                                           r"mean 'batch_size'\?\)"):
-        config_lib.load_config_file(str(bad))
+        load_config_file(str(bad))
     bad.write_text('def get_config(:\n')
     with pytest.raises(ConfigError, match=r'cfg.py:1: syntax error'):
-        config_lib.load_config_file(str(bad))
+        load_config_file(str(bad))
     with pytest.raises(ConfigError, match='nope.py: no such config file'):
-        config_lib.load_config_file(str(tmp_path / 'nope.py'))
+        load_config_file(str(tmp_path / 'nope.py'))
 
 
 def test_overrides_parse_by_field_type():
-    base = config_lib.base_config()
-    out = config_lib.apply_overrides(base, [
+    base = base_config()
+    out = apply_overrides(base, [
         'batch_size=32', 'learning_rate=1e-4', 'eval_at_start=false', 'pooler=avg',
         'snli_splits=dev', 'model_overrides.hidden_size=48', 'objective_kwargs.temp=0.1',
         'objective_kwargs.name=abc', 'tfds_fields=[\'a\', \'b\']'])
@@ -77,7 +79,7 @@ def test_overrides_parse_by_field_type():
                           ('pooler.x=1', "'pooler' is not a dict field"),
                           ('batch_size', 'expected --config.KEY=VALUE')]:
         with pytest.raises(ConfigError, match=message):
-            config_lib.apply_overrides(base, [item])
+            apply_overrides(base, [item])
 
 
 @pytest.mark.parametrize('change, message', [
@@ -107,15 +109,15 @@ def test_snli_and_senteval_corpus_default_to_the_senteval_root():
 
 def test_fingerprint_ignores_operational_keys_only():
     a = TrainConfig(train_file='x')
-    same = config_lib.run_defining(a.replace(mesh_data=2, log_every=3, eval_batch_size=8))
-    assert config_lib.fingerprint(config_lib.run_defining(a)) == config_lib.fingerprint(same)
-    other = config_lib.run_defining(a.replace(learning_rate=1e-4))
-    assert config_lib.fingerprint(config_lib.run_defining(a)) != config_lib.fingerprint(other)
-    assert config_lib.differences(config_lib.run_defining(a), other) == {
+    same = run_defining(a.replace(mesh_data=2, log_every=3, eval_batch_size=8))
+    assert fingerprint(run_defining(a)) == fingerprint(same)
+    other = run_defining(a.replace(learning_rate=1e-4))
+    assert fingerprint(run_defining(a)) != fingerprint(other)
+    assert differences(run_defining(a), other) == {
         'learning_rate': (3e-5, 1e-4)}
-    assert config_lib.parse_key_list('max_steps, num_epochs') == ('max_steps', 'num_epochs')
+    assert parse_key_list('max_steps, num_epochs') == ('max_steps', 'num_epochs')
     with pytest.raises(ConfigError, match="unknown config key 'max_step'"):
-        config_lib.parse_key_list('max_step')
+        parse_key_list('max_step')
 
 
 def _reference_schedule(cfg, examples):
@@ -131,7 +133,7 @@ def _reference_schedule(cfg, examples):
 
 
 def test_paper_configs_count_steps_and_evaluations_as_the_reference():
-    sup = TrainConfig.from_dict(config_lib.load_config_file(str(REPO / 'configs' /
+    sup = TrainConfig.from_dict(load_config_file(str(REPO / 'configs' /
                                                                 'sup_simcse_bert_base.py')))
     # nli_for_simcse.csv: 275,601 triplets; 538 full batches of 512 + one of 145 (-> 144 on
     # 8 batch shards).
@@ -141,7 +143,7 @@ def test_paper_configs_count_steps_and_evaluations_as_the_reference():
     assert (sup.grad_reduction, sup.grad_replicas, sup.batch_size) == ('replica_mean', 4, 512)
     assert (sup.learning_rate, sup.max_len, sup.pooler, sup.mlp_only_train) == (
         5e-5, 32, 'cls', False)
-    unsup = TrainConfig.from_dict(config_lib.load_config_file(str(REPO / 'configs' /
+    unsup = TrainConfig.from_dict(load_config_file(str(REPO / 'configs' /
                                                                   'unsup_simcse_bert_base.py')))
     per_epoch, total, evals = _reference_schedule(unsup, 1_000_000)  # wiki1m: 15,625 x 64
     assert (per_epoch, total, evals[0], evals[-1]) == (15625, 15625, 125, 15625)

@@ -37,7 +37,8 @@ from jaxsim.objectives import check_kwargs, get_objective
 from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.sharding import make_mesh
 from jaxsim.train import build
-from jaxsim.train.config import TrainConfig, load_config_file
+from jaxsim.train.config import TrainConfig
+from jaxsim.train.config_files import load_config_file
 from jaxsim.train.optim import decay_mask, make_optimizer, make_schedule
 from jaxsim.train.state import create_state
 from jaxsim.train.step import configure_jax, make_loss_fn, make_train_step

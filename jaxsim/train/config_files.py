@@ -1,0 +1,115 @@
+"""Config files (`path.py` or `path.py:arg`) and `key=value` overrides, as plain dicts of fields.
+
+Config files (configs/*.py) import only ml_collections: their `get_config()` returns the fields
+they set, merged here over every field's default. Overrides are the text after `--config.` on
+the command line, parsed by the type of the field's default. The result is validated as a whole
+by `TrainConfig.from_dict`. Imports no JAX.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from jaxsim.train.config import DEFAULTS, ConfigError, check_keys, to_plain, unknown_key_message
+
+def load_config_file(spec: str) -> dict[str, Any]:
+    """Loads `path.py` or `path.py:arg` (calling `get_config()` / `get_config(arg)`).
+
+    Returns:
+      The file's fields merged over the defaults, as a plain dict (not yet validated as a
+      whole: overrides may still follow).
+    """
+    path_text, _, arg = spec.partition(':') if not Path(spec).is_file() else (spec, '', '')
+    path = Path(path_text)
+    if not path.is_file():
+        raise ConfigError(f'{path}: no such config file')
+    module_spec = importlib.util.spec_from_file_location(f'_jaxsim_config_{path.stem}', path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f'{path}:{e.lineno}: syntax error: {e.msg}') from None
+    if not hasattr(module, 'get_config'):
+        raise ConfigError(f'{path}: defines no get_config()')
+    fields = module.get_config(arg) if arg else module.get_config()
+    if not isinstance(fields, Mapping) and not hasattr(fields, 'to_dict'):
+        raise ConfigError(f'{path}: get_config() must return a ConfigDict or dict, '
+                          f'got {type(fields).__name__}')
+    fields = to_plain(fields)
+    check_keys(fields, str(path))
+    merged = to_plain(DEFAULTS)
+    merged.update(fields)
+    return merged
+
+
+def _parse(text: str, like: Any, key: str) -> Any:
+    """Parses an override value by the type of the field's default."""
+    if isinstance(like, bool):
+        low = text.strip().lower()
+        if low in ('true', '1', 'yes'):
+            return True
+        if low in ('false', '0', 'no'):
+            return False
+        raise ConfigError(f'--config.{key}={text}: expected true or false')
+    if isinstance(like, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f'--config.{key}={text}: expected an integer') from None
+    if isinstance(like, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f'--config.{key}={text}: expected a number') from None
+    if isinstance(like, (list, tuple)):
+        if text.strip().startswith('['):
+            value = _literal(text, key)
+            if not isinstance(value, list):
+                raise ConfigError(f'--config.{key}={text}: expected a list')
+            return value
+        return [s.strip() for s in text.split(',') if s.strip()]
+    if isinstance(like, dict):
+        value = _literal(text, key)
+        if not isinstance(value, dict):
+            raise ConfigError(f'--config.{key}={text}: expected a dict')
+        return value
+    if like is None:  # an entry of a dict field: a Python literal, else a string
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+    return text
+
+
+def _literal(text: str, key: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f'--config.{key}={text}: not a valid literal') from None
+
+
+def apply_overrides(fields: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Applies `key=value` / `dict_field.key=value` overrides (the text after `--config.`).
+
+    Raises:
+      ConfigError: an unknown key (with a suggestion) or a value of the wrong type.
+    """
+    out = to_plain(fields)
+    for item in overrides:
+        key, sep, text = item.partition('=')
+        if not sep:
+            raise ConfigError(f'--config.{item}: expected --config.KEY=VALUE')
+        top, _, sub = key.partition('.')
+        if top not in DEFAULTS:
+            raise ConfigError(unknown_key_message(top))
+        if sub:
+            if not isinstance(DEFAULTS[top], dict):
+                raise ConfigError(f"--config.{key}: '{top}' is not a dict field")
+            current = dict(out.get(top) or {})
+            current[sub] = _parse(text, None, key)
+            out[top] = current
+        else:
+            out[top] = _parse(text, DEFAULTS[top], key)
+    return out
