@@ -8,7 +8,7 @@ is used exactly as it was trained. Parameter tree:
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -92,7 +92,13 @@ def check_params(encoder: SentenceEncoder, params: Mapping, source: str) -> None
 
     A pooler with parameters (e.g. 'cls') on a model that has none is reported as such.
     """
-    expected = traverse_util.flatten_dict(dict(param_shapes(encoder)), sep="/")
+    _check_shapes(encoder, param_shapes(encoder), params, source)
+
+
+def _check_shapes(encoder: SentenceEncoder, shapes: Mapping, params: Mapping,
+                  source: str) -> None:
+    """check_params against `shapes`, the encoder's param_shapes (already computed)."""
+    expected = traverse_util.flatten_dict(dict(shapes), sep="/")
     got = traverse_util.flatten_dict(dict(params), sep="/")
     missing = [k for k in expected if k not in got]
     if missing and all(k.startswith("pooler/") for k in missing) and not any(
@@ -113,10 +119,34 @@ def check_params(encoder: SentenceEncoder, params: Mapping, source: str) -> None
                           + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else ""))
 
 
-def _put_like(value, like: jax.Array) -> jax.Array:
-    """Places a host array (held in full by every process) with `like`'s sharding."""
-    host = np.asarray(value, np.float32)
-    return jax.make_array_from_callback(host.shape, like.sharding, lambda idx: host[idx])
+def init_fn(encoder: SentenceEncoder, skip: Sequence[str] = ()) -> Callable[[jax.Array], dict]:
+    """key -> the encoder's random initial parameters, without the top-level subtrees in `skip`.
+
+    The values are those of the full `encoder.init` for the same key (each module draws from its
+    own folded key). Under jit, a skipped subtree is not computed at all: it is not an output, so
+    XLA drops its initializers (and the forward pass `init` runs).
+    """
+    ids = jnp.zeros((1, 2), jnp.int32)
+
+    def init(key: jax.Array) -> dict:
+        params = encoder.init(key, ids, ids)["params"]
+        return {name: tree for name, tree in params.items() if name not in skip}
+
+    return init
+
+
+def _place(values: Mapping, shardings: Optional[Mapping]) -> dict:
+    """Places host arrays (held in full by every process) with `shardings` (None: default
+    device), as float32."""
+    flat = traverse_util.flatten_dict(dict(values))
+    where = traverse_util.flatten_dict(dict(shardings)) if shardings is not None else {}
+    placed = {}
+    for path, value in flat.items():
+        host = np.asarray(value, np.float32)
+        placed[path] = (jax.device_put(host) if shardings is None else
+                        jax.make_array_from_callback(host.shape, where[path],
+                                                     lambda idx, host=host: host[idx]))
+    return traverse_util.unflatten_dict(placed)
 
 
 def init_params(encoder: SentenceEncoder, key: jax.Array, shardings: Optional[Any] = None,
@@ -124,28 +154,36 @@ def init_params(encoder: SentenceEncoder, key: jax.Array, shardings: Optional[An
                 mlm_params: Optional[Mapping] = None) -> dict:
     """Initial parameters, created where they live by each module's own initializers.
 
+    Only the subtrees not supplied are drawn; their values do not depend on what is supplied.
+
     Args:
       encoder: the module.
       key: PRNG key of the 'init' use.
       shardings: a tree of NamedShardings matching the param tree (None: default device).
-      bert_params: pretrained encoder weights replacing the random 'bert' subtree (the pooler
-        keeps its fresh initialization, as SimCSE starts its MLP head from scratch).
+      bert_params: pretrained encoder weights for the 'bert' subtree (the pooler keeps its
+        fresh initialization, as SimCSE starts its MLP head from scratch).
+      mlm_params: pretrained masked-LM head for the 'mlm_head' subtree (ignored without `mlm`).
 
     Returns:
       The param tree of jax.Arrays.
+
+    Raises:
+      PoolerError: supplied weights that do not fit the model.
     """
-    ids = jnp.zeros((1, 2), jnp.int32)
-
-    def init(k):
-        return encoder.init(k, ids, ids)["params"]
-
-    params = jax.jit(init, out_shardings=shardings)(key)
+    shapes = param_shapes(encoder)
+    supplied = {}
     if bert_params is not None:
-        params = dict(params)
-        target = params["bert"]
-        check_params(encoder, {**params, "bert": bert_params}, "pretrained encoder")
-        params["bert"] = jax.tree.map(_put_like, dict(bert_params), dict(target))
-    if mlm_params is not None and "mlm_head" in params:
-        params = dict(params)
-        params["mlm_head"] = jax.tree.map(_put_like, dict(mlm_params), dict(params["mlm_head"]))
-    return params
+        supplied["bert"] = bert_params
+    if mlm_params is not None and "mlm_head" in shapes:
+        supplied["mlm_head"] = mlm_params
+    if supplied:
+        _check_shapes(encoder, shapes, {**shapes, **supplied}, "pretrained encoder")
+    drawn = [name for name in shapes if name not in supplied]
+    params = {}
+    if drawn:
+        out_shardings = None if shardings is None else {name: shardings[name] for name in drawn}
+        params = jax.jit(init_fn(encoder, skip=tuple(supplied)),
+                         out_shardings=out_shardings)(key)
+    for name, values in supplied.items():
+        params[name] = _place(values, None if shardings is None else shardings[name])
+    return {name: params[name] for name in shapes}

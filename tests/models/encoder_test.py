@@ -7,9 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsim.models import encoder as encoder_lib
 from jaxsim.models.bert import BertConfig, BertModel
-from jaxsim.models.encoder import SentenceEncoder, check_params, init_params, param_shapes
+from jaxsim.models.encoder import (SentenceEncoder, check_params, init_fn, init_params,
+                                   param_shapes)
 from jaxsim.models.poolers import POOLERS, PoolerError, get_pooler, masked_mean, register_pooler
 from jaxsim.registry import RegistryError
 
@@ -101,6 +104,63 @@ def test_init_with_pretrained_bert_keeps_fresh_pooler():
     wrong = dict(pretrained, embeddings={})
     with pytest.raises(PoolerError, match="missing bert/embeddings"):
         init_params(encoder, jax.random.key(8), bert_params=wrong)
+
+
+def _flat(tree):
+    return traverse_util.flatten_dict(dict(tree), sep="/")
+
+
+def test_pretrained_init_draws_the_rest_as_the_full_init_does():
+    encoder = SentenceEncoder(TINY, pooler="cls", mlm=True)
+    key = jax.random.key(5)
+    ids = jnp.zeros((1, 2), jnp.int32)
+    # Every subtree drawn at once, as a random init of the whole module does.
+    full = jax.jit(lambda k: encoder.init(k, ids, ids)["params"])(key)
+    bert = jax.tree.map(lambda x: np.full(x.shape, 0.25, np.float32), full["bert"])
+    head = jax.tree.map(lambda x: np.full(x.shape, -0.5, np.float32), full["mlm_head"])
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    replicated = NamedSharding(mesh, P())
+    shardings = jax.tree.map(lambda _: replicated, param_shapes(encoder))
+    for supplied in ({"bert": bert}, {"bert": bert, "mlm_head": head}, {"mlm_head": head}):
+        params = init_params(encoder, key, shardings, bert_params=supplied.get("bert"),
+                             mlm_params=supplied.get("mlm_head"))
+        assert set(params) == {"bert", "pooler", "mlm_head"}
+        for name, tree in params.items():
+            expected = _flat(supplied.get(name, full[name]))
+            got = _flat(tree)
+            assert got.keys() == expected.keys()
+            for k, value in got.items():
+                np.testing.assert_array_equal(value, expected[k], err_msg=f"{name}/{k}")
+                assert value.dtype == np.float32 and value.sharding == replicated, k
+
+
+def test_supplied_subtrees_are_not_computed(monkeypatch):
+    encoder = SentenceEncoder(TINY, pooler="cls")
+    key = jax.random.key(0)
+    shapes = param_shapes(encoder)
+
+    def nbytes(tree):
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    assert set(jax.eval_shape(init_fn(encoder, skip=("bert",)), key)) == {"pooler"}
+    full = jax.jit(init_fn(encoder)).lower(key).compile().memory_analysis()
+    rest = jax.jit(init_fn(encoder, skip=("bert",))).lower(key).compile().memory_analysis()
+    assert full.output_size_in_bytes >= nbytes(shapes)
+    # Outputs and temporaries together hold less than half of what the skipped 'bert' would.
+    assert rest.output_size_in_bytes + rest.temp_size_in_bytes < nbytes(shapes["bert"]) / 2
+    # init_params draws through that function, skipping what is supplied.
+    skipped = []
+    monkeypatch.setattr(encoder_lib, "init_fn", lambda enc, skip=(): (
+        skipped.append(tuple(skip)), init_fn(enc, skip))[1])
+    bert = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), shapes["bert"])
+    assert set(init_params(encoder, key, bert_params=bert)) == {"bert", "pooler"}
+    assert skipped == [("bert",)]
+    # Nothing left to draw (an 'avg' pooler has no parameters): no random draw at all.
+    avg = SentenceEncoder(TINY, pooler="avg")
+    bert = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), param_shapes(avg)["bert"])
+    params = init_params(avg, key, bert_params=bert)
+    assert set(params) == {"bert"} and skipped == [("bert",)]
+    assert all(not np.any(np.asarray(v)) for v in jax.tree.leaves(params))
 
 
 def test_check_params_names_the_problem():
