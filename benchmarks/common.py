@@ -10,8 +10,32 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity; os.cpu_count() where there is none)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def set_threads(n: int) -> None:
-    """Same thread count for XLA:CPU and torch; call before either starts its pool."""
+    """Gives XLA:CPU and torch the same `n` cores; call before either starts its thread pool.
+
+    XLA:CPU (jaxlib 0.10) has no XLA_FLAGS entry for its intra-op pool: a bare
+    `intra_op_parallelism_threads=N` is not a flag (alone it aborts the process, after a flag it
+    is ignored) and `--xla_cpu_multi_thread_eigen=false` still leaves every core busy. The pool
+    is sized and run on the CPUs the process may use, so this pins the process (and, by
+    inheritance, its children) to the first `n` of them; torch and MKL are told `n` threads.
+    Idempotent: a child that calls it again with the same `n` changes nothing.
+    """
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    count = len(allowed) if allowed is not None else (os.cpu_count() or 1)
+    if not 1 <= n <= count:
+        raise SystemExit(f"error: --threads {n}: this process may use 1 to {count} CPUs")
+    if n < count:
+        if allowed is None:
+            raise SystemExit(f"error: --threads {n} needs os.sched_setaffinity (Linux) to keep "
+                             f"XLA:CPU to {n} of the {count} CPUs")
+        os.sched_setaffinity(0, allowed[:n])
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(n)
 
@@ -75,5 +99,6 @@ def write_json(path: Optional[Path], record: Mapping) -> None:
         return
     if "ratio" not in record:
         raise ValueError("a benchmark record needs a top-level 'ratio'")
-    record = {**record, "load_average_1min": load_average(), "cpu_count": os.cpu_count()}
+    record = {**record, "load_average_1min": load_average(), "cpu_count": os.cpu_count(),
+              "cpus_used": available_cpus()}
     Path(path).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")

@@ -10,12 +10,12 @@ pass over every length bucket) is measured apart. bf16 compute is reported as a 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alternating_rates, seconds, set_threads, write_json  # noqa: E402
+from common import (alternating_rates, available_cpus, seconds, set_threads,  # noqa: E402
+                    write_json)
 
 
 def stsb_test_sentences(root: Path) -> list[str]:
@@ -45,7 +45,8 @@ def long_texts(root: Path, tokenizer, count: int = 1024) -> list[str]:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=int, default=available_cpus(),
+                        help="cores for both sides (the process is pinned to them)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--data", type=Path, default=None, help="SentEval root")

@@ -44,8 +44,8 @@ from jaxsim.train.config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch_reference  # noqa: E402
-from common import (alternating_rates, print_peak_memory, seconds, set_threads,  # noqa: E402
-                    status_mb, write_json)
+from common import (alternating_rates, available_cpus, load_average,  # noqa: E402
+                    print_peak_memory, seconds, set_threads, status_mb, write_json)
 
 ROWS = ("unsup:float32", "unsup:bfloat16", "sup:float32")
 OBJECTIVES = ("unsup", "sup")
@@ -125,7 +125,8 @@ def main():
                         help=f"comma-separated objective:dtype rows (default {','.join(ROWS)})")
     parser.add_argument("--batch", type=int, default=64, help="examples per step")
     parser.add_argument("--max-len", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=int, default=available_cpus(),
+                        help="cores for both sides (the process is pinned to them)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per timed repeat")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
@@ -134,13 +135,14 @@ def main():
     args = parser.parse_args()
     rows = parse_rows(args.rows)
     set_threads(args.threads)  # before JAX's backend and torch's pool start
-    if args.threads != os.cpu_count():  # XLA:CPU's pool, like torch.set_num_threads
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" intra_op_parallelism_threads={args.threads}").strip()
     if args.rss_child:
         (objective, dtype), folder = args.rss_child[0].split(":"), Path(args.rss_child[1])
         memory_child(objective, dtype, folder)
         return
+    load = load_average()
+    print(f"threads {args.threads} (this process may use {available_cpus()} CPUs), batch "
+          f"{args.batch}, max_len {args.max_len}, 1-min load average before the run "
+          f"{'n/a' if load is None else f'{load:.2f}'}", flush=True)
     memory = {} if args.no_rss else measure_memory(rows, args)
 
     import torch

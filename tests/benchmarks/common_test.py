@@ -1,0 +1,58 @@
+"""benchmarks/common.set_threads: both sides get the same cores, XLA_FLAGS stays valid."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402
+
+# Pins itself twice, then a child (inheriting the pin) pins again and runs a jitted matmul.
+_SCRIPT = """
+import json, os, subprocess, sys
+sys.path.insert(0, {bench!r})
+from common import set_threads
+set_threads(1)
+set_threads(1)
+if len(sys.argv) > 1:
+    import jax, jax.numpy as jnp
+    x = jnp.ones((64, 64), jnp.float32)
+    value = float(jax.jit(lambda a: (a @ a).sum())(x))
+    print(json.dumps({{"cpus": sorted(os.sched_getaffinity(0)), "value": value,
+                      "omp": os.environ["OMP_NUM_THREADS"],
+                      "xla_flags": os.environ.get("XLA_FLAGS")}}))
+else:
+    out = subprocess.run([sys.executable, __file__, "child"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    print(json.dumps({{"parent_cpus": sorted(os.sched_getaffinity(0)),
+                      "child": json.loads(out.stdout.splitlines()[-1])}}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
+def test_set_threads_pins_once_and_children_keep_it(tmp_path):
+    script = tmp_path / "pin.py"
+    script.write_text(_SCRIPT.format(bench=str(ROOT / "benchmarks")))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_multi_thread_eigen=true")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.splitlines()[-1])
+    first = min(os.sched_getaffinity(0))
+    assert record["parent_cpus"] == [first]
+    child = record["child"]
+    assert child["cpus"] == [first] and child["omp"] == "1"
+    assert child["xla_flags"] == "--xla_cpu_multi_thread_eigen=true"  # untouched
+    assert child["value"] == 64.0 * 64 * 64
+
+
+def test_set_threads_refuses_counts_outside_the_usable_cpus():
+    for n in (0, common.available_cpus() + 1):
+        with pytest.raises(SystemExit, match=f"--threads {n}: this process may use 1 to"):
+            common.set_threads(n)
