@@ -21,6 +21,7 @@ from flax import traverse_util
 from jax.sharding import Mesh
 
 from jaxsim.calibrate.base import CALIBRATIONS, Calibration, CalibrationError, check_dim
+from jaxsim import compile_options
 from jaxsim.flows.config import FlowConfig, FlowError, load_config_file
 from jaxsim.flows.models import make_flow
 from jaxsim.flows.prior import nats_to_bits_per_dim, nll_nats
@@ -55,8 +56,12 @@ def resolve_config(config: Union[None, str, pathlib.Path, FlowConfig]) -> FlowCo
 @functools.lru_cache(maxsize=16)
 def _jitted(config: FlowConfig, dim: int):
     model = make_flow(config, dim)
-    forward = jax.jit(lambda p, x: model.apply({'params': p}, x, method='forward'))
-    inverse = jax.jit(lambda p, z: model.apply({'params': p}, z, method='inverse'))
+    # A flow is applied to a few thousand rows: compile time matters more than peak speed.
+    options = compile_options.for_effort(jax.local_devices()[:1], 'light')
+    forward = jax.jit(lambda p, x: model.apply({'params': p}, x, method='forward'),
+                      compiler_options=options)
+    inverse = jax.jit(lambda p, z: model.apply({'params': p}, z, method='inverse'),
+                      compiler_options=options)
     return model, forward, inverse
 
 

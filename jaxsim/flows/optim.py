@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import traverse_util
 
@@ -74,8 +75,9 @@ def make_optimizer(config: FlowConfig, mask: Any = None) -> optax.GradientTransf
     if config.weight_decay > 0:
         exclude = config.weight_decay_exclude
         if mask is not None:  # elementwise rate: decay * 1 where it applies, * 0 elsewhere
+            # NumPy, not jnp: building the optimizer must not run (and compile) device ops.
             parts.append(optax.add_decayed_weights(
-                config.weight_decay * jnp.asarray(mask, jnp.float32)))
+                config.weight_decay * np.asarray(mask, np.float32)))
         else:
             parts.append(optax.add_decayed_weights(
                 config.weight_decay, mask=lambda p: decay_mask(p, exclude)))

@@ -1,7 +1,8 @@
 """Maximum-likelihood fitting of a flow on embeddings, with the batch sharded over a mesh.
 
-Steps run inside a jitted `lax.scan` over fixed-size chunks of batches (steps past the end of
-an epoch are masked out), so one compilation serves every dataset size. The global batch is
+One jitted optimizer step serves every dataset size; steps are dispatched asynchronously and
+their NLLs fetched only at evaluations. A cold fit is mostly XLA compilation, so the training
+program compiles on a second thread while the init compiles and runs. The global batch is
 split over the mesh's data axes (`jaxsim.sharding.batch_sharding`); params and optimizer state
 are replicated, and the mean over the global batch makes the fit equal to the 1-device fit up
 to float32 rounding. Everything random (held-out split, init rows, params, per-epoch shuffles,
@@ -9,6 +10,7 @@ dropout-noise keys) derives from one explicit PRNG key.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -21,12 +23,12 @@ import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxsim import sharding
+from jaxsim import compile_options
 from jaxsim.flows.config import FlowConfig, FlowError
 from jaxsim.flows.models import make_flow
 from jaxsim.flows.optim import decay_mask, make_optimizer
 from jaxsim.flows.prior import nats_to_bits_per_dim, nll_nats
 
-CHUNK_STEPS = 16  # optimizer steps per jitted call
 _EVAL_ROWS = 512  # held-out rows are padded to a multiple of this (one compiled shape)
 # A flow whose NLL exceeds this many nats per dim has blown up (a unit Gaussian is ~1.4; an
 # untrained flow on unnormalized vectors can sit in the thousands, diverged fits reach 1e25+).
@@ -75,7 +77,8 @@ class FitResult:
         of train_nll).
       best_step: optimizer step of `params`.
       stopped_early: patience ran out before `max_epochs`.
-      init_nll: NLL (nats per row) of the evaluation rows at initialisation.
+      init_nll: NLL (nats per row) at initialisation: of the held-out rows, or without
+        held-out rows, of the first training batch.
       note: non-empty when the fit deviated from the config (a smaller batch for few rows).
     """
 
@@ -92,10 +95,28 @@ def _row_nll(model, params, x):
     return nll_nats(z, logdet)  # [rows] nats
 
 
-def compiled(config: FlowConfig, dim: int, mesh: Mesh):
-    """(FlatParams, jitted init, train_chunk, eval_nll) for a config, size and mesh; cached so
-    refitting (one flow per eval task, another epoch count or held-out fraction) compiles
-    nothing new."""
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The jitted programs of a fit, for one config, size and mesh.
+
+    Attributes:
+      flat: the params tree <-> flat vector map.
+      init: (key, x_init [rows, dim]) -> (params, opt_state).
+      step: (params, opt_state, batch [batch, dim]) -> (params, opt_state, mean NLL).
+      eval_nll: (params, x [rows, dim], mask [rows]) -> mean NLL of the unmasked rows.
+      state: ShapeDtypeStructs of (params, opt_state).
+    """
+
+    flat: 'FlatParams'
+    init: Callable
+    step: Callable
+    eval_nll: Callable
+    state: Any
+
+
+def compiled(config: FlowConfig, dim: int, mesh: Mesh) -> Programs:
+    """The fit's programs for a config, size and mesh; cached so refitting (one flow per eval
+    task, another epoch count or held-out fraction) compiles nothing new."""
     # Only the fields that shape the compiled programs key the cache.
     return _compiled(config.replace(name='', max_epochs=1, val_fraction=0.0, patience=1,
                                     evals_per_epoch=1, init_batch_size=2, dropout_noise=False),
@@ -151,31 +172,31 @@ def _compiled(config: FlowConfig, dim: int, mesh: Mesh):
         nll = _row_nll(model, params, xb)  # [batch]
         return config.loss_scale * per_row * jnp.mean(nll), jnp.mean(nll)
 
-    def train_chunk(params, opt_state, batches, valid):
-        """batches: [batch, CHUNK_STEPS, dim]; valid: [CHUNK_STEPS] -> state, per-step NLL."""
-
-        def step(carry, inputs):
-            p, s = carry
-            xb, ok = inputs
-            xb = jax.lax.with_sharding_constraint(xb, rows)
-            (_, nll), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, xb)
-            updates, s_new = tx.update(flat.ravel(grads), s, flat.ravel(p))
-            p_new = jax.tree.map(lambda a, b: a + b, p, flat.unravel(updates))
-            keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-            return (jax.tree.map(keep, p_new, p), jax.tree.map(keep, s_new, s)), nll
-
-        xs = (jnp.swapaxes(batches, 0, 1), valid)  # scan over [CHUNK_STEPS, batch, dim]
-        (params, opt_state), nlls = jax.lax.scan(step, (params, opt_state), xs)
-        return params, opt_state, nlls
+    def train_step(params, opt_state, xb):
+        xb = jax.lax.with_sharding_constraint(xb, rows)
+        (_, nll), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, xb)
+        updates, opt_state = tx.update(flat.ravel(grads), opt_state, flat.ravel(params))
+        return jax.tree.map(jnp.add, params, flat.unravel(updates)), opt_state, nll
 
     def eval_nll(params, x, mask):
         nll = _row_nll(model, params, x)
         return jnp.sum(jnp.where(mask, nll, 0.0)) / jnp.sum(mask)
 
-    batch_in = sharding.batch_sharding(mesh, 3)
-    return (flat, jax.jit(init, out_shardings=rep),
-            jax.jit(train_chunk, in_shardings=(rep, rep, batch_in, rep), out_shardings=rep),
-            jax.jit(eval_nll, in_shardings=rep, out_shardings=rep))
+    # Compile time is most of a cold fit: light optimization for what runs repeatedly, none
+    # for the one-off init (see jaxsim.compile_options).
+    devices = list(mesh.devices.flat)
+    light = compile_options.for_effort(devices, 'light')
+    once = compile_options.for_effort(devices, 'none')
+    abstract = jax.tree.unflatten(flat.treedef, flat.leaves)
+    state = (abstract, jax.eval_shape(tx.init, jax.ShapeDtypeStruct((sum(flat.sizes),),
+                                                                   jnp.float32)))
+    return Programs(
+        flat=flat,
+        init=jax.jit(init, out_shardings=rep, compiler_options=once),
+        step=jax.jit(train_step, in_shardings=(rep, rep, rows), out_shardings=rep,
+                     compiler_options=light),
+        eval_nll=jax.jit(eval_nll, in_shardings=rep, out_shardings=rep, compiler_options=light),
+        state=state)
 
 
 def _rng(key: jax.Array, *tags: int) -> np.random.Generator:
@@ -185,9 +206,27 @@ def _rng(key: jax.Array, *tags: int) -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
+def _zeros(shapes: Any, mesh: Mesh) -> Any:
+    """Zeros shaped like a tree of ShapeDtypeStructs, replicated over the mesh (as the init's
+    outputs are: the same argument signature, so the same compiled program)."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    return jax.device_put(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), rep)
+
+
+def _run_once(calls: list[tuple[Callable, tuple]]) -> None:
+    """Calls each jitted function once on placeholder arguments, discarding the results: the
+    compiled programs stay in the functions' caches for the real calls."""
+    for fn, args in calls:
+        jax.block_until_ready(fn(*args))
+
+
+def _padded_rows(n: int) -> int:
+    return -(-n // _EVAL_ROWS) * _EVAL_ROWS
+
+
 def _padded(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n = x.shape[0]
-    total = -(-n // _EVAL_ROWS) * _EVAL_ROWS
+    total = _padded_rows(n)
     mask = np.arange(total) < n
     return np.concatenate([x, np.zeros((total - n, x.shape[1]), x.dtype)]), mask
 
@@ -262,62 +301,75 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
                         'from the encoder in train mode')
     mesh = mesh if mesh is not None else default_mesh(config.batch_size)
     num_val, batch, steps, note = _plan(n, config, sharding.batch_shards(mesh))
-    flat, init_fn, train_chunk, eval_nll = compiled(config, dim, mesh)
-    split_key, init_key, param_key, shuffle_key, noise_key = jax.random.split(key, 5)
+    programs = compiled(config, dim, mesh)
+    # Compile the training (and evaluation) programs on another thread while this one draws
+    # the keys, compiles and runs the init (and the first epoch's noised vectors).
+    warm_ups = [(programs.step, (*_zeros(programs.state, mesh),
+                                 np.zeros((batch, dim), np.float32)))]
+    if num_val:
+        rows = _padded_rows(num_val)
+        warm_ups.append((programs.eval_nll, (_zeros(programs.state[0], mesh),
+                                             np.zeros((rows, dim), np.float32),
+                                             np.zeros(rows, bool))))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        warm = pool.submit(_run_once, warm_ups)
+        split_key, init_key, param_key, shuffle_key, noise_key = jax.random.split(key, 5)
+        order = _rng(split_key).permutation(n)
+        val_idx, train_idx = order[:num_val], order[num_val:]
 
-    order = _rng(split_key).permutation(n)
-    val_idx, train_idx = order[:num_val], order[num_val:]
-    eval_x, eval_mask = _padded(x[val_idx] if num_val else x[train_idx])
+        def epoch_rows(epoch: int) -> np.ndarray:
+            if not config.dropout_noise:
+                return x[train_idx]
+            noised = check_matrix(embed(jax.random.fold_in(noise_key, epoch)),
+                                  f'embed(key) at epoch {epoch}')
+            if noised.shape != x.shape:
+                raise FlowError(f'embed(key) returned shape {noised.shape}, expected '
+                                f'{x.shape} (the same sentences as the clean embeddings)')
+            return noised[train_idx]
 
-    def epoch_rows(epoch: int) -> np.ndarray:
-        if not config.dropout_noise:
-            return x[train_idx]
-        noised = check_matrix(embed(jax.random.fold_in(noise_key, epoch)),
-                              f'embed(key) at epoch {epoch}')
-        if noised.shape != x.shape:
-            raise FlowError(f'embed(key) returned shape {noised.shape}, expected {x.shape} '
-                            '(the same sentences as the clean embeddings)')
-        return noised[train_idx]
+        train_x = epoch_rows(0)
+        init_rows = _rng(init_key).permutation(len(train_idx))[: config.init_batch_size]
+        params, opt_state = programs.init(param_key, train_x[init_rows])
+        warm.result()
 
-    train_x = epoch_rows(0)
-    init_rows = _rng(init_key).permutation(len(train_idx))[: config.init_batch_size]
-    params, opt_state = init_fn(param_key, train_x[init_rows])
-    init_nll = float(eval_nll(params, eval_x, eval_mask))
-    if not math.isfinite(init_nll):
+    eval_x, eval_mask = _padded(x[val_idx]) if num_val else (None, None)
+    # Without held-out rows the first step's NLL (taken before its update) is the NLL at
+    # initialisation: no evaluation program to compile for a fit that never evaluates.
+    init_nll = float(programs.eval_nll(params, eval_x, eval_mask)) if num_val else None
+    if init_nll is not None and not math.isfinite(init_nll):
         check_not_diverged(init_nll, init_nll, x, config, 'at initialisation')
 
-    chunks = -(-steps // CHUNK_STEPS)
-    evals = sorted({min(chunks, round((i + 1) * chunks / config.evals_per_epoch))
-                    for i in range(config.evals_per_epoch)}) if num_val else [chunks]
+    evals = {min(steps, round((i + 1) * steps / config.evals_per_epoch))
+             for i in range(config.evals_per_epoch)} if num_val else {steps}
     best = (math.inf, params, 0)
     history: list[dict[str, float]] = []
     stopped_early, bad_evals, step = False, 0, 0
-    bar = tqdm.tqdm(total=config.max_epochs * chunks, desc='flow fit', unit='chunk',
+    bar = tqdm.tqdm(total=config.max_epochs * steps, desc='flow fit', unit='step',
                     disable=not progress, leave=False)
     try:
         for epoch in range(config.max_epochs):
             if epoch:
                 train_x = epoch_rows(epoch)
             perm = _rng(shuffle_key, epoch).permutation(len(train_idx))
-            idx = np.zeros(chunks * CHUNK_STEPS * batch, np.int64)
-            idx[: steps * batch] = perm[: steps * batch]
-            # [batch, chunk, step-in-chunk, dim]: the batch axis first, as the mesh splits it.
-            batches = train_x[idx].reshape(chunks, CHUNK_STEPS, batch, dim)
-            batches = batches.transpose(0, 2, 1, 3)
-            valid = (np.arange(chunks * CHUNK_STEPS) < steps).reshape(chunks, CHUNK_STEPS)
-            nlls = []
-            for c in range(chunks):
-                params, opt_state, nll = train_chunk(params, opt_state, batches[c], valid[c])
-                nlls.append(np.asarray(nll)[valid[c]])
-                step += int(valid[c].sum())
+            batches = train_x[perm[: steps * batch]].reshape(steps, batch, dim)
+            nlls = []  # device scalars, fetched at the next evaluation
+            for k in range(steps):
+                params, opt_state, nll = programs.step(params, opt_state, batches[k])
+                nlls.append(nll)
+                step += 1
                 bar.update(1)
-                if c + 1 not in evals:
+                if init_nll is None:
+                    init_nll = float(nll)
+                    if not math.isfinite(init_nll):
+                        check_not_diverged(init_nll, init_nll, x, config, 'at initialisation')
+                if k + 1 not in evals:
                     continue
-                train_nll = float(np.mean(np.concatenate(nlls)))
+                train_nll = float(np.mean(jax.device_get(nlls)))
                 nlls = []
                 check_not_diverged(train_nll, init_nll, x, config,
                                    f'by step {step} (epoch {epoch})')
-                val_nll = float(eval_nll(params, eval_x, eval_mask)) if num_val else math.nan
+                val_nll = (float(programs.eval_nll(params, eval_x, eval_mask)) if num_val
+                           else math.nan)
                 history.append({'step': step, 'epoch': epoch, 'train_nll': train_nll,
                                 'val_nll': val_nll, 'bpd': float(nats_to_bits_per_dim(
                                     val_nll if num_val else train_nll, dim))})

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsim import compile_options
 from jaxsim import sharding as sharding_lib
 from jaxsim.data.batching import FIELDS
 from jaxsim.models.encoder import SentenceEncoder
@@ -64,8 +65,9 @@ def dropout_key(root_key: jax.Array, prng_impl: str = 'threefry2x32') -> jax.Arr
 
 
 def compiler_options(fast_compile: bool) -> Optional[dict]:
-    """XLA -O0 for tiny test models (compile time dominates), else the defaults."""
-    return {'xla_backend_optimization_level': 0} if fast_compile else None
+    """The cheapest compile on CPU for tiny test models (compile time dominates their runs),
+    else XLA's defaults."""
+    return compile_options.for_effort(jax.local_devices(), 'none' if fast_compile else 'default')
 
 
 def encode_views(encoder: SentenceEncoder, params: Any, batch: Batch, key: jax.Array,

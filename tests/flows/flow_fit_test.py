@@ -40,17 +40,19 @@ def _apply(config, dim, params, x):
 
 @pytest.fixture(scope='module')
 def fitted():
-    x, cov = _anisotropic()
+    # Enough rows that the held-out NLL, flat near the optimum, stops the fit close to it
+    # (with 3,000 the early stop lands anywhere on the plateau, up to 0.3 from white).
+    x, cov = _anisotropic(n=10_000)
     return x, cov, fit_flow(x, _GLOW, jax.random.key(0))
 
 
 def test_nll_falls_and_anisotropic_gaussian_comes_out_white(fitted):
     x, cov, result = fitted
     val = [h['val_nll'] for h in result.history]
-    assert len(val) >= 6 and val[-1] < result.init_nll - 1.0, (result.init_nll, val)
+    assert len(val) > _GLOW.patience and val[-1] < result.init_nll - 1.0, (result.init_nll, val)
     assert np.linalg.cond(cov) > 1e3  # strongly anisotropic input
     z = _apply(_GLOW, _DIM, result.params, x)
-    # Sampling noise of 3,000 rows and a held-out early stop leave entries ~0.1-0.2 off.
+    # Sampling noise and the held-out early stop leave entries ~0.1-0.2 off.
     np.testing.assert_allclose(z.mean(0), 0.0, atol=0.25)
     assert np.abs(np.cov(z.T) - np.eye(_DIM)).max() < 0.25, np.round(np.cov(z.T), 2)
     # The exact MLE optimum: the Gaussian's entropy 0.5 * log det(2 pi e cov) nats per row.
