@@ -24,9 +24,14 @@ def load_model(model_path: str | None = None, config: Mapping | None = None):
     """A BertModel from a folder (pretrained) or from config values (random init), train mode,
     dropout 0.1, no pooler layer."""
     from transformers import BertConfig, BertModel
+    from transformers.utils import logging as hf_logging
 
     dropout = {"hidden_dropout_prob": DROPOUT, "attention_probs_dropout_prob": DROPOUT}
     if model_path is not None:
+        # The checkpoint's pooler weights go unused on purpose (no pooler layer): without this,
+        # transformers prints a load report calling them UNEXPECTED (and a progress bar).
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
         model = BertModel.from_pretrained(model_path, add_pooling_layer=False, **dropout)
     else:
         model = BertModel(BertConfig(**{**dict(config), **dropout}), add_pooling_layer=False)
