@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Iterator, TypeVar
 
+from jaxsim.errors import JaxsimError
+
 T = TypeVar("T")
 
 
-class RegistryError(ValueError):
+class RegistryError(JaxsimError):
     """An unknown name, or a name registered twice."""
 
 
@@ -20,10 +22,13 @@ class Registry(Generic[T]):
 
     Attributes:
       kind: what the entries are (used in error messages, e.g. 'pooler').
+      error: the exception class raised for an unknown or doubly registered name (the
+        owning module's error, so callers catch one class for everything about the concept).
     """
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, error: type[JaxsimError] = RegistryError):
         self.kind = kind
+        self.error = error
         self._entries: dict[str, T] = {}
 
     def register(self, name: str, *, replace: bool = False) -> Callable[[T], T]:
@@ -35,12 +40,12 @@ class Registry(Generic[T]):
             same name is an error, which catches two definitions shadowing each other).
         """
         if not isinstance(name, str) or not name or ":" in name or "," in name:
-            raise RegistryError(f"{self.kind} name must be a non-empty string without ':' or ','"
+            raise self.error(f"{self.kind} name must be a non-empty string without ':' or ','"
                                 f", got {name!r}")
 
         def add(entry: T) -> T:
             if name in self._entries and not replace:
-                raise RegistryError(f"{self.kind} {name!r} is already registered "
+                raise self.error(f"{self.kind} {name!r} is already registered "
                                     f"(pass replace=True to override it)")
             self._entries[name] = entry
             return entry
@@ -52,7 +57,7 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            raise RegistryError(f"unknown {self.kind} {name!r}; choose one of "
+            raise self.error(f"unknown {self.kind} {name!r}; choose one of "
                                 f"{', '.join(sorted(self._entries))}") from None
 
     def names(self) -> tuple[str, ...]:

@@ -46,7 +46,7 @@ class CalibrationError(JaxsimError):
     """A calibration that cannot be parsed, fitted, applied, saved or loaded as asked."""
 
 
-CALIBRATIONS: Registry = Registry('calibration')
+CALIBRATIONS: Registry = Registry('calibration', error=CalibrationError)
 
 
 class Calibration:

@@ -76,7 +76,7 @@ class Pooler:
     hf_pooler: bool = False
 
 
-POOLERS: Registry[Pooler] = Registry("pooler")
+POOLERS: Registry[Pooler] = Registry("pooler", error=PoolerError)
 
 
 class FunctionPooler(nn.Module):
@@ -115,8 +115,6 @@ def register_pooler(name: str, *, export: Optional[ExportRule] = None, hf_pooler
 
 def get_pooler(name: str) -> Pooler:
     """The registered pooler `name`; unknown names are a PoolerError listing the known ones."""
-    if name not in POOLERS:
-        raise PoolerError(f"unknown pooler {name!r}; choose one of {', '.join(POOLERS.names())}")
     return POOLERS.get(name)
 
 

@@ -58,7 +58,7 @@ class Objective:
         return data_views == self.views or (self.from_single and data_views == 1)
 
 
-OBJECTIVES: Registry[Objective] = Registry("objective")
+OBJECTIVES: Registry[Objective] = Registry("objective", error=ObjectiveError)
 
 
 def register_objective(name: str, *, views: int, from_single: bool = False,
@@ -88,10 +88,8 @@ def register_objective(name: str, *, views: int, from_single: bool = False,
 
 
 def get_objective(name: str) -> Objective:
-    """The objective registered as `name`; unknown names are an error listing the known ones."""
-    if name not in OBJECTIVES:
-        raise ObjectiveError(f"unknown objective {name!r}; choose one of "
-                             f"{', '.join(OBJECTIVES.names())}")
+    """The objective registered as `name`; unknown names are an ObjectiveError listing the
+    known ones."""
     return OBJECTIVES.get(name)
 
 

@@ -14,7 +14,6 @@ from jaxsim.models.bert import BertConfig, BertModel
 from jaxsim.models.encoder import (SentenceEncoder, check_params, init_fn, init_params,
                                    param_shapes)
 from jaxsim.models.poolers import POOLERS, PoolerError, get_pooler, masked_mean, register_pooler
-from jaxsim.registry import RegistryError
 
 TINY = BertConfig(vocab_size=50, hidden_size=12, num_hidden_layers=2, num_attention_heads=3,
                   intermediate_size=13, max_position_embeddings=20)
@@ -176,7 +175,7 @@ def test_check_params_names_the_problem():
 def test_registry_errors_and_user_function_pooler():
     with pytest.raises(PoolerError, match="unknown pooler 'nope'"):
         get_pooler("nope")
-    with pytest.raises(RegistryError, match="already registered"):
+    with pytest.raises(PoolerError, match="already registered"):
         register_pooler("avg")(lambda output, mask: output.hidden_states[-1][:, 0])
 
     @register_pooler("last_token_test")

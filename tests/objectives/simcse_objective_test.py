@@ -143,7 +143,7 @@ def test_user_objective_registers_and_checks_its_hyperparameters():
         check_kwargs(objective, {})
     with pytest.raises(ObjectiveError, match="unknown objective 'nope'; choose one of .*sup"):
         get_objective('nope')
-    with pytest.raises(ValueError, match='already registered'):
+    with pytest.raises(ObjectiveError, match='already registered'):
         register_objective('unsup', views=2)(margin)
 
 
