@@ -75,8 +75,9 @@ def tokenized(objective: str, batch: int, max_len: int) -> dict:
                              max_len)
 
 
-def jaxsim_step(objective: str, dtype: str, arrays: dict, **config):
-    """A no-argument callable running one jaxsim train step (blocking), built as train.py does.
+def build_step(objective: str, dtype: str, arrays: dict, **config):
+    """The jitted jaxsim train step built as train.py builds it, its initial state and the batch
+    placed on the mesh: `(train_step, state, placed_batch)`.
 
     `config`: extra TrainConfig fields (e.g. another PRNG implementation).
     """
@@ -102,6 +103,12 @@ def jaxsim_step(objective: str, dtype: str, arrays: dict, **config):
         schedule=optim.make_schedule(cfg, ref.TOTAL_STEPS))
     placed = {k: jax.device_put(v, s) for (k, v), s in
               zip(arrays.items(), step_lib.batch_shardings(mesh).values())}
+    return train_step, state, placed
+
+
+def jaxsim_step(objective: str, dtype: str, arrays: dict, **config):
+    """A no-argument callable running one jaxsim train step (blocking), built by `build_step`."""
+    train_step, state, placed = build_step(objective, dtype, arrays, **config)
     holder = {"state": state}
 
     def run():
