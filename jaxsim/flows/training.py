@@ -22,8 +22,7 @@ import numpy as np
 import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxsim import sharding
-from jaxsim import compile_options
+from jaxsim import compile_options, sharding
 from jaxsim.flows.config import FlowConfig, FlowError
 from jaxsim.flows.models import make_flow
 from jaxsim.flows.optim import decay_mask, make_optimizer
