@@ -89,7 +89,8 @@ class TrainConfig:
     Logging and checkpoints: log_every, checkpoint (save at all), keep_checkpoints (latest K,
       plus the best on dev), checkpoint_every (also save every N steps; 0 = at evaluations and
       the end only).
-    fast_compile: XLA -O0 (tiny test models: faster compiles, slower steps).
+    fast_compile: the cheapest XLA:CPU compile (-O0, classic emitters; see
+      jaxsim.compile_options): for tiny test models, faster compiles, slower steps.
     """
 
     model: str = 'bundled'
