@@ -1,7 +1,13 @@
-"""Shared fixtures: the bundled real model, tiny random BERT/RoBERTa folders, tiny workdirs."""
+"""Shared fixtures: the bundled real model, tiny random BERT/RoBERTa folders, tiny workdirs,
+and a runner for scripts that need several (fake) CPU devices."""
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +22,7 @@ from jaxsim.io.workdir import write_model
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
 
+REPO = Path(__file__).resolve().parents[1]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
@@ -116,3 +123,20 @@ def write_run_data(root, corpus_source: str, corpus_lines: int, stsb_pairs: int)
         src = SENTEVAL_ROOT / "STS" / "STSBenchmark" / f"sts-{split}.csv"
         (stsb / src.name).write_text("\n".join(src.read_text().splitlines()[:stsb_pairs]) + "\n")
     return root
+
+
+def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int = 900) -> dict:
+    """Runs `script` (python -c, from the repository root) in a fresh process that sees `devices`
+    CPU devices, and returns the JSON it printed after "RESULT" on the last line starting so.
+
+    The device count must be set before JAX starts, hence a subprocess. A failing script fails
+    the calling test with the end of its stderr.
+    """
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
+    return json.loads(line[len("RESULT"):])

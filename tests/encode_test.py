@@ -2,7 +2,6 @@
 `python -m jaxsim encode` command line."""
 from __future__ import annotations
 
-import json
 import os
 import stat
 import subprocess
@@ -20,7 +19,7 @@ from jaxsim.__main__ import main as cli_main
 from jaxsim.data.tokenize import bucket_length
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
-from tests.conftest import TINY_CONFIG
+from tests.conftest import TINY_CONFIG, run_on_cpu_devices
 
 REPO = Path(__file__).resolve().parents[1]
 SENTENCES = [
@@ -147,14 +146,7 @@ print("RESULT" + json.dumps(out))
 
 
 def test_mesh_of_8_devices_matches_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_MESH_SCRIPT)], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
-    result = json.loads(line[len("RESULT"):])
+    result = run_on_cpu_devices(textwrap.dedent(_MESH_SCRIPT), timeout=600)
     for name, diffs in result.items():
         for mesh, diff in diffs.items():
             if mesh == "vs_plain":

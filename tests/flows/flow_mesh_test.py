@@ -4,13 +4,12 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 set before JAX starts."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
+
+from tests.conftest import run_on_cpu_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,13 +64,7 @@ _SCRIPT = textwrap.dedent('''
 
 
 def test_flow_fit_on_8_devices_equals_1_device():
-    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
-               JAX_PLATFORMS='cpu')
-    proc = subprocess.run([sys.executable, '-c', _SCRIPT, str(ROOT)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith('RESULT')][-1]
-    out = json.loads(line[len('RESULT'):])
+    out = run_on_cpu_devices(_SCRIPT, str(ROOT))
     print(json.dumps(out, indent=1))
     for name in ('bert_flow', 'glow'):
         r = out[name]

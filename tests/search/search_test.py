@@ -20,6 +20,7 @@ from jaxsim.__main__ import main as cli_main
 from jaxsim.search import topk
 from jaxsim.search import (IndexFileError, IndexInfo, ModelMismatchError, SearchError,
                            SearchIndex, VectorError, build_index, load_index, similarity)
+from tests.conftest import run_on_cpu_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -337,13 +338,8 @@ def test_sharded_search_equals_single_device(tmp_path):
     data = {"gauss": _gaussian(4801, 20, 14), "gauss_q": _gaussian(13, 20, 15),
             "ties": _four_hot(4777, 16, 16), "ties_q": _four_hot(13, 16, 17)}
     np.savez(tmp_path / "data.npz", **data)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _SHARDED, str(ROOT), str(tmp_path / "data.npz"),
-                           "256"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1][6:])
+    out = run_on_cpu_devices(_SHARDED, str(ROOT), str(tmp_path / "data.npz"), "256",
+                             timeout=600)
     for kind in ("gauss", "ties"):
         want_scores, want_rows = _brute_force(data[kind], data[kind + "_q"], 9)
         for mesh in ("single", "data8", "data4_fsdp2", "data2_tensor4"):

@@ -12,9 +12,6 @@ bounds (an update is lr x gradient); Adam would not: it divides by sqrt(v), whic
 rounding noise of a near-zero gradient into a full-size update of either sign.
 """
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -22,6 +19,7 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from jaxsim import sharding
+from tests.conftest import run_on_cpu_devices
 
 REPO = Path(__file__).resolve().parents[2]
 U = 2.0 ** -24  # float32 unit roundoff
@@ -174,12 +172,7 @@ _SCRIPT = textwrap.dedent('''
 
 
 def test_meshes_compute_the_single_device_step_up_to_float32_rounding():
-    env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
-               JAX_PLATFORMS='cpu')
-    proc = subprocess.run([sys.executable, '-c', _SCRIPT, str(REPO)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.split('RESULT')[-1])
+    out = run_on_cpu_devices(_SCRIPT, str(REPO))
     print(json.dumps(out, indent=1))
     lr, steps = 0.1, 3
     for objective, res in out.items():
