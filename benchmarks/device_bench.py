@@ -26,7 +26,6 @@ TF32 peak). `--tiny` swaps in a tiny model and batches so the script runs on a C
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -37,14 +36,11 @@ import jax
 import numpy as np
 
 from jaxsim import sharding
-from jaxsim.models.encoder import init_params
-from jaxsim.objectives import check_kwargs, get_objective
-from jaxsim.train import build, optim, state as state_lib, step as step_lib
-from jaxsim.train.config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch_reference  # noqa: E402
 from common import write_json  # noqa: E402
+from train_speed import build_step  # noqa: E402
 
 BERT_BASE = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
              "num_attention_heads": 12, "intermediate_size": 3072,
@@ -96,30 +92,9 @@ def random_batch(rng: np.random.Generator, batch: int, views: int, length: int,
 
 def jaxsim_step(objective: str, dtype: str, arrays: dict, arch: dict, fast_compile: bool):
     """(run one step, FLOPs per step, FLOPs source, compile seconds)."""
-    step_lib.configure_jax()
-    batch, _, length = arrays["input_ids"].shape
-    ref = torch_reference
-    cfg = TrainConfig(model="bundled", random_init=True, model_overrides=arch, pooler="avg",
-                      mlp_only_train=False, dropout=ref.DROPOUT, objective=objective,
-                      dtype=dtype, data_format="senteval_corpus", batch_size=batch,
-                      max_len=length, max_steps=ref.TOTAL_STEPS, learning_rate=ref.LR,
-                      max_grad_norm=ref.CLIP, fast_compile=fast_compile)
-    base = build.load_base(cfg)
-    encoder = build.make_encoder(cfg, base.config)
-    obj = get_objective(objective)
-    mesh = sharding.make_mesh(devices=jax.devices()[:1])
-    options = step_lib.compiler_options(cfg.fast_compile)
-    tx = optim.make_optimizer(cfg, ref.TOTAL_STEPS)
-    root = jax.random.key(cfg.seed)
-    params = init_params(encoder, jax.random.fold_in(root, 1),
-                         state_lib.param_shardings(encoder, mesh))
-    state, shardings = state_lib.create_state(params, tx, jax.random.fold_in(root, 2), mesh,
-                                              options)
-    train_step = step_lib.make_train_step(
-        encoder, functools.partial(obj.loss, **check_kwargs(obj, {"temp": ref.TEMP})), tx,
-        views=obj.views, mesh=mesh, state_shardings=shardings, compiler_options=options)
-    placed = {k: jax.device_put(v, s) for (k, v), s in
-              zip(arrays.items(), step_lib.batch_shardings(mesh).values())}
+    train_step, state, placed = build_step(
+        objective, dtype, arrays, mesh=sharding.make_mesh(devices=jax.devices()[:1]),
+        random_init=True, model_overrides=arch, fast_compile=fast_compile)
     start = time.perf_counter()
     lowered = train_step.lower(state, placed)
     compiled = lowered.compile()

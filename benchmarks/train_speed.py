@@ -75,11 +75,12 @@ def tokenized(objective: str, batch: int, max_len: int) -> dict:
                              max_len)
 
 
-def build_step(objective: str, dtype: str, arrays: dict, **config):
+def build_step(objective: str, dtype: str, arrays: dict, mesh=None, **config):
     """The jitted jaxsim train step built as train.py builds it, its initial state and the batch
     placed on the mesh: `(train_step, state, placed_batch)`.
 
-    `config`: extra TrainConfig fields (e.g. another PRNG implementation).
+    `mesh`: default all local devices. `config`: extra TrainConfig fields (e.g. another PRNG
+    implementation, or `random_init` with `model_overrides` for another architecture).
     """
     step_lib.configure_jax()
     batch, _, max_len = arrays["input_ids"].shape
@@ -91,16 +92,18 @@ def build_step(objective: str, dtype: str, arrays: dict, **config):
     base = build.load_base(cfg)
     encoder = build.make_encoder(cfg, base.config)
     obj = get_objective(objective)
-    mesh = sharding.make_mesh()
+    mesh = mesh if mesh is not None else sharding.make_mesh()
+    options = step_lib.compiler_options(cfg.fast_compile)
     tx = optim.make_optimizer(cfg, ref.TOTAL_STEPS)
     root = jax.random.key(cfg.seed)
     params = init_params(encoder, jax.random.fold_in(root, 1),
                          state_lib.param_shardings(encoder, mesh), base.bert_params)
-    state, shardings = state_lib.create_state(params, tx, jax.random.fold_in(root, 2), mesh)
+    state, shardings = state_lib.create_state(params, tx, jax.random.fold_in(root, 2), mesh,
+                                              options)
     train_step = step_lib.make_train_step(
         encoder, functools.partial(obj.loss, **check_kwargs(obj, {"temp": ref.TEMP})), tx,
         views=obj.views, mesh=mesh, state_shardings=shardings,
-        schedule=optim.make_schedule(cfg, ref.TOTAL_STEPS))
+        schedule=optim.make_schedule(cfg, ref.TOTAL_STEPS), compiler_options=options)
     placed = {k: jax.device_put(v, s) for (k, v), s in
               zip(arrays.items(), step_lib.batch_shardings(mesh).values())}
     return train_step, state, placed
