@@ -9,11 +9,11 @@ configs/flow_bert_flow.py for the reasoning behind each value.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import pathlib
 from typing import Any
 
+from jaxsim.config_module import run_get_config
 from jaxsim.errors import JaxsimError
 from jaxsim.flows import couplings  # noqa: F401  (registers the coupling layers)
 from jaxsim.flows.layers import FLOW_LAYERS
@@ -201,15 +201,7 @@ class FlowConfig:
 def load_config_file(path) -> FlowConfig:
     """Runs `get_config()` of a config file such as `configs/flow_glow.py`."""
     path = pathlib.Path(path)
-    if not path.is_file():
-        raise FlowError(f'{path}: flow config file not found')
-    spec = importlib.util.spec_from_file_location(f'flow_config_{path.stem}', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    get_config = getattr(module, 'get_config', None)
-    if get_config is None:
-        raise FlowError(f'{path}: a flow config file must define get_config()')
-    config = get_config()
+    config = run_get_config(path, FlowError, 'flow config')
     if not isinstance(config, FlowConfig):
         raise FlowError(f'{path}: get_config() must return a FlowConfig, got '
                         f'{type(config).__name__}')

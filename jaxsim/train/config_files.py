@@ -8,10 +8,10 @@ by `TrainConfig.from_dict`. Imports no JAX.
 from __future__ import annotations
 
 import ast
-import importlib.util
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from jaxsim.config_module import run_get_config
 from jaxsim.train.config import DEFAULTS, ConfigError, check_keys, to_plain, unknown_key_message
 
 def load_config_file(spec: str) -> dict[str, Any]:
@@ -23,17 +23,7 @@ def load_config_file(spec: str) -> dict[str, Any]:
     """
     path_text, _, arg = spec.partition(':') if not Path(spec).is_file() else (spec, '', '')
     path = Path(path_text)
-    if not path.is_file():
-        raise ConfigError(f'{path}: no such config file')
-    module_spec = importlib.util.spec_from_file_location(f'_jaxsim_config_{path.stem}', path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise ConfigError(f'{path}:{e.lineno}: syntax error: {e.msg}') from None
-    if not hasattr(module, 'get_config'):
-        raise ConfigError(f'{path}: defines no get_config()')
-    fields = module.get_config(arg) if arg else module.get_config()
+    fields = run_get_config(path, ConfigError, 'config', arg)
     if not isinstance(fields, Mapping) and not hasattr(fields, 'to_dict'):
         raise ConfigError(f'{path}: get_config() must return a ConfigDict or dict, '
                           f'got {type(fields).__name__}')

@@ -175,3 +175,20 @@ def test_embed_returning_the_wrong_shape_is_a_clear_error():
     with pytest.raises(FlowError, match=r'embed\(key\) returned shape \(10, 8\)'):
         fit_flow(x, _GLOW.replace(max_epochs=1, dropout_noise=True), jax.random.key(0),
                  embed=lambda k: x[:10])
+
+
+def test_bad_flow_config_files_are_one_line_errors(tmp_path):
+    with pytest.raises(FlowError, match='nope.py: no such flow config file'):
+        load_config_file(tmp_path / 'nope.py')
+    broken = tmp_path / 'broken.py'
+    broken.write_text('def get_config(:\n')
+    with pytest.raises(FlowError, match=r'broken.py:1: syntax error'):
+        load_config_file(broken)
+    empty = tmp_path / 'empty.py'
+    empty.write_text('x = 1\n')
+    with pytest.raises(FlowError, match=r'empty.py: defines no get_config\(\)'):
+        load_config_file(empty)
+    wrong = tmp_path / 'wrong.py'
+    wrong.write_text('def get_config():\n    return {}\n')
+    with pytest.raises(FlowError, match='must return a FlowConfig'):
+        load_config_file(wrong)

@@ -1,0 +1,39 @@
+"""Config files are Python modules defining `get_config()`: train configs and flow configs alike.
+
+One loader runs them, so both kinds report a missing file, a syntax error (with its line) or a
+missing `get_config` the same way, each through its own error class.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from jaxsim.errors import JaxsimError
+
+
+def run_get_config(path: Path, error: type[JaxsimError], what: str, arg: str = '') -> Any:
+    """Executes the config file at `path` and returns `get_config()` (`get_config(arg)` if `arg`).
+
+    Args:
+      path: the .py file.
+      error: the exception class raised for a bad file (one line naming it).
+      what: what the file is, for messages (e.g. 'config', 'flow config').
+      arg: the argument of `get_config`, if any.
+
+    Raises:
+      error: no such file, a syntax error (file:line), or no `get_config` defined.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise error(f'{path}: no such {what} file')
+    module_spec = importlib.util.spec_from_file_location(f'_jaxsim_config_{path.stem}', path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise error(f'{path}:{e.lineno}: syntax error: {e.msg}') from None
+    get_config = getattr(module, 'get_config', None)
+    if get_config is None:
+        raise error(f'{path}: defines no get_config()')
+    return get_config(arg) if arg else get_config()
