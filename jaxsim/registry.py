@@ -41,12 +41,12 @@ class Registry(Generic[T]):
         """
         if not isinstance(name, str) or not name or ":" in name or "," in name:
             raise self.error(f"{self.kind} name must be a non-empty string without ':' or ','"
-                                f", got {name!r}")
+                             f", got {name!r}")
 
         def add(entry: T) -> T:
             if name in self._entries and not replace:
                 raise self.error(f"{self.kind} {name!r} is already registered "
-                                    f"(pass replace=True to override it)")
+                                 f"(pass replace=True to override it)")
             self._entries[name] = entry
             return entry
 
@@ -58,7 +58,7 @@ class Registry(Generic[T]):
             return self._entries[name]
         except KeyError:
             raise self.error(f"unknown {self.kind} {name!r}; choose one of "
-                                f"{', '.join(sorted(self._entries))}") from None
+                             f"{', '.join(sorted(self._entries))}") from None
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self._entries))
