@@ -4,7 +4,6 @@ the whole Glow forward pass and bits/dim objective, the coupling network, the si
 coupling, and the optimizer (clip_by_global_norm + AdamWeightDecayOptimizer)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import pathlib
@@ -16,17 +15,14 @@ import optax
 import pytest
 from flax import traverse_util
 
-from jaxsim.flows import FlowConfig, couplings, layer, make_flow
+from jaxsim.flows import FlowConfig, couplings, layer, load_config_file, make_flow
 from jaxsim.flows.optim import decay_mask, make_optimizer
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _config_file(name: str) -> FlowConfig:
-    spec = importlib.util.spec_from_file_location(name, _ROOT / 'configs' / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_config_file(_ROOT / 'configs' / f'{name}.py')
 
 
 def _np_actnorm(x, p):
