@@ -23,7 +23,7 @@ def _one_line(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
 
 
-def index_main(argv: Sequence[str]) -> int:
+def index_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jaxsim index",
         description="Encode a corpus (one sentence a line) into a search index folder.")
@@ -33,8 +33,11 @@ def index_main(argv: Sequence[str]) -> int:
     parser.add_argument("--out", required=True, type=Path, help="index folder to write")
     parser.add_argument("--pooler", default=None, help="pooler (default: the model's own)")
     parser.add_argument("--batch-size", type=int, default=64)
-    args = parser.parse_args(argv)
+    return parser
 
+
+def index_main(argv: Sequence[str]) -> int:
+    args = index_parser().parse_args(argv)
     model = load_pretrained(args.model or bundled_model_path())
     index = build_index(model, args.input, pooler=args.pooler, batch_size=args.batch_size)
     index.save(args.out)
@@ -43,7 +46,7 @@ def index_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def search_main(argv: Sequence[str]) -> int:
+def search_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jaxsim search",
         description="Print the indexed sentences most similar to each query, with cosines.")
@@ -56,8 +59,11 @@ def search_main(argv: Sequence[str]) -> int:
     parser.add_argument("--model", default=None,
                         help="model to encode queries with (default: the index's; checked)")
     parser.add_argument("--batch-size", type=int, default=64)
-    args = parser.parse_args(argv)
+    return parser
 
+
+def search_main(argv: Sequence[str]) -> int:
+    args = search_parser().parse_args(argv)
     index = load_index(args.index)  # a bad folder fails before a model is loaded
     model_path = args.model or index.info.model
     if model_path is None:
