@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import jax
@@ -30,6 +29,7 @@ from orbax.checkpoint import checkpoint_managers as ocp_managers
 
 from jaxsim import runtime
 from jaxsim.errors import JaxsimError
+from jaxsim.io import store
 
 CHECKPOINT_DIR = "checkpoints"
 # Retention options, so a read-only reader ranks "best" by the same metric as the writer.
@@ -112,16 +112,14 @@ def abstract_target(tree: Any, sharding: Any = None) -> Any:
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding)
 
 
-def _write_options(directory: Path, options: CheckpointOptions) -> None:
+def _write_options(directory: store.Path, options: CheckpointOptions) -> None:
     path = directory / OPTIONS_FILE
     text = json.dumps(dataclasses.asdict(options), indent=2) + "\n"
     if not path.is_file() or path.read_text(encoding="utf-8") != text:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)  # atomic: a crash never leaves a truncated file
+        store.write_atomic(path, text)  # a crash never leaves a truncated file
 
 
-def _read_options(directory: Path) -> Optional[CheckpointOptions]:
+def _read_options(directory: store.Path) -> Optional[CheckpointOptions]:
     path = directory / OPTIONS_FILE
     if not path.is_file():
         return None
@@ -169,7 +167,10 @@ class Checkpointer:
 
     def __init__(self, directory: Union[str, os.PathLike],
                  options: CheckpointOptions = CheckpointOptions(), read_only: bool = False):
-        self.directory = Path(directory).absolute()
+        directory = store.as_path(directory, "checkpoint folder")
+        # orbax wants absolute local paths; URLs (gs://) are absolute already.
+        self.directory = directory if store.is_remote(directory) else store.Path(
+            os.path.abspath(directory))
         if read_only and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: no checkpoint folder")
         if read_only and options == CheckpointOptions():
@@ -352,7 +353,7 @@ class Checkpointer:
 def restore_or_none(directory: Union[str, os.PathLike], target: Any,
                     step: Union[str, int, None] = None) -> Optional[Restored]:
     """Restores the latest (or given) checkpoint under `directory`, or None if there is none."""
-    directory = Path(directory)
+    directory = store.as_path(directory)
     if not directory.is_dir():
         return None
     with Checkpointer(directory, read_only=True) as ckpt:

@@ -13,6 +13,7 @@ Paths are `etils.epath.Path` (what orbax uses): a local path, or a URL of a sche
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import fcntl
@@ -20,8 +21,10 @@ import importlib
 import io
 import json
 import os
+import pathlib
 import shutil
 import socket
+import tempfile
 import uuid
 from typing import IO, Iterator, Optional, Union
 
@@ -329,3 +332,35 @@ def _parse_holder(text: str) -> dict:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+# ------------------------------------------------------------------------------ reading
+def local_copy(folder: PathLike, what: str = "folder") -> pathlib.Path:
+    """A local folder with `folder`'s files: the folder itself when local, else a copy.
+
+    Libraries that only read local files (tokenizers, safetensors) are given the copy; it lives
+    in a temporary folder removed when the process exits.
+    """
+    p = as_path(folder, what)
+    if not is_remote(p):
+        return pathlib.Path(os.fspath(p))
+    if not p.is_dir():
+        raise StorageError(f"{what} {p}: no such folder")
+    target = pathlib.Path(tempfile.mkdtemp(prefix="jaxsim-remote-"))
+    atexit.register(shutil.rmtree, target, True)
+    for source in p.rglob("*"):
+        if source.is_file():
+            dest = target / source.relative_to(p)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(source.read_bytes())
+    return target
+
+
+def upload_dir(local: PathLike, remote: PathLike) -> None:
+    """Copies a local folder's files into `remote` (which may be local too)."""
+    local, remote = pathlib.Path(local), as_path(remote)
+    for source in sorted(local.rglob("*")):
+        if source.is_file():
+            dest = remote / os.fspath(source.relative_to(local))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(source.read_bytes())

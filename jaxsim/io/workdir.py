@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
+import tempfile
 from typing import Mapping, Optional, Union
 
 import jax
 import numpy as np
 
 from jaxsim.errors import JaxsimError
+from jaxsim.io import store
 from jaxsim.io.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jaxsim.io.hf_folder import load_tokenizer
 from jaxsim.model import SentenceModel
@@ -36,11 +37,11 @@ class WorkdirError(JaxsimError):
 
 
 def is_train_workdir(path: Union[str, os.PathLike]) -> bool:
-    path = Path(path)
+    path = store.as_path(path)
     return (path / MODEL_FILE).is_file() and (path / CHECKPOINT_DIR).is_dir()
 
 
-def read_json(path: Path, what: str) -> dict:
+def read_json(path: store.Path, what: str) -> dict:
     """Reads a JSON object with errors naming the file (and line)."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
@@ -65,12 +66,12 @@ def model_record(model: SentenceModel, base_model: str = "") -> dict:
 def write_model(workdir: Union[str, os.PathLike], model: SentenceModel,
                 base_model: str = "") -> None:
     """Writes model.json and tokenizer/ (the checkpoints come from the train loop)."""
-    workdir = Path(workdir)
-    (workdir / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
-    model.tokenizer.save_pretrained(str(workdir / TOKENIZER_DIR))
-    tmp = workdir / (MODEL_FILE + ".tmp")
-    tmp.write_text(json.dumps(model_record(model, base_model), indent=1), encoding="utf-8")
-    os.replace(tmp, workdir / MODEL_FILE)  # atomic: a reader never sees half a file
+    workdir = store.as_path(workdir, "--workdir")
+    # The tokenizer library writes local files only: save, then copy them into the workdir.
+    with tempfile.TemporaryDirectory() as local:
+        model.tokenizer.save_pretrained(local)
+        store.upload_dir(local, workdir / TOKENIZER_DIR)
+    store.write_json(workdir / MODEL_FILE, model_record(model, base_model))
 
 
 def encoder_from_record(record: Mapping, source: str) -> tuple[SentenceEncoder, Optional[int]]:
@@ -92,7 +93,7 @@ def load_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "bes
       which: 'best' (by the dev metric; the latest when the run had no evaluation), 'latest',
         or a step number.
     """
-    workdir = Path(workdir)
+    workdir = store.as_path(workdir)
     encoder, max_len = encoder_from_record(read_json(workdir / MODEL_FILE, "model record"),
                                            str(workdir / MODEL_FILE))
     ckpt_dir = workdir / CHECKPOINT_DIR
@@ -102,5 +103,5 @@ def load_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "bes
     params = jax.tree.map(np.asarray, params)
     check_params(encoder, params, f"{ckpt_dir}/{step}")
     return SentenceModel(encoder=encoder, params=jax.device_put(params),
-                         tokenizer=load_tokenizer(workdir / TOKENIZER_DIR), path=str(workdir),
+                         tokenizer=load_tokenizer(store.local_copy(workdir / TOKENIZER_DIR)), path=str(workdir),
                          max_seq_length=max_len)

@@ -9,13 +9,14 @@ A SIGINT/SIGTERM finishes the current step, saves, and raises `Interrupted`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Mapping, Optional, Sequence, Union
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from tqdm.auto import tqdm
 
 from jaxsim import runtime, sharding as sharding_lib
 from jaxsim.data import batching
+from jaxsim.io import store
 from jaxsim.io.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
 from jaxsim.io.workdir import write_model
 from jaxsim.model import SentenceModel
@@ -57,7 +59,7 @@ def _grad_divisor(cfg: TrainConfig, mesh) -> float:
     return float(cfg.grad_replicas or sharding_lib.batch_shards(mesh))
 
 
-def _latest_step(workdir: Path) -> Optional[int]:
+def _latest_step(workdir: store.Path) -> Optional[int]:
     """The step to resume from; every process takes process 0's answer (they must agree)."""
     folder, latest = workdir / CHECKPOINT_DIR, None
     if folder.is_dir():
@@ -68,6 +70,29 @@ def _latest_step(workdir: Path) -> Optional[int]:
                                                                     else latest)))
         latest = None if latest < 0 else latest
     return latest
+
+
+@contextlib.contextmanager
+def _hold_workdir(workdir: store.Path, main: bool, say) -> Iterator[None]:
+    """Holds the workdir's lock (process 0) while the run writes; every process learns whether
+    it was had, so a refused run stops on all processes at once, before anything is written."""
+    lock, refusal = None, None
+    if main:
+        try:
+            lock = store.WorkdirLock(workdir, say=say).acquire()
+        except store.WorkdirLockedError as e:
+            refusal = e
+    if jax.process_count() > 1:
+        held = bool(multihost_utils.broadcast_one_to_all(np.int32(refusal is None)))
+        if not held and refusal is None:
+            refusal = store.WorkdirLockedError(f'--workdir {workdir} is in use by another run')
+    if refusal is not None:
+        raise refusal
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, Path], *,
@@ -91,7 +116,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     t0 = time.time()
     check_jax_configured()
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
-    workdir = Path(workdir)
+    workdir = store.as_path(workdir, '--workdir')
     main = jax.process_index() == 0
     say = functools.partial(_say, progress and main)
     records.check_writable(workdir)
@@ -138,58 +163,60 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
                                        f'{total} steps configured')
 
     # ---- 3. train -----------------------------------------------------------------------------
-    if main:
-        workdir.mkdir(parents=True, exist_ok=True)
-        records.remove([workdir / records.RESULT_FILE])
-        records.write_json(workdir / records.CONFIG_FILE, decision.record)
-        write_model(workdir, model, base_model=cfg.model)
-    options = compiler_options(cfg.fast_compile)
-    root_key = jax.random.key(cfg.seed)
-    init_key, dropout_key = jax.random.fold_in(root_key, 1), make_dropout_key(root_key,
-                                                                             cfg.prng_impl)
-    tx = make_optimizer(cfg, total)
-    shardings = state_shardings(state_shape(encoder, tx, dropout_key), mesh)
-    ckpt = None
-    if cfg.checkpoint or latest is not None:
-        ckpt = Checkpointer(workdir / CHECKPOINT_DIR, CheckpointOptions(
-            max_to_keep=cfg.keep_checkpoints, best_metric=DEV_METRIC if evaluator else None,
-            keep_best=1 if evaluator else 0))
-    if latest is not None:
-        restored = ckpt.restore('latest', abstract_state(
-            state_shape(encoder, tx, dropout_key), shardings))
-        state, step = restored.state, restored.step
-        it.set_state(restored.data['iterator'])
-        say(f'resuming {workdir} from step {step} of {total}')
-    else:
-        params = init_params(encoder, init_key, param_shardings(encoder, mesh), base.bert_params,
-                             mlm_params=base.mlm_params)
-        state, shardings = create_state(params, tx, dropout_key, mesh, options)
-        step = 0
-    train_step = make_train_step(
-        encoder, functools.partial(objective.loss, **objective_kwargs), tx,
-        views=objective.views, mesh=mesh, state_shardings=shardings,
-        grad_accum_steps=cfg.grad_accum_steps, grad_divisor=derived['grad_divisor'],
-        schedule=make_schedule(cfg, total), compiler_options=options,
-        mlm=(MlmSettings.from_tokenizer(base.tokenizer, cfg.mlm_weight, cfg.mlm_probability,
-                                        base.config.vocab_size) if encoder.mlm else None),
-        prng_impl=cfg.prng_impl)
-    log = records.MetricsLog(workdir, keep_upto=latest, enabled=main)
-    loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
-                 progress and main)
-    try:
-        loop.run()
-        test_at_best = loop.final_test()
-    finally:
-        log.close()
-        if ckpt is not None:
-            ckpt.close()
-    result = TrainResult(steps=loop.step, total_steps=total, final_loss=loop.last_loss,
-                         best_step=loop.best_step, best_dev=loop.best_dev,
-                         test_at_best=test_at_best, dev_curve=loop.dev_curve,
-                         wall_s=round(time.time() - t0, 3), stopped=loop.stopped)
-    if main:
-        records.write_json(workdir / records.RESULT_FILE, result.to_json())
-    return result
+    # One run at a time writes a workdir; process 0 holds its lock for all processes.
+    with _hold_workdir(workdir, main, say):
+        if main:
+            workdir.mkdir(parents=True, exist_ok=True)
+            records.remove([workdir / records.RESULT_FILE])
+            records.write_json(workdir / records.CONFIG_FILE, decision.record)
+            write_model(workdir, model, base_model=cfg.model)
+        options = compiler_options(cfg.fast_compile)
+        root_key = jax.random.key(cfg.seed)
+        init_key, dropout_key = jax.random.fold_in(root_key, 1), make_dropout_key(root_key,
+                                                                                 cfg.prng_impl)
+        tx = make_optimizer(cfg, total)
+        shardings = state_shardings(state_shape(encoder, tx, dropout_key), mesh)
+        ckpt = None
+        if cfg.checkpoint or latest is not None:
+            ckpt = Checkpointer(workdir / CHECKPOINT_DIR, CheckpointOptions(
+                max_to_keep=cfg.keep_checkpoints, best_metric=DEV_METRIC if evaluator else None,
+                keep_best=1 if evaluator else 0))
+        if latest is not None:
+            restored = ckpt.restore('latest', abstract_state(
+                state_shape(encoder, tx, dropout_key), shardings))
+            state, step = restored.state, restored.step
+            it.set_state(restored.data['iterator'])
+            say(f'resuming {workdir} from step {step} of {total}')
+        else:
+            params = init_params(encoder, init_key, param_shardings(encoder, mesh), base.bert_params,
+                                 mlm_params=base.mlm_params)
+            state, shardings = create_state(params, tx, dropout_key, mesh, options)
+            step = 0
+        train_step = make_train_step(
+            encoder, functools.partial(objective.loss, **objective_kwargs), tx,
+            views=objective.views, mesh=mesh, state_shardings=shardings,
+            grad_accum_steps=cfg.grad_accum_steps, grad_divisor=derived['grad_divisor'],
+            schedule=make_schedule(cfg, total), compiler_options=options,
+            mlm=(MlmSettings.from_tokenizer(base.tokenizer, cfg.mlm_weight, cfg.mlm_probability,
+                                            base.config.vocab_size) if encoder.mlm else None),
+            prng_impl=cfg.prng_impl)
+        log = records.MetricsLog(workdir, keep_upto=latest, enabled=main)
+        loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
+                     progress and main)
+        try:
+            loop.run()
+            test_at_best = loop.final_test()
+        finally:
+            log.close()
+            if ckpt is not None:
+                ckpt.close()
+        result = TrainResult(steps=loop.step, total_steps=total, final_loss=loop.last_loss,
+                             best_step=loop.best_step, best_dev=loop.best_dev,
+                             test_at_best=test_at_best, dev_curve=loop.dev_curve,
+                             wall_s=round(time.time() - t0, 3), stopped=loop.stopped)
+        if main:
+            records.write_json(workdir / records.RESULT_FILE, result.to_json())
+        return result
 
 
 class _Loop:
@@ -351,7 +378,7 @@ def run_seeds(config: Union[TrainConfig, Mapping], workdir: Union[str, Path],
     Writes WORKDIR/seeds_summary.json.
     """
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
-    workdir = Path(workdir)
+    workdir = store.as_path(workdir, '--workdir')
     runs = {}
     for seed in seeds:
         r = train_and_evaluate(cfg.replace(seed=int(seed)), workdir / f'seed_{seed}',

@@ -14,11 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from jaxsim.errors import JaxsimError
+from jaxsim.io import store
 from jaxsim.io.checkpoint import CHECKPOINT_DIR
 from jaxsim.io.workdir import CONFIG_FILE
 from jaxsim.train.config import TrainConfig, base_config
@@ -46,15 +45,12 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def write_json(path: Path, value: Any) -> None:
-    """Strict JSON, written atomically."""
-    text = json.dumps(_finite(value), indent=1, allow_nan=False) + '\n'
-    tmp = path.with_name(path.name + '.tmp')
-    tmp.write_text(text, encoding='utf-8')
-    os.replace(tmp, path)
+def write_json(path: store.Path, value: Any) -> None:
+    """Strict JSON (non-finite floats as null), written atomically."""
+    store.write_json(path, _finite(value))
 
 
-def read_json(path: Path) -> Optional[dict]:
+def read_json(path: store.Path) -> Optional[dict]:
     if not path.is_file():
         return None
     try:
@@ -66,17 +62,12 @@ def read_json(path: Path) -> Optional[dict]:
     return value
 
 
-def check_writable(workdir: Path) -> None:
-    """Refuses a workdir (or its nearest existing parent) that cannot be written."""
-    probe = workdir
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if probe.exists() and not probe.is_dir():
-        raise RunMismatchError(f'{workdir}: {probe} is not a folder')
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise RunMismatchError(f'{workdir}: not writable ({probe} is read-only)')
+def check_writable(workdir: store.Path) -> None:
+    """Refuses a workdir that cannot be written (local) or reached (remote), before any work."""
+    try:
+        store.check_reachable(workdir, '--workdir')
+    except store.StorageError as e:
+        raise RunMismatchError(str(e)) from None
 
 
 def make_record(cfg: TrainConfig, derived: Mapping[str, Any], run: Mapping[str, Any]) -> dict:
@@ -120,7 +111,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + '...'
 
 
-def check_workdir(workdir: Path, record: dict, allow: Sequence[str] = (),
+def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
                   step: Optional[int] = None) -> Decision:
     """Compares the run about to start with the one stored in `workdir`; writes nothing.
 
@@ -159,7 +150,7 @@ def check_workdir(workdir: Path, record: dict, allow: Sequence[str] = (),
     return Decision(record={**record, 'changes': history}, resume=True, changed=changed)
 
 
-def read_result(workdir: Path) -> Optional[dict]:
+def read_result(workdir: store.Path) -> Optional[dict]:
     return read_json(workdir / RESULT_FILE)
 
 
@@ -219,17 +210,20 @@ class MetricsLog:
     checkpoint by a run that did not survive), so the log continues without duplicates.
     """
 
-    def __init__(self, workdir: Path, keep_upto: Optional[int], enabled: bool = True):
+    def __init__(self, workdir: store.Path, keep_upto: Optional[int], enabled: bool = True):
         self.path = workdir / METRICS_FILE
         self.enabled = enabled
         self.rows = [r for r in read_rows(self.path)
                      if keep_upto is not None and r['step'] <= keep_upto]
         self._file = None
         if enabled:
-            tmp = self.path.with_name(self.path.name + '.tmp')
-            tmp.write_text(''.join(_row_text(r) for r in self.rows), encoding='utf-8')
-            os.replace(tmp, self.path)
-            self._file = self.path.open('a', encoding='utf-8')
+            self._rewrite()
+            if not store.is_remote(self.path):
+                self._file = open(self.path, 'a', encoding='utf-8')
+
+    def _rewrite(self) -> None:
+        # Object stores cannot append: there every row rewrites the (small) log in one PUT.
+        store.write_atomic(self.path, ''.join(_row_text(r) for r in self.rows))
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:
         row = {'step': int(step), **_finite({k: float(v) for k, v in values.items()})}
@@ -239,6 +233,8 @@ class MetricsLog:
         if self._file is not None:
             self._file.write(_row_text(row))
             self._file.flush()
+        elif self.enabled:
+            self._rewrite()
 
     def close(self) -> None:
         if self._file is not None:
@@ -250,7 +246,7 @@ def _row_text(row: Mapping[str, Any]) -> str:
     return json.dumps(row, allow_nan=False) + '\n'
 
 
-def read_rows(path: Path) -> list[dict]:
+def read_rows(path: store.Path) -> list[dict]:
     """The rows of a metrics.jsonl; a torn last line (killed mid-write) is ignored."""
     if not path.is_file():
         return []
@@ -265,7 +261,7 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def remove(paths: Iterable[Path]) -> None:
+def remove(paths: Iterable[store.Path]) -> None:
     for p in paths:
         if p.is_file():
             p.unlink()

@@ -9,7 +9,7 @@ import pytest
 
 import train
 from tests.conftest import write_run_data
-from jaxsim.train import records
+from jaxsim.io import store
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / 'configs' / 'tiny_unsup_simcse.py')
@@ -80,11 +80,11 @@ def test_read_only_workdir_is_one_error_line(data, tmp_path, capsys, monkeypatch
     os.chmod(ro, 0o555)
     if os.getuid() == 0:
         # root may write anywhere; answer access() as the kernel would for a plain user.
-        monkeypatch.setattr(records.os, 'access', lambda path, mode: not (
+        monkeypatch.setattr(store.os, 'access', lambda path, mode: not (
             mode & os.W_OK and not os.stat(path).st_mode & 0o002))
     args = ['--config', TINY, '--workdir', str(ro / 'run'), '--noprogress',
             f'--config.train_file={data / "corpus.txt"}']
     assert train.main(args) == 1
     out, err = capsys.readouterr()
-    assert err == f'error: {ro / "run"}: not writable ({ro} is read-only)\n'
+    assert err == f'error: --workdir {ro / "run"}: not writable ({ro} is read-only)\n'
     assert list(ro.iterdir()) == []

@@ -1,0 +1,63 @@
+"""Two runs on one workdir: the second is refused in one line before it writes anything, and
+the first keeps every metrics row."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import train
+from tests.conftest import write_run_data
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / 'configs' / 'tiny_unsup_simcse.py')
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob('*'))
+            if p.is_file() and p.name != 'metrics.jsonl' and 'checkpoints' not in p.parts}
+
+
+def test_second_run_on_a_held_workdir_is_refused_and_the_first_loses_nothing(tmp_path, capsys):
+    data = write_run_data(tmp_path, 's1.dev', 64, 40)
+    workdir = tmp_path / 'run'
+    steps = 100_000  # long enough to still run while the second one starts
+    args = ['--config', TINY, '--workdir', str(workdir), '--noprogress',
+            f'--config.train_file={data / "corpus.txt"}', f'--config.max_steps={steps}',
+            '--config.checkpoint_every=5']
+    env = dict(os.environ, JAX_PLATFORMS='cpu')
+    first = subprocess.Popen([sys.executable, 'train.py', *args], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # Wait until the first run holds the lock and has logged a step.
+        deadline = time.time() + 300
+        while not (workdir / 'metrics.jsonl').is_file() or not (
+                workdir / 'metrics.jsonl').read_text():
+            assert first.poll() is None, first.communicate()
+            assert time.time() < deadline, 'the first run logged no step'
+            time.sleep(0.2)
+        holder = json.loads((workdir / '.lock').read_text())
+        assert holder['pid'] == first.pid
+        before = _snapshot(workdir)
+        assert train.main(args) == 1
+        err = capsys.readouterr().err
+        assert err.count('\n') == 1 and err.startswith('error: --workdir ')
+        assert f'in use by pid {first.pid} on ' in err
+        assert first.poll() is None, 'the first run ended before the second was refused'
+        assert _snapshot(workdir) == before  # nothing a refused run could touch has changed
+        logged = len((workdir / 'metrics.jsonl').read_text().splitlines())
+        first.send_signal(signal.SIGINT)
+        out, err = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130, err[-3000:]
+    rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+    assert len(rows) >= logged
+    assert [r['step'] for r in rows] == list(range(1, len(rows) + 1))
+    # The lock went with the first run: the same command now resumes it.
+    assert (workdir / '.lock').read_text() == ''
+    assert train.main(args[:-2] + [f'--config.max_steps={len(rows) + 2}',
+                                   '--allow-change=max_steps']) == 0
