@@ -27,6 +27,8 @@ import types
 
 import numpy as np
 
+import jaxsim
+
 SIMCSE_COMMIT = '49fa580a853752ede55b8c76d9debf748e214d3f'
 POOLERS = ('cls', 'cls_before_pooler', 'avg', 'avg_top2', 'avg_first_last')
 HERE = pathlib.Path(__file__).resolve().parent
@@ -105,8 +107,6 @@ def main(argv=None) -> None:
     import safetensors.numpy
     import torch
     import transformers
-
-    import jaxsim
 
     models = load_models_module(args.checkout)
     folder = jaxsim.bundled_model_path()
