@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
+from jaxsim.io import store
 from jaxsim.io.hf_folder import bundled_model_path, load_hf_folder, resolve_model_path
 from jaxsim.io.checkpoint import CHECKPOINT_DIR
 from jaxsim.io.workdir import MODEL_FILE, WorkdirError, is_train_workdir, load_workdir
@@ -29,6 +30,12 @@ def load_pretrained(name_or_path: Union[str, os.PathLike], pooler: Optional[str]
     """
     if str(name_or_path) == "bundled":
         name_or_path = bundled_model_path()
+    if store.is_remote(name_or_path):  # gs://...: a workdir is read in place, a folder copied
+        path = store.as_path(name_or_path, "model")
+        if is_train_workdir(path):
+            model = load_workdir(path, which)
+            return model.with_pooler(pooler) if pooler else model
+        return load_hf_folder(store.local_copy(path, "model"), pooler)
     path = Path(name_or_path).expanduser()
     if path.is_dir() and is_train_workdir(path):
         model = load_workdir(path, which)

@@ -20,6 +20,7 @@ import fcntl
 import importlib
 import io
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -82,6 +83,10 @@ def _check_backend(url: str, what: str) -> None:
     package = _SCHEME_PACKAGES.get(name)
     if package is None:
         return
+    if name == "gs":
+        # Without application credentials (e.g. a local server) gcsfs warns on every bucket
+        # that it cannot tell the bucket's type; it falls back to the plain API, which we use.
+        logging.getLogger("gcsfs").setLevel(logging.ERROR)
     try:
         importlib.import_module(package)
     except ImportError:
@@ -96,22 +101,30 @@ def check_reachable(path: PathLike, what: str = "path") -> Path:
     writable folder. One line naming the path otherwise.
     """
     p = as_path(path, what)
+    if is_remote(p):
+        return _check_bucket(p, what)
     probe = p
     while not probe.exists():
         if probe.parent == probe:
             break
         probe = probe.parent
-    if not is_remote(p):
-        if probe.exists() and not probe.is_dir():
-            raise StorageError(f"{what} {p}: {probe} is not a folder")
-        if not os.access(probe, os.W_OK | os.X_OK):
-            raise StorageError(f"{what} {p}: not writable ({probe} is read-only)")
-        return p
+    if probe.exists() and not probe.is_dir():
+        raise StorageError(f"{what} {p}: {probe} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise StorageError(f"{what} {p}: not writable ({probe} is read-only)")
+    return p
+
+
+def _check_bucket(p: Path, what: str) -> Path:
+    bucket = epath.Path(f"{scheme(p)}://{os.fspath(p).split('://', 1)[1].split('/', 1)[0]}")
     try:
-        next(iter(probe.iterdir()), None)
+        found = bucket.exists()
+        next(iter(bucket.iterdir()), None)
     except Exception as e:  # fsspec backends raise their own types (no common base)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise StorageError(f"{what} {p}: storage not reachable ({first})") from None
+    if not found:
+        raise StorageError(f"{what} {p}: bucket {bucket} not found (or not accessible)")
     return p
 
 
@@ -348,11 +361,16 @@ def local_copy(folder: PathLike, what: str = "folder") -> pathlib.Path:
         raise StorageError(f"{what} {p}: no such folder")
     target = pathlib.Path(tempfile.mkdtemp(prefix="jaxsim-remote-"))
     atexit.register(shutil.rmtree, target, True)
-    for source in p.rglob("*"):
-        if source.is_file():
-            dest = target / source.relative_to(p)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(source.read_bytes())
+
+    def copy(folder: Path, dest: pathlib.Path) -> None:  # level by level: GCS has no `**`
+        for source in folder.iterdir():
+            if source.is_dir():
+                (dest / source.name).mkdir()
+                copy(source, dest / source.name)
+            else:
+                (dest / source.name).write_bytes(source.read_bytes())
+
+    copy(p, target)
     return target
 
 

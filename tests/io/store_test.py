@@ -144,7 +144,7 @@ def _try_lock(path, barrier, results):
 
 
 def test_racing_runs_exactly_one_wins(tmp_path):
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process running JAX threads
     barrier, results = ctx.Barrier(4), ctx.Queue()
     procs = [ctx.Process(target=_try_lock, args=(str(tmp_path / "run"), barrier, results))
              for _ in range(4)]
