@@ -1,22 +1,23 @@
-"""Training batches: tokenized once up front, a resumable per-process iterator, global arrays.
+"""Training batches: fixed-length tokenization, the global batch order, global arrays.
 
-Text is tokenized ONCE (through the one tokenize/pad path, `jaxsim.data.tokenize`) into
-fixed-length int32 arrays [examples, sentences per example, max_len], so the training loop
-only slices arrays. The iterator is a pure function of (seed, epoch, step): its position is two
-integers that a checkpoint saves for an exact resume. In a multi-process run every process
-computes the same global permutation and takes only its own contiguous block of each global
-batch (the block its devices own in the mesh); `to_global` assembles the blocks into one
-global array.
+Examples are tokenized through the one tokenize/pad path (`jaxsim.data.tokenize`) into
+fixed-length int32 arrays [examples, sentences per example, max_len]. Which examples form each
+global batch is a pure function of (seed, epoch, step) (`EpochOrder`): an iterator's position is
+two integers that a checkpoint saves for an exact resume. In a multi-process run every process
+computes the same order and feeds only its own rows of each global batch (`process_rows`, the
+block its devices own in the mesh); `to_global` assembles them into one global array. The
+training input streams from random-access sources (`jaxsim.data.pipeline`); `BatchIterator`
+serves arrays already in memory.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
+from grain.experimental import index_shuffle
 
 from jaxsim.data.readers import DataError
 from jaxsim.data.tokenize import pad_batch, token_ids
@@ -27,7 +28,8 @@ FIELDS = ('input_ids', 'attention_mask', 'token_type_ids')
 
 
 def tokenize_examples(tokenizer, rows: Sequence[Sequence[str]] | Sequence[str], max_len: int,
-                      source: str = '<data>') -> dict[str, np.ndarray]:
+                      source: str = '<data>', log_truncated: bool = True
+                      ) -> dict[str, np.ndarray]:
     """Tokenizes examples of one or more sentences to a fixed length (longer ones truncated).
 
     Args:
@@ -35,6 +37,7 @@ def tokenize_examples(tokenizer, rows: Sequence[Sequence[str]] | Sequence[str], 
       rows: sentences, or tuples of sentences (all of one length).
       max_len: tokens per sentence including special tokens; shorter ones are padded.
       source: named in errors.
+      log_truncated: log how many sentences were truncated (off for per-batch calls).
 
     Returns:
       {'input_ids', 'attention_mask', 'token_type_ids'}: int32 [N, views, max_len], views being
@@ -58,71 +61,72 @@ def tokenize_examples(tokenizer, rows: Sequence[Sequence[str]] | Sequence[str], 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = pad_batch(ids, pad_id, max_len)
     truncated = sum(len(x) >= max_len for x in ids)
-    if truncated:
+    if truncated and log_truncated:
         log.info('%s: %d of %d sentences fill or exceed max_len=%d (truncated)', source,
                  truncated, len(flat), max_len)
     return {k: np.asarray(getattr(batch, k), np.int32).reshape(len(rows), views, max_len)
             for k in FIELDS}
 
 
-def digest(arrays: Mapping[str, np.ndarray]) -> str:
-    """sha256 over the arrays (names, shapes and bytes): identifies the tokenized data."""
-    h = hashlib.sha256()
-    for k in sorted(arrays):
-        a = np.ascontiguousarray(arrays[k])
-        h.update(f'{k}{a.shape}{a.dtype}'.encode())
-        h.update(a.tobytes())
-    return 'sha256:' + h.hexdigest()
-
-
 @dataclasses.dataclass
 class IteratorState:
-    """Position of a `BatchIterator`: the next batch is batch `step` of epoch `epoch`."""
+    """Position of an iterator: the next batch is batch `step` of epoch `epoch`."""
 
     epoch: int = 0
     step: int = 0
 
 
-class BatchIterator:
-    """Yields this process's block of each global batch, deterministically from the seed.
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The 32-bit shuffling seed of one epoch (distinct epochs and seeds never collide the way
+    seed + epoch would)."""
+    return int(np.random.SeedSequence([seed % 2**64, epoch]).generate_state(1, np.uint32)[0])
 
-    Each epoch is a fresh permutation from `np.random.default_rng([seed, epoch])`. The examples
-    left over after the full batches are dropped (`last_batch='drop'`), or form one smaller last
-    batch (`'keep'`, as the HF Trainer does), rounded down to a multiple of `granularity` so it
-    still splits evenly over the devices and accumulation steps.
+
+def process_rows(size: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+    """The rows of a global batch of `size` that one process feeds: its contiguous block."""
+    local = size // process_count
+    return np.arange(process_index * local, (process_index + 1) * local)
+
+
+class EpochOrder:
+    """Which examples each global batch holds: a pure function of (seed, epoch, position).
+
+    Epoch e visits the examples in the order of a pseudo-random permutation computed one index
+    at a time (`grain.experimental.index_shuffle`, seeded by `epoch_seed(seed, e)`): no
+    permutation array is ever built, so the order costs the same memory for any corpus size,
+    and every process, whatever the process or device count, agrees on every global batch.
+    The examples left over after the full batches are dropped (`last_batch='drop'`), or form
+    one smaller last batch (`'keep'`, as the HF Trainer does), rounded down to a multiple of
+    `granularity` so it still splits evenly over the devices and accumulation steps.
 
     Args:
-      arrays: numpy arrays with a leading example dimension N.
+      num_examples: examples in the data.
       global_batch: examples per global batch.
       seed: shuffling seed.
-      process_index / process_count: this process's block of each global batch.
       shuffle: False keeps the data order.
       last_batch: 'drop' or 'keep'.
       granularity: the kept last batch is a multiple of this (batch shards x accumulation).
+      process_count: processes that split each batch (the batch must divide among them).
     """
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], global_batch: int, seed: int = 0,
-                 process_index: int = 0, process_count: int = 1, shuffle: bool = True,
-                 last_batch: str = 'drop', granularity: int = 1):
-        self.arrays = dict(arrays)
-        self.num_examples = len(next(iter(self.arrays.values())))
+    def __init__(self, num_examples: int, global_batch: int, seed: int = 0, shuffle: bool = True,
+                 last_batch: str = 'drop', granularity: int = 1, process_count: int = 1):
         if last_batch not in ('drop', 'keep'):
             raise ValueError(f"last_batch must be 'drop' or 'keep', got {last_batch!r}")
         granularity = int(np.lcm(granularity, process_count))
         if global_batch % granularity:
             raise ValueError(f'global batch {global_batch} is not divisible by {granularity} '
                              f'(the {process_count} processes x device/accumulation splits)')
-        self.global_batch = global_batch
-        self.process_index, self.process_count = process_index, process_count
+        if num_examples >= 2**32:
+            raise DataError(f'{num_examples} examples: the shuffle addresses at most 2**32')
+        self.num_examples, self.global_batch = num_examples, global_batch
         self.seed, self.shuffle = seed, shuffle
-        self.full_batches = self.num_examples // global_batch
-        rest = self.num_examples - self.full_batches * global_batch
+        self.full_batches = num_examples // global_batch
+        rest = num_examples - self.full_batches * global_batch
         self.last_size = (rest // granularity) * granularity if last_batch == 'keep' else 0
         if self.steps_per_epoch == 0:
-            raise DataError(f'{self.num_examples} examples cannot fill one global batch of '
+            raise DataError(f'{num_examples} examples cannot fill one global batch of '
                             f'{global_batch}')
-        self.state = IteratorState()
-        self._perm_epoch, self._perm = None, None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -133,12 +137,50 @@ class BatchIterator:
         """Examples of each epoch that no batch holds."""
         return self.num_examples - self.full_batches * self.global_batch - self.last_size
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if self._perm_epoch != epoch:
-            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
-                          if self.shuffle else np.arange(self.num_examples))
-            self._perm_epoch = epoch
-        return self._perm
+    def batch_size(self, step: int) -> int:
+        """Examples in global batch `step` (0 <= step < steps_per_epoch) of an epoch."""
+        return self.global_batch if step < self.full_batches else self.last_size
+
+    def examples(self, epoch: int, step: int, rows: np.ndarray) -> np.ndarray:
+        """The example indices at `rows` of global batch `step` of `epoch`."""
+        positions = step * self.global_batch + np.asarray(rows, np.int64)
+        if not self.shuffle:
+            return positions
+        seed, last = epoch_seed(self.seed, epoch), self.num_examples - 1
+        return np.array([index_shuffle(int(p), max_index=last, seed=seed, rounds=4)
+                         for p in positions], np.int64)
+
+
+class BatchIterator:
+    """Yields this process's block of each global batch of in-memory arrays (`EpochOrder`).
+
+    Args:
+      arrays: numpy arrays with a leading example dimension N.
+      global_batch, seed, shuffle, last_batch, granularity: as `EpochOrder`.
+      process_index / process_count: this process's block of each global batch.
+    """
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], global_batch: int, seed: int = 0,
+                 process_index: int = 0, process_count: int = 1, shuffle: bool = True,
+                 last_batch: str = 'drop', granularity: int = 1):
+        self.arrays = dict(arrays)
+        self.num_examples = len(next(iter(self.arrays.values())))
+        self.order = EpochOrder(self.num_examples, global_batch, seed, shuffle, last_batch,
+                                granularity, process_count)
+        self.process_index, self.process_count = process_index, process_count
+        self.state = IteratorState()
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.order.steps_per_epoch
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        return self.order.dropped_per_epoch
+
+    @property
+    def last_size(self) -> int:
+        return self.order.last_size
 
     def get_state(self) -> dict[str, int]:
         return dataclasses.asdict(self.state)
@@ -152,12 +194,10 @@ class BatchIterator:
     def __next__(self) -> dict[str, np.ndarray]:
         if self.state.step >= self.steps_per_epoch:
             self.state = IteratorState(self.state.epoch + 1, 0)
-        step = self.state.step
-        size = self.global_batch if step < self.full_batches else self.last_size
-        local = size // self.process_count
-        start = step * self.global_batch + self.process_index * local
-        idx = self._permutation(self.state.epoch)[start:start + local]
-        self.state = IteratorState(self.state.epoch, step + 1)
+        epoch, step = self.state.epoch, self.state.step
+        rows = process_rows(self.order.batch_size(step), self.process_index, self.process_count)
+        idx = self.order.examples(epoch, step, rows)
+        self.state = IteratorState(epoch, step + 1)
         return {k: v[idx] for k, v in self.arrays.items()}
 
 

@@ -135,9 +135,7 @@ def read_nli_csv(path: PathLike) -> list[tuple[str, str, str]]:
         header = next(reader, None)
         if header is None:
             raise DataError(f'{path}: empty file (expected header {",".join(NLI_COLUMNS)})')
-        header = [h.strip() for h in header]
-        if tuple(header) != NLI_COLUMNS:
-            raise DataError(f'{path}:1: header {header} != {list(NLI_COLUMNS)}')
+        check_nli_header(header, path)
         end = 1  # last physical line of the previous row
         for row in reader:
             start, end = end + 1, reader.line_num
@@ -146,19 +144,34 @@ def read_nli_csv(path: PathLike) -> list[tuple[str, str, str]]:
             if end != start:
                 raise DataError(f'{path}:{start}: a quoted cell runs over {end - start + 1} '
                                 f'lines (unbalanced quote?)')
-            if len(row) != 3:
-                raise DataError(f'{path}:{start}: expected 3 columns {NLI_COLUMNS}, got '
-                                f'{len(row)}')
-            row = [c.strip() for c in row]
-            for name, cell in zip(NLI_COLUMNS, row):
-                if not cell:
-                    raise DataError(f'{path}:{start}: empty {name!r}')
-            rows.append(tuple(row))
+            rows.append(check_nli_row(row, path, start))
     except csv.Error as e:
         raise DataError(f'{path}:{reader.line_num}: malformed CSV ({e})') from None
     if not rows:
         raise DataError(f'{path}: no triplets after the header')
     return rows
+
+
+def check_nli_row(row: Sequence[str], path: PathLike, lineno: int) -> tuple[str, str, str]:
+    """A parsed CSV row as a (sent0, sent1, hard_neg) triplet of stripped, non-empty cells.
+
+    Raises:
+      DataError: naming path:lineno, for other than 3 columns or an empty cell.
+    """
+    if len(row) != 3:
+        raise DataError(f'{path}:{lineno}: expected 3 columns {NLI_COLUMNS}, got {len(row)}')
+    row = tuple(c.strip() for c in row)
+    for name, cell in zip(NLI_COLUMNS, row):
+        if not cell:
+            raise DataError(f'{path}:{lineno}: empty {name!r}')
+    return row
+
+
+def check_nli_header(header: Sequence[str], path: PathLike) -> None:
+    """Raises DataError unless the header is sent0,sent1,hard_neg."""
+    header = [h.strip() for h in header]
+    if tuple(header) != NLI_COLUMNS:
+        raise DataError(f'{path}:1: header {header} != {list(NLI_COLUMNS)}')
 
 
 def build_snli_triplets(snli_dir: PathLike, splits: Sequence[str] = ('dev', 'test')

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsim.data import readers
-from jaxsim.data.readers import DataError
+from jaxsim.data import readers, sources
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
 from jaxsim.io.pretrained import load_pretrained
 from jaxsim.models.bert import BertConfig
@@ -81,39 +80,37 @@ def make_encoder(cfg: TrainConfig, config: BertConfig) -> SentenceEncoder:
                            dtype=dtype)
 
 
-def load_examples(cfg: TrainConfig) -> tuple[list, str]:
-    """Reads the training examples: sentences, or tuples of sentences.
+def open_source(cfg: TrainConfig):
+    """The training examples as a random-access source (`jaxsim.data.sources`).
 
-    Returns:
-      (rows, source) where source names the data in messages and the run record.
+    Text and CSV files are read through a line index built once (and cached); the small
+    SentEval-derived sets ('snli', 'senteval_corpus') are held in memory. `source.name` names
+    the data in messages and the run record.
     """
     path = cfg.data_path
     if cfg.data_format == 'tfds':
-        rows = readers.read_tfds(cfg.tfds_name, cfg.tfds_split, cfg.tfds_data_dir or None,
-                                 cfg.tfds_fields)
-        source = f'tfds:{cfg.tfds_name}/{cfg.tfds_split}'
+        source = sources.TfdsSource(cfg.tfds_name, cfg.tfds_split, cfg.tfds_data_dir or None,
+                                    cfg.tfds_fields)
     elif cfg.data_format == 'text':
-        rows, source = readers.read_sentences(path), path
+        source = sources.TextSource(path)
     elif cfg.data_format == 'csv':
-        rows, source = readers.read_nli_csv(path), path
+        source = sources.CsvSource(path)
     elif cfg.data_format == 'senteval_corpus':
-        rows = readers.collect_corpus(path)
-        source = f'{path} ({len(readers.CORPUS_FILES)} SentEval text files)'
+        source = sources.ListSource(readers.collect_corpus(path), f'{path} '
+                                    f'({len(readers.CORPUS_FILES)} SentEval text files)')
     else:
-        rows = readers.build_snli_triplets(path, cfg.snli_splits)
-        source = f'{path} ({",".join(cfg.snli_splits)})'
+        source = sources.ListSource(readers.build_snli_triplets(path, cfg.snli_splits),
+                                    f'{path} ({",".join(cfg.snli_splits)})')
     if cfg.max_examples > 0:
-        rows = rows[:cfg.max_examples]
-    return rows, source
+        source = sources.Limited(source, cfg.max_examples)
+    return source
 
 
-def data_views(rows: list, objective: Objective, source: str) -> int:
+def check_views(source, objective: Objective) -> int:
     """Sentences per example, checked against what the objective takes."""
-    if not rows:
-        raise DataError(f'{source}: no examples')
-    views = 1 if isinstance(rows[0], str) else len(rows[0])
+    views = source.views
     if not objective.accepts(views):
         want = f'{objective.views}' + (' (or 1, repeated)' if objective.from_single else '')
-        raise ObjectiveError(f'{source}: objective {objective.name!r} needs {want} sentence(s) '
-                             f'per example, the data has {views}')
+        raise ObjectiveError(f'{source.name}: objective {objective.name!r} needs {want} '
+                             f'sentence(s) per example, the data has {views}')
     return views

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxsim import runtime, sharding as sharding_lib
-from jaxsim.data import batching
+from jaxsim.data import batching, pipeline
 from jaxsim.io import store
 from jaxsim.io.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
 from jaxsim.io.workdir import write_model
@@ -125,16 +125,17 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     # ---- 1. inputs, on the host -------------------------------------------------------------
     objective = get_objective(cfg.objective)
     objective_kwargs = check_kwargs(objective, cfg.objective_kwargs)
-    rows, source = build.load_examples(cfg)
-    build.data_views(rows, objective, source)
+    source = build.open_source(cfg)
+    build.check_views(source, objective)
     base = build.load_base(cfg)
     encoder = build.make_encoder(cfg, base.config)
-    arrays = batching.tokenize_examples(base.tokenizer, rows, cfg.max_len, source)
     mesh = sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
     sharding_lib.check_global_batch(cfg.batch_size, mesh, cfg.grad_accum_steps)
-    it = batching.BatchIterator(
-        arrays, cfg.batch_size, seed=cfg.seed, process_index=jax.process_index(),
-        process_count=jax.process_count(), last_batch=cfg.last_batch,
+    # Each process reads and tokenizes only its rows of each global batch, ahead of the step.
+    it = pipeline.StreamIterator(
+        source, base.tokenizer, cfg.max_len, cfg.batch_size, seed=cfg.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+        last_batch=cfg.last_batch,
         granularity=sharding_lib.batch_shards(mesh) * cfg.grad_accum_steps)
     total = cfg.max_steps or math.ceil(cfg.num_epochs * it.steps_per_epoch)
     model = SentenceModel(encoder=encoder.clone(dtype=jnp.float32), params=None,
@@ -144,8 +145,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
                                    cfg.eval_batch_size, cfg.eval_test)
 
     # ---- 2. the workdir's run ---------------------------------------------------------------
-    derived = {'data': {'source': source, 'examples': it.num_examples,
-                        'sha256': batching.digest(arrays)},
+    derived = {'data': {'source': source.name, 'examples': it.num_examples,
+                        'sha256': pipeline.data_digest(source, base.tokenizer, cfg.max_len)},
                'grad_divisor': _grad_divisor(cfg, mesh)}
     facts = {'total_steps': total, 'steps_per_epoch': it.steps_per_epoch,
              'dropped_per_epoch': it.dropped_per_epoch, 'base_model': base.path,
@@ -207,6 +208,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             loop.run()
             test_at_best = loop.final_test()
         finally:
+            it.close()
             log.close()
             if ckpt is not None:
                 ckpt.close()

@@ -1,5 +1,5 @@
 """Training batches: fixed-length tokenization, the resumable per-process iterator (dropping or
-keeping the last partial batch), global arrays, the data digest."""
+keeping the last partial batch), global arrays."""
 import jax
 import numpy as np
 import pytest
@@ -119,12 +119,3 @@ def test_to_global_makes_batch_sharded_arrays():
     out = batching.to_global(local, {k: sharding.batch_sharding(mesh, 3) for k in local})
     assert all(isinstance(v, jax.Array) and v.shape == (4, 2, 3) for v in out.values())
     np.testing.assert_array_equal(np.asarray(out['input_ids']), local['input_ids'])
-
-
-def test_digest_identifies_the_data():
-    a = _arrays()
-    assert batching.digest(a) == batching.digest({'x': a['x'].copy()})
-    b = {'x': a['x'].copy()}
-    b['x'][3, 1] += 1
-    assert batching.digest(a) != batching.digest(b)
-    assert batching.digest(a).startswith('sha256:')

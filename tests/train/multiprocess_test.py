@@ -1,8 +1,8 @@
 """Multi-process training on loopback: 2 processes x 4 CPU devices == 1 process x 8 devices.
 
-Each process reads only its block of every global batch (BatchIterator's process slice) and
-feeds `jax.make_array_from_process_local_data`; CPU collectives go through gloo. The two runs
-split the same sums differently, so they agree up to reordered float32 summation (see
+Each process reads and tokenizes only its block of every global batch (the streamed input,
+`jaxsim.data.pipeline`) and feeds `jax.make_array_from_process_local_data`; CPU collectives go
+through gloo. The two runs split the same sums differently, so they agree up to reordered float32 summation (see
 sharding_test.py): SGD keeps that a bound on the parameters too.
 """
 import json

@@ -1,0 +1,145 @@
+"""Line-offset indexes and the file sources: the same records as the whole-file readers, built
+once and reused while the file is unchanged, rebuilt when it changes, bad lines named
+file:line."""
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from jaxsim.data import index, readers, sources
+from jaxsim.data.readers import DataError
+
+
+@pytest.fixture(autouse=True)
+def index_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv('JAXSIM_INDEX_DIR', str(tmp_path / 'index-cache'))
+
+
+def _random_text(rng, lines: int) -> bytes:
+    words = ['a', 'dog', 'Ünïcode', '漢字', 'x\u2028y', '\u00a0', '\u2003', ' ', '\t', 'end.',
+             '\x1f', '"q"', ',']
+    out = []
+    for _ in range(lines):
+        n = int(rng.integers(0, 6))
+        line = ' '.join(rng.choice(words, n)) if n else ''
+        out.append(line + ('\r' if rng.random() < 0.2 else ''))
+    return '\n'.join(out).encode()
+
+
+def test_text_source_reads_what_read_sentences_reads(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / 'corpus.txt'
+    path.write_bytes(b'\xef\xbb\xbf' + _random_text(rng, 3000))
+    src = sources.TextSource(path)
+    assert [src[i][0] for i in range(len(src))] == readers.read_sentences(path)
+    assert src.index.sha256 == 'sha256:' + hashlib.sha256(path.read_bytes()).hexdigest()
+    assert src.index.lines == 3000
+
+
+@pytest.mark.parametrize('chunk', [7, 64, 1000])
+def test_small_chunks_give_the_same_index(tmp_path, monkeypatch, chunk):
+    # Chunk edges fall inside lines and multi-byte characters; the records must not move.
+    path = tmp_path / 'corpus.txt'
+    path.write_bytes(_random_text(np.random.default_rng(1), 400) + b'\n')
+    whole = index.load_or_build(path, 'text')
+    (tmp_path / 'corpus.txt.text-index.json').unlink()
+    monkeypatch.setattr(index, 'CHUNK_BYTES', chunk)
+    parts = index.load_or_build(path, 'text')
+    np.testing.assert_array_equal(np.asarray(parts.offsets), np.asarray(whole.offsets))
+    assert (parts.sha256, parts.lines) == (whole.sha256, whole.lines)
+
+
+def test_index_is_reused_while_unchanged_and_rebuilt_when_changed(tmp_path, monkeypatch):
+    path = tmp_path / 'corpus.txt'
+    path.write_text('one\ntwo\nthree\n')
+    first = sources.TextSource(path)
+    assert first.build_s > 0 and (tmp_path / 'corpus.txt.text-index.npy').exists()
+    real_scan = index._scan
+    monkeypatch.setattr(index, '_scan', lambda *a: pytest.fail('rebuilt an unchanged index'))
+    again = sources.TextSource(path)
+    assert again.build_s == 0.0 and again.fingerprint() == first.fingerprint()
+    # Same size, same modification time, different content: the edge hash notices.
+    st = path.stat()
+    path.write_text('one\ntwo\nthreE\n')
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    monkeypatch.setattr(index, '_scan', real_scan)
+    changed = sources.TextSource(path)
+    assert changed.build_s > 0 and changed[2] == ('threE',)
+    assert changed.fingerprint() != first.fingerprint()
+    # Appending changes size and mtime.
+    with path.open('a') as f:
+        f.write('four\n')
+    assert len(sources.TextSource(path)) == 4
+
+
+def test_unwritable_corpus_folder_caches_the_index_elsewhere(tmp_path, monkeypatch):
+    path = tmp_path / 'data' / 'corpus.txt'
+    path.parent.mkdir()
+    path.write_text('a\nb\n')
+    real = index.write_atomic
+
+    def refuse_beside(target, write):
+        if target.parent == path.parent:
+            raise PermissionError(13, 'Permission denied')
+        return real(target, write)
+
+    monkeypatch.setattr(index, 'write_atomic', refuse_beside)
+    src = sources.TextSource(path)
+    assert [src[i] for i in range(2)] == [('a',), ('b',)]
+    assert sorted(p.name for p in path.parent.iterdir()) == ['corpus.txt']
+    cached = list((tmp_path / 'index-cache').glob('*-corpus.txt.text-index.npy'))
+    assert len(cached) == 1
+    assert sources.TextSource(path).build_s == 0.0  # found in the cache folder
+
+
+@pytest.mark.parametrize('content, message', [
+    (b'ok\nfine\n\xff bad\n', r'corpus.txt:3: not valid UTF-8 \(invalid start byte at byte 8\)'),
+    (b'ok\nbin\x00ary\n', 'corpus.txt:2: NUL byte'),
+    (b'ok\n' + b'w' * (readers.MAX_LINE_CHARS + 1) + b'\n',
+     'corpus.txt:2: line of 100001 characters exceeds the 100000 limit'),
+    (b' \n\t\n', r'corpus.txt: no sentences \(the file is empty or blank\)'),
+])
+def test_bad_text_is_named_by_file_and_line(tmp_path, content, message):
+    path = tmp_path / 'corpus.txt'
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        sources.TextSource(path)
+    with pytest.raises(DataError, match=message):  # the same words as the whole-file reader
+        readers.read_sentences(path)
+    with pytest.raises(DataError, match='missing.txt: sentence file not found'):
+        sources.TextSource(tmp_path / 'missing.txt')
+
+
+def test_csv_source_reads_what_read_nli_csv_reads(tmp_path):
+    path = tmp_path / 'nli.csv'
+    path.write_bytes(b'sent0,sent1,hard_neg\r\n"a, b",c,"d ""e"""\r\n\r\n f ,g,h\n')
+    src = sources.CsvSource(path)
+    assert [src[i] for i in range(len(src))] == readers.read_nli_csv(path)
+    assert src.views == 3 and len(src) == 2
+
+
+@pytest.mark.parametrize('content, message', [
+    (b'sent0,sent1,hard_neg\na,b,c\nd,e\n', r'nli.csv:3: expected 3 columns .* got 2'),
+    (b'sent0,sent1,hard_neg\na,b,c\n\nd, ,f\n', "nli.csv:4: empty 'sent1'"),
+    (b'sent0,sent1,hard_neg\na,"b,c\n', 'nli.csv:2: a quoted cell runs past the end'),
+    (b'a,b,c\n', r"nli.csv:1: header \['a', 'b', 'c'\]"),
+    (b'\nsent0,sent1,hard_neg\n', r'nli.csv:1: header \[\]'),
+    (b'sent0,sent1,hard_neg\n', 'nli.csv: no triplets after the header'),
+    (b'', r'nli.csv: empty file \(expected header sent0,sent1,hard_neg\)'),
+])
+def test_bad_csv_is_named_by_file_and_line(tmp_path, content, message):
+    path = tmp_path / 'nli.csv'
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        sources.CsvSource(path)
+
+
+def test_limited_takes_the_first_examples(tmp_path):
+    path = tmp_path / 'corpus.txt'
+    path.write_text('a\nb\nc\n')
+    src = sources.Limited(sources.TextSource(path), 2)
+    assert len(src) == 2 and src[1] == ('b',)
+    with pytest.raises(IndexError):
+        src[2]
+    assert src.fingerprint() != sources.TextSource(path).fingerprint()
