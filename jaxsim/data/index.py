@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -26,6 +25,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from jaxsim.data.readers import MAX_LINE_CHARS, DataError, PathLike
+from jaxsim.io import store
 
 log = logging.getLogger(__name__)
 
@@ -174,28 +174,14 @@ def _load(stem: Path, path: Path, kind: str, key: FileKey) -> Optional[LineIndex
 def _save(stem: Path, offsets: np.ndarray, meta: dict) -> bool:
     """Writes the offsets, then the metadata that validates them; False where not writable."""
     try:
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(stem.with_name(stem.name + '.npy'), lambda f: np.save(f, offsets))
-        write_atomic(stem.with_name(stem.name + '.json'),
-                      lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        # Atomic writes: every process of a run may build at once, and a crash mid-write
+        # never leaves a half-written index (the metadata, written last, validates it).
+        with store.open_atomic(stem.with_name(stem.name + '.npy'), 'wb') as f:
+            np.save(f, offsets)
+        store.write_json(stem.with_name(stem.name + '.json'), meta)
         return True
-    except OSError:
+    except (OSError, store.StorageError):
         return False
-
-
-def write_atomic(target: Path, write) -> None:
-    """Calls write(binary file) on a temporary sibling, then renames it over `target`."""
-    # A temporary sibling renamed over the target: concurrent builders (every process of a
-    # run may build at once) and crashes never leave a half-written index.
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f'.{target.name}.', suffix='.tmp')
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide a shared index from other users
-        with os.fdopen(fd, 'wb') as f:
-            write(f)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---------------------------------------------------------------------------------------------

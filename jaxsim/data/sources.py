@@ -25,6 +25,7 @@ import numpy as np
 from jaxsim.data import index as index_lib
 from jaxsim.data.readers import (NLI_COLUMNS, DataError, PathLike, check_nli_header,
                                  check_nli_row)
+from jaxsim.io import store
 
 
 def _sha256_json(value) -> str:
@@ -188,11 +189,10 @@ class TfdsSource:
                     h.update(block)
         digest, build_s = 'sha256:' + h.hexdigest(), time.perf_counter() - t0
         try:
-            stem.parent.mkdir(parents=True, exist_ok=True)
-            index_lib.write_atomic(array_path, lambda f: np.save(f, keep))
-            index_lib.write_atomic(meta_path, lambda f: f.write(json.dumps(
-                {'key': key, 'sha256': digest, 'records': len(keep)}).encode()))
-        except OSError:
+            with store.open_atomic(array_path, 'wb') as f:
+                np.save(f, keep)
+            store.write_json(meta_path, {'key': key, 'sha256': digest, 'records': len(keep)})
+        except (OSError, store.StorageError):
             pass  # an unwritable cache only costs the pass again next time
         return keep, digest, build_s
 

@@ -3,12 +3,14 @@ once and reused while the file is unchanged, rebuilt when it changes, bad lines 
 file:line."""
 import hashlib
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxsim.data import index, readers, sources
 from jaxsim.data.readers import DataError
+from jaxsim.io import store
 
 
 @pytest.fixture(autouse=True)
@@ -77,14 +79,14 @@ def test_unwritable_corpus_folder_caches_the_index_elsewhere(tmp_path, monkeypat
     path = tmp_path / 'data' / 'corpus.txt'
     path.parent.mkdir()
     path.write_text('a\nb\n')
-    real = index.write_atomic
+    real = store.open_atomic
 
-    def refuse_beside(target, write):
-        if target.parent == path.parent:
+    def refuse_beside(target, *args, **kwargs):
+        if Path(target).parent == path.parent:
             raise PermissionError(13, 'Permission denied')
-        return real(target, write)
+        return real(target, *args, **kwargs)
 
-    monkeypatch.setattr(index, 'write_atomic', refuse_beside)
+    monkeypatch.setattr(store, 'open_atomic', refuse_beside)
     src = sources.TextSource(path)
     assert [src[i] for i in range(2)] == [('a',), ('b',)]
     assert sorted(p.name for p in path.parent.iterdir()) == ['corpus.txt']
