@@ -290,10 +290,13 @@ def check_steps(ours: dict, theirs: dict):
     np.testing.assert_allclose(ours['lr'], theirs['lr'], rtol=1e-6)
 
 
-def check_params(ours: dict, theirs: dict, start: dict, exact_grads: dict, first_grads: dict):
-    """Every parameter within 1e-4 of the reference, and each tensor's update the same (the
-    median over the tensor of |our update - theirs| / |theirs| under 1%), except in the
-    entries whose first Adam step float32 rounding decides.
+def check_params(ours: dict, theirs: dict, start: dict, exact_grads: dict, first_grads: dict,
+                 later_rows: dict):
+    """Every parameter tensor within 1e-3 of its own 10-step update (max |jaxsim - reference|
+    <= 1e-3 max |reference update|, plus one float32 spacing of the tensor's largest value, the
+    finest two float32 computations of it can agree), and each tensor's update the same (the
+    median over the tensor of |our update - theirs| / |theirs| under 1%), except in the entries
+    whose first Adam step float32 rounding decides.
 
     Adam's first update is lr * g / (|g| + eps), the sign of the gradient for |g| >> eps; where
     the exact gradient is within rounding error of zero, either framework may step either way,
@@ -301,7 +304,10 @@ def check_params(ours: dict, theirs: dict, start: dict, exact_grads: dict, first
     float64 gradient is nonzero and under ten times the largest float32 rounding error of its
     tensor, both measured on the reference (so nothing jaxsim does can widen the set); they
     must be under 1% of all. They include every attention key bias, whose exact gradient is
-    zero: a bias added to every key shifts each query's scores by a constant.
+    zero: a bias added to every key shifts each query's scores by a constant. The embedding
+    rows of tokens that first occur after the first batch (`later_rows`) take their first Adam
+    step later, where the first step's gradients cannot tell which entries rounding decides:
+    they are held to the median check only.
     """
     excluded = {}
     for name, g64 in exact_grads.items():
@@ -314,12 +320,25 @@ def check_params(ours: dict, theirs: dict, start: dict, exact_grads: dict, first
         keep = ~excluded[name]
         if not keep.any():
             continue
-        diff = np.abs(ours[name] - theirs[name])[keep]
-        assert diff.max() <= 1e-4, f'{name}: max |jaxsim - reference| = {diff.max():.3g}'
-        update = (theirs[name] - start[name])[keep]
-        assert np.any(update != 0), f'{name}: the reference did not update it'
-        median = np.median(diff / np.maximum(np.abs(update), 1e-30))
+        bounded = keep.copy()
+        if name in later_rows:
+            bounded[later_rows[name]] = False
+        update = theirs[name] - start[name]
+        assert np.any(update[keep] != 0), f'{name}: the reference did not update it'
+        diff = np.abs(ours[name] - theirs[name])
+        bound = 1e-3 * np.abs(update[bounded]).max() + np.spacing(np.abs(theirs[name]).max())
+        worst = diff[bounded].max()
+        assert worst <= bound, (f'{name}: max |jaxsim - reference| = {worst:.3g} > {bound:.3g} '
+                                f'(1e-3 of its largest update + one float32 spacing)')
+        median = np.median(diff[keep] / np.maximum(np.abs(update[keep]), 1e-30))
         assert median <= 1e-2, f'{name}: updates differ from the reference by {median:.3g} (median)'
+
+
+def later_token_rows(batches: list[dict]) -> np.ndarray:
+    """Ids of the tokens that occur in some batch but not in the first one."""
+    first = np.unique(batches[0]['input_ids'])
+    return np.setdiff1d(np.unique(np.concatenate([b['input_ids'].ravel() for b in batches])),
+                        first)
 
 
 def compare_training(cfg: TrainConfig, model_type: str, rows, views: int) -> dict:
@@ -340,7 +359,8 @@ def compare_training(cfg: TrainConfig, model_type: str, rows, views: int) -> dic
     to_tree = functools.partial(flat_tree, model_type=model_type, encoder_config=base.config)
     weights = {k: v.numpy() for k, v in model.state_dict().items()}
     check_params(flat(final), to_tree(weights), flat(params), to_tree(exact),
-                 to_tree(first_grads))
+                 to_tree(first_grads),
+                 {'bert/embeddings/word_embeddings/embedding': later_token_rows(batches)})
     return theirs
 
 
