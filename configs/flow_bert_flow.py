@@ -18,8 +18,9 @@ glow_init_hook.py, config/config_l3_d3_w32.json, the `--flow_model_config` defau
   no bias correction, weight decay 0.01 on every flow variable (the exclusion regexes
   LayerNorm/layer_norm/bias match none of b, logs, W), global-norm clipping at 1.0.
 - One epoch, no held-out split, no early stopping. The encoder stays frozen but in train mode,
-  so the flow sees dropout-noised vectors: set dropout_noise=True and pass `embed` to fit
-  that way (off here: the default fit uses the clean vectors it calibrates).
+  so the flow sees dropout-noised vectors: configs/flow_bert_flow_dropout.py fits that way, and
+  is what plain `flow` fits when the encoder is at hand. This config (`flow:bert_flow`) fits
+  the clean vectors it calibrates.
 """
 from jaxsim.flows.config import FlowConfig, layer
 

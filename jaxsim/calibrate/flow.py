@@ -1,6 +1,9 @@
 """BERT-flow calibration: fit a flow on sentence vectors, map them to its Gaussian latent.
 
-  'flow'            the default FlowConfig: BERT-flow as its code executes it
+  'flow'            BERT-flow as its code executes it: fitted on dropout-noised vectors
+                    (configs/flow_bert_flow_dropout.py) when `embed` gives them (eval.py
+                    does), else on the clean vectors given, with a note saying so
+  'flow:bert_flow'  the same flow always fitted on the clean vectors given
   'flow:glow'       a config shipped in configs/ by name (configs/flow_glow.py)
   'flow:PATH.py'    any config file defining get_config()
 
@@ -29,6 +32,10 @@ from jaxsim.flows.training import EmbedFn, check_matrix, fit_flow
 
 # Shipped configs live beside the package: <repo>/configs/flow_<name>.py.
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / 'configs'
+# What plain 'flow' fits when the caller can noise the vectors (`embed`), as the reference does.
+BERT_FLOW_AS_RUN = 'bert_flow_dropout'
+CLEAN_FIT_NOTE = ('flow: fitted on the clean vectors given; BERT-flow fits on dropout-noised '
+                  'ones (pass embed=, as eval.py does; flow:bert_flow names this clean fit)')
 _APPLY_ROWS = 1024  # rows are padded to a multiple of this: few compiled shapes
 _APPLY_CHUNK = 8192  # rows per jitted call: bounds memory
 
@@ -112,23 +119,33 @@ class FlowCalibration(Calibration):
           seed: PRNG seed; the fit is a pure function of (x, config, seed, embed).
           embed: `embed(key) -> [N, D]` dropout-noised embeddings of the same sentences;
             configs with dropout_noise train each epoch on a fresh draw (and require it);
-            other configs ignore it.
+            other configs ignore it. Plain 'flow' (no config named) fits BERT-flow on them
+            when given, else on x with a note saying so (`.note`).
           mesh: device mesh the batch is split over (default: all local devices).
           progress: tqdm bar (default: on above 5,000 rows).
         """
         if arg is not None and config is not None:
             raise CalibrationError(f'flow:{arg} and config={config!r} both name a flow config; '
                                    'give one')
+        named = config if config is not None else arg
+        notes = []
         try:
-            cfg = resolve_config(config if config is not None else arg)
+            if named is None and embed is not None:
+                # BERT-flow trains its flow under the encoder in train mode.
+                cfg = resolve_config(BERT_FLOW_AS_RUN)
+            else:
+                cfg = resolve_config(named)
+                if named is None:
+                    notes.append(CLEAN_FIT_NOTE)
             arr = check_matrix(x, 'flow fit embeddings', min_rows=2)
             show = arr.shape[0] > 5000 if progress is None else progress
             result = fit_flow(arr, cfg, jax.random.key(seed), embed=embed, mesh=mesh,
                               progress=show)
         except FlowError as e:
             raise CalibrationError(str(e)) from None
+        notes += [result.note] if result.note else []
         return cls(cfg, arr.shape[1], result.params, tuple(result.history), result.best_step,
-                   result.note)
+                   '; '.join(notes))
 
     def _input(self, x: Any, what: str) -> np.ndarray:
         try:

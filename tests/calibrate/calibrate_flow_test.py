@@ -101,3 +101,31 @@ def test_flow_fit_errors_are_calibration_errors():
         calibrate.fit('flow', x, config=_CFG.replace(dropout_noise=True))
     with pytest.raises(CalibrationError, match='multiple of 4'):
         calibrate.fit('flow', x[:, :6])
+
+
+def test_plain_flow_fits_on_dropout_noised_vectors_when_given_them():
+    """'flow' is BERT-flow as its code runs: fitted under the encoder in train mode, i.e. on
+    `embed`'s noised vectors; on bare vectors it fits those and says so; 'flow:bert_flow'
+    names the clean fit."""
+    x = _x(n=128)
+    calls = []
+
+    def embed(key):
+        calls.append(key)
+        return x + 0.05 * np.random.default_rng(len(calls)).standard_normal(x.shape).astype(
+            np.float32)
+
+    noised = calibrate.fit('flow', x, embed=embed)
+    assert noised.spec == 'flow' and len(calls) == 1  # one epoch, one fresh noised draw
+    assert noised.config == load_config_file(_CONFIGS / 'flow_bert_flow_dropout.py')
+    assert noised.note == ''
+
+    bare = calibrate.fit('flow', x)
+    assert bare.config == load_config_file(_CONFIGS / 'flow_bert_flow.py')
+    assert 'clean vectors' in bare.note and 'flow:bert_flow' in bare.note
+
+    clean = calibrate.fit('flow:bert_flow', x, embed=embed)
+    assert len(calls) == 1 and clean.note == '' and not clean.config.dropout_noise
+    # The same flow, same seed: only the inputs differ.
+    np.testing.assert_array_equal(clean.apply(x), bare.apply(x))
+    assert not np.allclose(noised.apply(x), bare.apply(x))
