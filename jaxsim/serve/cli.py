@@ -96,7 +96,7 @@ def serve_main(argv: Sequence[str]) -> int:
                             lifespan="on")
     # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish, queued ones
     # get 503), then re-raises the signal to the handler it found: this one, so a requested
-    # stop ends with one line and exit status 0 rather than death by signal.
+    # stop ends with one line and the shell's status (130 / 143) rather than death by signal.
     received = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: received.append(signum))
@@ -105,4 +105,4 @@ def serve_main(argv: Sequence[str]) -> int:
     reason = signal.Signals(received[0]).name if received else "server exited"
     print(f"stopped ({reason}) after {stats.requests} requests in {stats.batches} batches",
           flush=True)
-    return 0
+    return 128 + received[0] if received else 0
