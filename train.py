@@ -4,6 +4,7 @@
   --allow-change=K1,K2    rerun a workdir with these run-defining keys changed (recorded there)
   --seeds 1,2,3           one run per seed (DIR/seed_N) and mean/std of STS-B dev/test
   --coordinator H:P --num_processes N --process_id I    multi-process (multi-host) launch
+  --distributed auto      multi-process launch detected from the cluster (TPU pod, SLURM, MPI)
 The logic lives in jaxsim.train; this file parses flags and turns outcomes into exit codes:
 0 done, 1 bad input (one `error:` line), 130/143 interrupted by SIGINT/SIGTERM (state saved).
 """
@@ -45,6 +46,9 @@ def parse_args(argv):
     p.add_argument('--coordinator', default=None, help='jax.distributed coordinator host:port')
     p.add_argument('--num_processes', type=int, default=None)
     p.add_argument('--process_id', type=int, default=None)
+    p.add_argument('--distributed', choices=('auto',), default=None,
+                   help="'auto': jax.distributed.initialize() detects the cluster (TPU pod "
+                        'slice, SLURM, Open MPI); start the same command on every host')
     p.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True)
     p.add_argument('--noprogress', dest='progress', action='store_false', help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
@@ -77,7 +81,8 @@ def main(argv=None) -> int:
 def run(args, overrides) -> int:
     main_process = True
     try:
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               auto=args.distributed == 'auto')
         main_process = distributed.is_main_process()
         configure_jax()
         runtime.setup()  # quiet libraries; compilation cache: the step compiles for seconds

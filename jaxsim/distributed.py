@@ -7,9 +7,14 @@ several processes on loopback use CPU (gloo) collectives, which is how the tests
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from typing import Any, Mapping
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxsim.errors import JaxsimError
 
@@ -57,7 +62,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                    process_id=process_id, local_device_ids=local_device_ids)
         _initialized = True
     elif auto:
-        jax.distributed.initialize()
+        # JAX detects the cluster (TPU pod slice, SLURM, Open MPI, ...) from its environment.
+        jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+        try:
+            jax.distributed.initialize()
+        except (RuntimeError, ValueError) as e:
+            raise DistributedError(f'--distributed auto: no cluster detected ({e}); start on a '
+                                   f'TPU pod, under SLURM or Open MPI, or pass --coordinator, '
+                                   f'--num_processes and --process_id') from None
         _initialized = True
     return jax.process_count() > 1
 
@@ -65,3 +77,34 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def is_main_process() -> bool:
     """Process 0 writes logs, metrics and the summary (orbax coordinates its own writes)."""
     return jax.process_index() == 0
+
+
+def _digest_words(value: Any) -> np.ndarray:
+    """8 uint32 words of sha256 over the canonical JSON of `value` (strings hash as such)."""
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+    return np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint32)
+
+
+def check_same_inputs(inputs: Mapping[str, Any]) -> None:
+    """Refuses to start when the processes of a run do not see the same inputs.
+
+    Every process passes the same names (e.g. {'config': ..., 'corpus': digest}); each value
+    is hashed and the hashes are all-gathered. A collective: every process must call it.
+
+    Raises:
+      DistributedError: naming the first input and the processes whose value differs from
+        process 0's.
+    """
+    if jax.process_count() == 1:
+        return
+    names = sorted(inputs)
+    local = np.stack([_digest_words(inputs[n]) for n in names])  # [inputs, 8]
+    everyone = np.asarray(multihost_utils.process_allgather(local))  # [processes, inputs, 8]
+    for i, name in enumerate(names):
+        differ = [p for p in range(everyone.shape[0])
+                  if not np.array_equal(everyone[p, i], everyone[0, i])]
+        if differ:
+            which = ', '.join(map(str, differ))
+            raise DistributedError(f'process {which} of {everyone.shape[0]} sees a different '
+                                   f'{name} than process 0; every process must start the same '
+                                   f'run on the same data')

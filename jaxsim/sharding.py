@@ -1,7 +1,9 @@
 """Device mesh, the logical-axis rules table and the shardings derived from it.
 
 Everything about WHERE arrays live is decided here, in one place:
-  - `make_mesh` builds a ('data', 'fsdp', 'tensor') mesh with classic (Auto) propagation.
+  - `make_mesh` builds a ('data', 'fsdp', 'tensor') mesh over the physical topology (and
+    across slices), with classic (Auto) propagation.
+  - `process_batch_rows` says which rows of each global batch a process feeds.
   - `PARAM_LOGICAL_AXES` names the logical axes of each parameter by path pattern;
     `LOGICAL_AXIS_RULES` maps logical axes to mesh axes. With fsdp=1 and tensor=1 every
     parameter is replicated; with fsdp>1 the 'embed' dimension is split over 'fsdp' (ZeRO-3).
@@ -11,15 +13,20 @@ Everything about WHERE arrays live is decided here, in one place:
 """
 from __future__ import annotations
 
+import math
 import re
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 from flax import traverse_util
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsim.errors import JaxsimError
+
 MESH_AXES = ('data', 'fsdp', 'tensor')
+BATCH_AXES = ('data', 'fsdp')  # the mesh axes the batch dimension is split over
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
 LOGICAL_AXIS_RULES: dict[str, Any] = {
@@ -43,31 +50,89 @@ PARAM_LOGICAL_AXES: tuple[tuple[str, tuple], ...] = (
 )
 
 
+class MeshError(JaxsimError):
+    """A mesh the devices cannot form (the message names the config keys)."""
+
+
+def _slices(devices: Sequence[jax.Device]) -> tuple[int, bool]:
+    """(number of slices, whether they are processes): TPU devices carry their `slice_index`;
+    on other platforms each process (host) is a slice."""
+    if all(d.platform == 'tpu' and hasattr(d, 'slice_index') for d in devices):
+        return len({d.slice_index for d in devices}), False
+    return len({d.process_index for d in devices}), True
+
+
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds the ('data', 'fsdp', 'tensor') mesh.
+              devices: Sequence[jax.Device] | None = None, *, dcn_data: int = 1,
+              dcn_fsdp: int = 1, dcn_tensor: int = 1) -> Mesh:
+    """Builds the ('data', 'fsdp', 'tensor') mesh over the physical topology.
 
     Args:
-      data: size of the data axis; -1 takes all remaining devices.
-      fsdp: size of the fsdp (parameter-sharding) axis.
-      tensor: size of the tensor axis.
-      devices: devices to use (default: all global devices, in process order, so each process
-        owns a contiguous block of the batch).
+      data: size of the data axis within a slice; -1 takes all remaining devices of a slice.
+      fsdp: size of the fsdp (parameter-sharding) axis within a slice.
+      tensor: size of the tensor axis within a slice.
+      devices: devices to use (default: all global devices).
+      dcn_data, dcn_fsdp, dcn_tensor: the axes across slices (TPU slices, or processes where
+        devices have no slice); each mesh axis is the product of its two sizes, and the
+        product of these must equal the number of slices.
+
+    Within a slice, `mesh_utils.create_device_mesh` places the axes on the physical links
+    (the last axis, 'tensor', on the fastest), with each process's devices a contiguous block
+    where the topology allows. Across slices, `create_hybrid_device_mesh`.
 
     Returns:
       A `jax.sharding.Mesh` with Auto axis types.
+
+    Raises:
+      MeshError: when the devices cannot form the requested mesh.
     """
     devices = list(jax.devices() if devices is None else devices)
+    dcn = (dcn_data, dcn_fsdp, dcn_tensor)
+    slices = int(np.prod(dcn))
+    if slices > 1:
+        have, by_process = _slices(devices)
+        if have != slices:
+            unit = 'processes' if by_process else 'slices'
+            raise MeshError(f'mesh_dcn_data x mesh_dcn_fsdp x mesh_dcn_tensor = {slices} must '
+                            f'equal the number of {unit}, {have}')
+    per_slice = len(devices) // slices
     if data == -1:
-        if len(devices) % (fsdp * tensor):
-            raise ValueError(f'{len(devices)} devices cannot be split into fsdp={fsdp} x '
-                             f'tensor={tensor}')
-        data = len(devices) // (fsdp * tensor)
-    if data * fsdp * tensor != len(devices):
-        raise ValueError(f'mesh data={data} x fsdp={fsdp} x tensor={tensor} needs '
-                         f'{data * fsdp * tensor} devices, have {len(devices)}')
-    grid = np.asarray(devices, dtype=object).reshape(data, fsdp, tensor)
+        if per_slice % (fsdp * tensor):
+            raise MeshError(f'{per_slice} devices per slice cannot be split into mesh_fsdp='
+                            f'{fsdp} x mesh_tensor={tensor}')
+        data = per_slice // (fsdp * tensor)
+    if data * fsdp * tensor * slices != len(devices):
+        raise MeshError(f'mesh data={data} x fsdp={fsdp} x tensor={tensor} (x {slices} slices) '
+                        f'needs {data * fsdp * tensor * slices} devices, have {len(devices)}')
+    shape = (data, fsdp, tensor)
+    if slices > 1:
+        grid = mesh_utils.create_hybrid_device_mesh(shape, dcn, devices,
+                                                    process_is_granule=_slices(devices)[1],
+                                                    allow_split_physical_axes=True)
+    else:
+        grid = _device_grid(shape, devices)
     return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def config_mesh(cfg) -> Mesh:
+    """`make_mesh` from a TrainConfig's mesh_* keys."""
+    return make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor, dcn_data=cfg.mesh_dcn_data,
+                     dcn_fsdp=cfg.mesh_dcn_fsdp, dcn_tensor=cfg.mesh_dcn_tensor)
+
+
+def _device_grid(shape: tuple[int, ...], devices: list) -> np.ndarray:
+    """`create_device_mesh`, preferring each process's devices in one contiguous block (so
+    each process feeds contiguous batch rows); the plain device order where the topology
+    has no such layout (e.g. a subset of a TPU slice)."""
+    multi = len({d.process_index for d in devices}) > 1
+    for contiguous in ((True, False) if multi else (False,)):
+        try:
+            return mesh_utils.create_device_mesh(shape, devices,
+                                                 contiguous_submeshes=contiguous,
+                                                 allow_split_physical_axes=True)
+        except (ValueError, NotImplementedError, AssertionError):
+            continue
+    return np.asarray(devices, dtype=object).reshape(shape)
 
 
 def logical_to_spec(axes: Sequence[str | None], mesh: Mesh, shape: Sequence[int]) -> P:
@@ -140,12 +205,45 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(('data', 'fsdp'), *([None] * (ndim - 1))))
 
 
+def process_batch_rows(mesh: Mesh, global_batch: int) -> np.ndarray:
+    """The rows of a global batch of `global_batch` examples that this process feeds (sorted).
+
+    A process supplies exactly the rows its own devices hold: its share of the ('data',
+    'fsdp') split. Processes whose devices differ only along 'tensor' (an axis spanning
+    processes) hold the same rows and both feed them; with one batch shard every process
+    feeds the whole batch. `assemble_batch` (`jax.make_array_from_process_local_data`) takes
+    these rows, in this order.
+    """
+    rows = set()
+    for index in batch_sharding(mesh, 1).addressable_devices_indices_map(
+            (global_batch,)).values():
+        rows.update(range(*index[0].indices(global_batch)))
+    return np.asarray(sorted(rows), np.int64)
+
+
+def assemble_batch(local: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Global [batch, ...] arrays sharded over the batch axes, from this process's rows of
+    them (`process_batch_rows`, in order)."""
+    shards = batch_shards(mesh)
+    blocks = shards // len(process_batch_rows(mesh, shards))  # global rows per local row
+    return {k: jax.make_array_from_process_local_data(
+        batch_sharding(mesh, v.ndim), v, (v.shape[0] * blocks,) + v.shape[1:])
+        for k, v in local.items()}
+
+
 def batch_shards(mesh: Mesh) -> int:
     """Number of pieces the batch dimension is split into."""
     return mesh.shape['data'] * mesh.shape['fsdp']
 
 
-def check_global_batch(global_batch: int, mesh: Mesh, grad_accum_steps: int = 1) -> int:
+def batch_granularity(mesh: Mesh, cfg) -> int:
+    """A batch size must be a multiple of this to split evenly over the batch shards, the
+    accumulation steps and the micro-batches of a TrainConfig."""
+    return math.lcm(batch_shards(mesh) * cfg.grad_accum_steps, cfg.micro_batch_size or 1)
+
+
+def check_global_batch(global_batch: int, mesh: Mesh, grad_accum_steps: int = 1,
+                       micro_batch_size: int = 0) -> int:
     """Validates the global batch against the mesh; returns the per-device micro-batch.
 
     Raises:
@@ -162,4 +260,8 @@ def check_global_batch(global_batch: int, mesh: Mesh, grad_accum_steps: int = 1)
             f'global batch {global_batch} (micro-batch {micro} with grad_accum_steps='
             f'{grad_accum_steps}) cannot be split over {shards} batch shards of the mesh '
             f'{dict(mesh.shape)}; choose a batch size divisible by {shards * grad_accum_steps}')
+    if micro_batch_size and micro_batch_size % shards:
+        raise ValueError(f'micro_batch_size {micro_batch_size} cannot be split over {shards} '
+                         f'batch shards of the mesh {dict(mesh.shape)}; choose a multiple of '
+                         f'{shards}')
     return micro // shards

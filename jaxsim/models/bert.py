@@ -274,16 +274,40 @@ class BertLayer(nn.Module):
         return BertResidualOutput(self.config, self.dtype, name="output")(h, x, deterministic)
 
 
+# What a rematerialized layer keeps for the backward pass (see `remat_layer`).
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_layer(remat: str) -> type:
+    """BertLayer, or BertLayer under `nn.remat` with the named policy.
+
+    'none' keeps every activation; 'full' keeps only each layer's input and recomputes the
+    layer in the backward pass; 'dots' also keeps the outputs of the matrix products with no
+    batch dimension (the dense layers: most of the FLOPs), recomputing only the cheap
+    element-wise work and attention. Parameter names and dropout masks are unchanged.
+    """
+    if remat == "none":
+        return BertLayer
+    if remat not in REMAT_POLICIES:
+        raise ConfigError(f"unknown remat {remat!r}; known: none, {', '.join(REMAT_POLICIES)}")
+    # Argument 3 (after the module, x and the bias) is the Python bool `deterministic`.
+    return nn.remat(BertLayer, static_argnums=(3,), policy=REMAT_POLICIES[remat])
+
+
 class BertEncoder(nn.Module):
     config: BertConfig
     dtype: Any = jnp.float32
+    remat: str = "none"
 
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
         states = [x]
+        layer = remat_layer(self.remat)
         for i in range(self.config.num_hidden_layers):
-            x = BertLayer(self.config, self.dtype, name=f"layer_{i}")(
-                x, attention_bias, deterministic)
+            x = layer(self.config, self.dtype, name=f"layer_{i}")(x, attention_bias, deterministic)
             states.append(x)
         return tuple(states)
 
@@ -306,11 +330,13 @@ class BertModel(nn.Module):
       config: the architecture.
       dtype: compute dtype (float32, or bfloat16 with float32 parameters).
       add_pooler: build the dense+tanh pooler (False for checkpoints that ship none).
+      remat: 'none', 'full' or 'dots': activation recomputation per layer (`remat_layer`).
     """
 
     config: BertConfig
     dtype: Any = jnp.float32
     add_pooler: bool = True
+    remat: str = "none"
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, token_type_ids=None,
@@ -331,7 +357,7 @@ class BertModel(nn.Module):
         # receive exactly zero attention weight and cannot influence unpadded positions.
         keep = attention_mask.astype(bool)[:, None, None, :]
         attention_bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
-        states = BertEncoder(self.config, self.dtype, name="encoder")(
+        states = BertEncoder(self.config, self.dtype, self.remat, name="encoder")(
             x, attention_bias, deterministic)
         pooled = None
         if self.add_pooler:

@@ -36,6 +36,8 @@ class SentenceEncoder(nn.Module):
       dtype: compute dtype (float32, or bfloat16 with float32 parameters).
       mlm: also create the masked-LM head's parameters (see `mlm_logits`); the vectors do not
         use it.
+      remat: activation recomputation per transformer layer in training ('none', 'full',
+        'dots'; see `jaxsim.models.bert.remat_layer`): memory for compute, same numbers.
     """
 
     config: BertConfig
@@ -43,6 +45,7 @@ class SentenceEncoder(nn.Module):
     mlp_only_train: bool = False
     dtype: Any = jnp.float32
     mlm: bool = False
+    remat: str = "none"
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, token_type_ids=None, train: bool = False):
@@ -57,7 +60,8 @@ class SentenceEncoder(nn.Module):
         Returns:
           [batch, hidden] float32.
         """
-        bert = BertModel(self.config, dtype=self.dtype, add_pooler=False, name="bert")
+        bert = BertModel(self.config, dtype=self.dtype, add_pooler=False, remat=self.remat,
+                         name="bert")
         pooling = get_pooler(self.pooler).build(self.config, self.dtype, "pooler")
         output = bert(input_ids, attention_mask, token_type_ids, deterministic=not train)
         if self.mlm and self.is_initializing():
@@ -73,7 +77,7 @@ def mlm_logits(encoder: SentenceEncoder, params: Mapping, input_ids, attention_m
 
     The same BERT weights as the vectors, then the MLM head against the tied word embeddings.
     """
-    bert = BertModel(encoder.config, dtype=encoder.dtype, add_pooler=False)
+    bert = BertModel(encoder.config, dtype=encoder.dtype, add_pooler=False, remat=encoder.remat)
     output = bert.apply({"params": params["bert"]}, input_ids, attention_mask, token_type_ids,
                         deterministic=False, rngs={"dropout": key})
     embeddings = params["bert"]["embeddings"]["word_embeddings"]["embedding"]

@@ -17,10 +17,16 @@ laid out:
                 hash per two elements; the partitionable jax stream hashes once per element
                 and XORs the words away). Bits stay a pure function of (key, global index):
                 the mask does not depend on how the array is laid out over devices.
+                Inside `dropout_rows(offset)` the first axis counts from `offset`: a
+                micro-batch of rows [offset, offset + m) of a larger batch draws exactly the
+                masks those rows get when the whole batch is encoded at once.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from typing import Iterator
 
 import jax
 import jax.extend.random as jax_random_ext
@@ -181,6 +187,33 @@ def _flat_index(shape: tuple[int, ...]) -> jax.Array:
     return index
 
 
+# The global index of the first row of the arrays being dropped out (None: 0). A context
+# variable rather than an argument so that no module signature carries it; it may hold a
+# traced value (the micro-batch index inside a scan).
+_ROW_OFFSET: contextvars.ContextVar = contextvars.ContextVar("dropout_row_offset",
+                                                             default=None)
+
+
+@contextlib.contextmanager
+def dropout_rows(offset) -> Iterator[None]:
+    """Threefry dropout masks drawn inside this block are those of rows `offset`, `offset + 1`,
+    ... of a larger batch (every dropped array has the batch rows as its first axis)."""
+    token = _ROW_OFFSET.set(offset)
+    try:
+        yield
+    finally:
+        _ROW_OFFSET.reset(token)
+
+
+def _row_shifted(counter: jax.Array) -> jax.Array:
+    """`counter` (row-major indices) moved down by `_ROW_OFFSET` rows of its first axis."""
+    offset = _ROW_OFFSET.get()
+    if offset is None:
+        return counter
+    row_stride = np.uint32(math.prod(counter.shape[1:]))
+    return counter + jnp.asarray(offset).astype(jnp.uint32) * row_stride
+
+
 def _threefry_bits(key_data: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """uint32 bits for `shape`: one threefry2x32 hash of (0, i) per index i of the first half of
     the last axis gives two words, the first for that element, the second for its partner in
@@ -189,14 +222,14 @@ def _threefry_bits(key_data: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     *lead, last = shape
     hash_ = jax_random_ext.threefry2x32_p.bind
     if last % 2:
-        counter = _flat_index(tuple(shape))
+        counter = _row_shifted(_flat_index(tuple(shape)))
         low, high = hash_(key_data[0], key_data[1], jnp.zeros_like(counter), counter)
         return low ^ high
     half = last // 2
     counter_shape = (*lead, 1, half)
     if math.prod(counter_shape) >= 2 ** 32:
         raise ValueError(f"dropout over {shape} needs more than 2**32 counters")
-    counter = _flat_index(counter_shape)
+    counter = _row_shifted(_flat_index(counter_shape))
     low, high = hash_(key_data[0], key_data[1], jnp.zeros_like(counter), counter)
     # [..., 2, half] by broadcasting (elementwise, so XLA fuses it into the mask's consumer;
     # a concatenate would be a pass of its own), then the last axis back: a free reshape.

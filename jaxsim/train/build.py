@@ -77,7 +77,7 @@ def make_encoder(cfg: TrainConfig, config: BertConfig) -> SentenceEncoder:
     dtype = jnp.bfloat16 if cfg.dtype == 'bfloat16' else jnp.float32
     return SentenceEncoder(config, pooler=cfg.pooler, mlp_only_train=cfg.mlp_only_train,
                            mlm=cfg.mlm_weight > 0,
-                           dtype=dtype)
+                           dtype=dtype, remat=cfg.remat)
 
 
 def open_source(cfg: TrainConfig):

@@ -21,6 +21,7 @@ from jaxsim.paths import SENTEVAL_ROOT
 
 DATA_FORMATS = ('text', 'csv', 'snli', 'senteval_corpus', 'tfds')
 PRNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
+REMAT_POLICIES = ('none', 'full', 'dots')
 
 
 class ConfigError(JaxsimError):
@@ -60,6 +61,18 @@ class TrainConfig:
     Optimization:
       batch_size: the GLOBAL batch (the in-batch negatives come from all of it), split into
         grad_accum_steps micro-batches.
+      grad_accum_steps: A > 1 averages the gradients of A micro-batches of batch_size / A and
+        applies one update. This CHANGES the objective of a contrastive loss: each micro-batch
+        only sees its own batch_size / A examples as negatives. To keep every negative with
+        the memory of a smaller batch, use micro_batch_size instead.
+      micro_batch_size: M > 0 computes the gradient of the whole batch's loss in micro-batches
+        of M examples (cached gradients, Gao et al. 2021 "GradCache"): embed the batch M at a
+        time without keeping activations, take the loss and its gradient with respect to the
+        vectors over the whole batch, then re-run each micro-batch with the same dropout masks
+        and back-propagate its vectors' gradient. Same objective and gradient as one pass (to
+        float32 rounding), every negative kept; activation memory of M examples, about one
+        extra forward pass of compute. 0 = one pass. Not with grad_accum_steps > 1 or the
+        masked-LM term.
       num_epochs / max_steps: length; max_steps > 0 wins, else ceil(num_epochs x batches per
         epoch) as the HF Trainer counts.
       optimizer: 'adamw' (HF Trainer's AdamW: no decay on biases and LayerNorm) or 'sgd'.
@@ -77,7 +90,14 @@ class TrainConfig:
           Adam's epsilon; use it to reproduce a reference run made on N GPUs.
       grad_replicas: the divisor for 'replica_mean' (the reference's GPU count); 0 = this
         mesh's batch shards (data x fsdp).
-    Mesh: mesh_data (-1 = all remaining devices), mesh_fsdp, mesh_tensor.
+    Mesh: mesh_data (-1 = all remaining devices), mesh_fsdp, mesh_tensor: the axes within a
+      slice (one TPU slice, or one host of GPUs), laid out over the physical topology
+      (`jax.experimental.mesh_utils`). mesh_dcn_data, mesh_dcn_fsdp, mesh_dcn_tensor: the same
+      axes across slices (over the data-center network); each mesh axis is the product of
+      the two. Their product must equal the number of slices (processes on CPU/GPU).
+    remat: recompute activations in the backward pass, per transformer layer: 'none' (keep
+      them all), 'full' (keep only each layer's input), 'dots' (keep the outputs of the
+      matrix products without batch dimensions, recompute the rest).
     Evaluation (STS-B dev Spearman x100 of cosine, the selection metric):
       senteval_root: SentEval data folder ('' = no evaluation).
       eval_every: evaluate every N steps (0 = never periodically).
@@ -121,6 +141,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     grad_accum_steps: int = 1
+    micro_batch_size: int = 0
     grad_reduction: str = 'global_mean'
     grad_replicas: int = 0
     adam_b1: float = 0.9
@@ -131,6 +152,10 @@ class TrainConfig:
     mesh_data: int = -1
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
+    mesh_dcn_data: int = 1
+    mesh_dcn_fsdp: int = 1
+    mesh_dcn_tensor: int = 1
+    remat: str = 'none'
     senteval_root: str = str(SENTEVAL_ROOT)
     eval_every: int = 125
     eval_at_start: bool = True
@@ -152,14 +177,16 @@ class TrainConfig:
         choices = {'data_format': DATA_FORMATS, 'dtype': ('float32', 'bfloat16'),
                    'last_batch': ('drop', 'keep'), 'optimizer': ('adamw', 'sgd'),
                    'grad_reduction': ('global_mean', 'replica_mean'),
-                   'prng_impl': PRNG_IMPLS}
+                   'prng_impl': PRNG_IMPLS, 'remat': REMAT_POLICIES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _bad(f'{name} must be one of {", ".join(allowed)}, got {getattr(self, name)!r}')
         at_least = {'batch_size': 1, 'max_len': 2, 'grad_accum_steps': 1, 'eval_batch_size': 1,
                     'eval_max_len': 2, 'log_every': 1, 'keep_checkpoints': 1, 'max_examples': 0,
                     'max_steps': 0, 'warmup_steps': 0, 'eval_every': 0, 'checkpoint_every': 0,
-                    'grad_replicas': 0, 'mesh_fsdp': 1, 'mesh_tensor': 1}
+                    'grad_replicas': 0, 'mesh_fsdp': 1, 'mesh_tensor': 1,
+                    'micro_batch_size': 0, 'mesh_dcn_data': 1, 'mesh_dcn_fsdp': 1,
+                    'mesh_dcn_tensor': 1}
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 _bad(f'{name} must be >= {low}, got {getattr(self, name)}')
@@ -179,6 +206,15 @@ class TrainConfig:
         if self.batch_size % self.grad_accum_steps:
             _bad(f'batch_size {self.batch_size} is not divisible by grad_accum_steps '
                  f'{self.grad_accum_steps}')
+        if self.micro_batch_size:
+            if self.batch_size % self.micro_batch_size:
+                _bad(f'batch_size {self.batch_size} is not divisible by micro_batch_size '
+                     f'{self.micro_batch_size}')
+            if self.grad_accum_steps > 1:
+                _bad('micro_batch_size and grad_accum_steps > 1 do not combine: '
+                     'micro_batch_size already bounds the activation memory')
+            if self.mlm_weight > 0:
+                _bad('micro_batch_size does not support the masked-LM term (mlm_weight > 0)')
         if self.max_steps == 0 and self.num_epochs == 0:
             _bad('set num_epochs > 0 or max_steps > 0')
         if self.data_format == 'tfds' and not self.tfds_name:

@@ -25,8 +25,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
-from jaxsim import runtime, sharding as sharding_lib
-from jaxsim.data import batching, pipeline
+from jaxsim import distributed, runtime, sharding as sharding_lib
+from jaxsim.data import pipeline
 from jaxsim.io import store
 from jaxsim.io.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
 from jaxsim.io.workdir import write_model
@@ -43,8 +43,7 @@ from jaxsim.train.records import TrainResult
 from jaxsim.train.signals import Interrupted, deferred_signals
 from jaxsim.train.state import (abstract_state, create_state, param_shardings, state_shape,
                                 state_shardings)
-from jaxsim.train.step import (batch_shardings, check_jax_configured, compiler_options,
-                               make_train_step)
+from jaxsim.train.step import check_jax_configured, compiler_options, make_train_step
 from jaxsim.train.step import dropout_key as make_dropout_key
 
 
@@ -129,16 +128,17 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     build.check_views(source, objective)
     base = build.load_base(cfg)
     encoder = build.make_encoder(cfg, base.config)
-    mesh = sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor)
-    sharding_lib.check_global_batch(cfg.batch_size, mesh, cfg.grad_accum_steps)
-    # Each process reads and tokenizes only its rows of each global batch, ahead of the step.
+    mesh = sharding_lib.config_mesh(cfg)
+    sharding_lib.check_global_batch(cfg.batch_size, mesh, cfg.grad_accum_steps,
+                                    cfg.micro_batch_size)
+    # Each process reads and tokenizes only the rows its devices hold, ahead of the step.
     it = pipeline.StreamIterator(
         source, base.tokenizer, cfg.max_len, cfg.batch_size, seed=cfg.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-        last_batch=cfg.last_batch,
-        granularity=sharding_lib.batch_shards(mesh) * cfg.grad_accum_steps)
+        rows_fn=functools.partial(sharding_lib.process_batch_rows, mesh),
+        process_count=jax.process_count(), last_batch=cfg.last_batch,
+        granularity=sharding_lib.batch_granularity(mesh, cfg))
     total = cfg.max_steps or math.ceil(cfg.num_epochs * it.steps_per_epoch)
-    model = SentenceModel(encoder=encoder.clone(dtype=jnp.float32), params=None,
+    model = SentenceModel(encoder=encoder.clone(dtype=jnp.float32, remat="none"), params=None,
                           tokenizer=base.tokenizer, path=str(workdir),
                           max_seq_length=cfg.eval_max_len)
     evaluator = optional_evaluator(model, mesh, cfg.senteval_root, cfg.eval_max_len,
@@ -152,6 +152,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
              'dropped_per_epoch': it.dropped_per_epoch, 'base_model': base.path,
              'devices': jax.device_count(), 'processes': jax.process_count(),
              'mesh': dict(mesh.shape)}
+    distributed.check_same_inputs({
+        'config': cfg.to_dict(), 'corpus': derived['data']['sha256']})
     latest = _latest_step(workdir)
     decision = records.check_workdir(workdir, records.make_record(cfg, derived, facts), allow,
                                      step=latest)
@@ -200,7 +202,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             schedule=make_schedule(cfg, total), compiler_options=options,
             mlm=(MlmSettings.from_tokenizer(base.tokenizer, cfg.mlm_weight, cfg.mlm_probability,
                                             base.config.vocab_size) if encoder.mlm else None),
-            prng_impl=cfg.prng_impl)
+            prng_impl=cfg.prng_impl, micro_batch_size=cfg.micro_batch_size)
         log = records.MetricsLog(workdir, keep_upto=latest, enabled=main)
         loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
                      progress and main)
@@ -230,7 +232,6 @@ class _Loop:
         self.it, self.train_step, self.mesh = it, train_step, mesh
         self.ckpt, self.log, self.evaluator, self.say = ckpt, log, evaluator, say
         self.show_bar = bar
-        self.shardings = batch_shardings(mesh)
         self.stopped: Optional[str] = None
         # What earlier (re)runs logged up to the restored step.
         self.dev_curve = [[r['step'], r[DEV_METRIC]] for r in log.rows if DEV_METRIC in r]
@@ -315,7 +316,7 @@ class _Loop:
         try:
             with deferred_signals() as stop:
                 while self.step < self.total:
-                    batch = batching.to_global(next(self.it), self.shardings)
+                    batch = sharding_lib.assemble_batch(next(self.it), self.mesh)
                     self.state, metrics = self.train_step(self.state, batch)
                     self.step += 1
                     pending.append((self.step, metrics))

@@ -21,6 +21,7 @@ from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.objectives import LossFn, ObjectiveError
 from jaxsim.objectives.mlm import MlmSettings, mlm_term
 from jaxsim.train.config import PRNG_IMPLS
+from jaxsim.train.grad_cache import make_cached_grad_fn
 from jaxsim.train.state import TrainState
 
 Batch = Mapping[str, jax.Array]
@@ -128,7 +129,7 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
                     schedule: Optional[optax.Schedule] = None,
                     compiler_options: Optional[dict] = None,
                     mlm: Optional[MlmSettings] = None,
-                    prng_impl: str = 'threefry2x32') -> Callable:
+                    prng_impl: str = 'threefry2x32', micro_batch_size: int = 0) -> Callable:
     """The jitted `train_step(state, batch) -> (state, metrics)`.
 
     Args:
@@ -148,6 +149,9 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
       compiler_options: XLA compiler options.
       mlm: add SimCSE's auxiliary masked-LM term (encoder built with `mlm=True`).
       prng_impl: the implementation of `state.rng` (see `dropout_key`).
+      micro_batch_size: M > 0 computes the same gradient in micro-batches of M examples with
+        cached vector gradients (`jaxsim.train.grad_cache`): every negative kept, activations
+        of M examples at a time. Not with grad_accum_steps > 1 or `mlm`.
 
     The step's dropout key is `fold_in(state.rng, state.step)` (and `fold_in(., i)` for
     micro-batch i), so a run is a pure function of (config, seed, data order), whatever the mesh.
@@ -158,7 +162,13 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
       The jitted step; metrics hold 'loss', 'grad_norm' (of the divided gradient, before
       clipping), 'lr' (with `schedule`) and every aux entry the loss returns.
     """
-    grad_fn = jax.value_and_grad(make_loss_fn(encoder, loss, views, mlm), has_aux=True)
+    if micro_batch_size:
+        if grad_accum_steps > 1 or mlm is not None:
+            raise ObjectiveError('micro_batch_size does not combine with grad_accum_steps > 1 '
+                                 'or the masked-LM term')
+        grad_fn = make_cached_grad_fn(encoder, loss, views, micro_batch_size, mesh, encode_views)
+    else:
+        grad_fn = jax.value_and_grad(make_loss_fn(encoder, loss, views, mlm), has_aux=True)
     accum = grad_accum_steps
     replicated = NamedSharding(mesh, P())
 

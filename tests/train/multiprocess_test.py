@@ -1,10 +1,14 @@
 """Multi-process training on loopback: 2 processes x 4 CPU devices == 1 process x 8 devices.
 
-Each process reads and tokenizes only its block of every global batch (the streamed input,
-`jaxsim.data.pipeline`) and feeds `jax.make_array_from_process_local_data`; CPU collectives go
-through gloo. The two runs split the same sums differently, so they agree up to reordered float32 summation (see
-sharding_test.py): SGD keeps that a bound on the parameters too.
+Each process reads and tokenizes only the rows of every global batch that its devices hold
+(the streamed input, `jaxsim.data.pipeline`, asking `sharding.process_batch_rows`) and feeds
+`jax.make_array_from_process_local_data`; CPU collectives go through gloo. Two meshes: data
+parallel across the two processes (built as two slices, `mesh_dcn_data=2`), and a tensor axis
+of 8 spanning both processes (each process then feeds the whole batch). The runs split the same
+sums differently, so they agree up to reordered float32 summation (see sharding_test.py): SGD
+keeps that a bound on the parameters too.
 """
+import contextlib
 import json
 import os
 import socket
@@ -15,6 +19,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from jaxsim.io.checkpoint import Checkpointer
 from jaxsim.paths import SENTEVAL_ROOT
@@ -25,7 +30,7 @@ LR, STEPS, TOKENS = 0.1, 3, 16 * 2 * 16  # batch x views x max_len
 
 _SCRIPT = textwrap.dedent('''
     import json, sys
-    root, corpus, workdir, coord, nproc, pid = sys.argv[1:7]
+    root, corpus, workdir, coord, nproc, pid, mesh = sys.argv[1:8]
     sys.path.insert(0, root)
     from jaxsim import distributed
     if int(nproc) > 1:
@@ -37,7 +42,7 @@ _SCRIPT = textwrap.dedent('''
     from jaxsim.train.step import configure_jax
     configure_jax()
     assert jax.device_count() == 8 and jax.process_count() == int(nproc)
-    fields = {**base_config().to_dict(), **get_config().to_dict()}
+    fields = {**base_config().to_dict(), **get_config().to_dict(), **json.loads(mesh)}
     fields['model_overrides']['num_hidden_layers'] = 1
     fields.update(train_file=corpus, max_steps=3, batch_size=16, optimizer='sgd',
                   learning_rate=0.1, max_grad_norm=0.0)
@@ -47,10 +52,15 @@ _SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _free_port():
+@contextlib.contextmanager
+def reserved_port():
+    """A loopback port held for the coordinator: the socket stays bound (SO_REUSEPORT, never
+    listening) until the run ends, so no other program can take the port between choosing it
+    and the coordinator's bind; gRPC servers bind with SO_REUSEPORT and share it."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 def _launch(args, devices):
@@ -69,31 +79,75 @@ def _params(workdir):
         return [np.asarray(x) for x in jax.tree.leaves(ckpt.restore(STEPS).state['params'])]
 
 
+MESHES = {'data': {'mesh_dcn_data': 2}, 'tensor': {'mesh_data': 1, 'mesh_tensor': 8}}
+
+
 def test_two_processes_match_one_process(tmp_path):
     corpus = tmp_path / 'corpus.txt'
     corpus.write_text('\n'.join((SENTEVAL_ROOT / 'SNLI' / 's2.dev').read_text().splitlines()[:64]))
-    coord = f'127.0.0.1:{_free_port()}'
-    multi = [_launch([corpus, tmp_path / 'multi', coord, 2, pid], 4) for pid in (0, 1)]
-    single = _launch([corpus, tmp_path / 'single', 'none', 1, 0], 8)
-    outs = [p.communicate(timeout=600) for p in multi + [single]]
-    for p, (out, err) in zip(multi + [single], outs):
-        assert p.returncode == 0, err[-3000:]
-    results = [json.loads(o.split('RESULT')[1].splitlines()[0]) for o, _ in outs]
-    assert [r['steps'] for r in results] == [STEPS] * 3
-    assert results[0]['loss'] == results[1]['loss']  # every process sees the global loss
-    single_rows, multi_rows = _rows(tmp_path / 'single'), _rows(tmp_path / 'multi')
-    assert [r['step'] for r in single_rows] == [r['step'] for r in multi_rows] == [1, 2, 3]
-    ps, pm = _params(tmp_path / 'single'), _params(tmp_path / 'multi')
+    with reserved_port() as port_a, reserved_port() as port_b:
+        runs = {'single': [_launch([corpus, tmp_path / 'single', 'none', 1, 0, '{}'], 8)]}
+        for (name, mesh), port in zip(MESHES.items(), (port_a, port_b)):
+            runs[name] = [_launch([corpus, tmp_path / name, f'127.0.0.1:{port}', 2, pid,
+                                   json.dumps(mesh)], 4) for pid in (0, 1)]
+        outs = {name: [p.communicate(timeout=900) for p in procs]
+                for name, procs in runs.items()}
+    for name, procs in runs.items():
+        for p, (out, err) in zip(procs, outs[name]):
+            assert p.returncode == 0, (name, err[-3000:])
+            # The tensor-sharded programs (embedding gather included) compile as sharded.
+            assert 'Involuntary full rematerialization' not in err, (name, err[-3000:])
+    single_rows, ps = _rows(tmp_path / 'single'), _params(tmp_path / 'single')
     count = sum(p.size for p in ps)
-    for a, b in zip(single_rows, multi_rows):
-        assert abs(a['loss'] - b['loss']) <= 2 * TOKENS * U * abs(a['loss']), (a, b)
-        # | ||g|| - ||g'|| | <= ||g - g'|| <= sqrt(count) max|g - g'|, and max|g| <= ||g||.
-        grad_tol = 2 * TOKENS * U * a['grad_norm'] * np.sqrt(count)
-        assert abs(a['grad_norm'] - b['grad_norm']) <= grad_tol, (a, b)
     grad_max = max(r['grad_norm'] for r in single_rows)
     tol = STEPS * (LR * 2 * TOKENS * U * grad_max + 2 * U * max(np.abs(p).max() for p in ps))
-    assert max(float(np.abs(a - b).max()) for a, b in zip(ps, pm)) <= tol
     assert single_rows[0]['loss'] != single_rows[-1]['loss']  # it trained
-    # Only process 0 writes the run record; it names both processes.
-    run = json.loads((tmp_path / 'multi' / 'config.json').read_text())['run']
-    assert (run['processes'], run['devices']) == (2, 8)
+    for name in MESHES:
+        results = [json.loads(o.split('RESULT')[1].splitlines()[0]) for o, _ in outs[name]]
+        assert [r['steps'] for r in results] == [STEPS] * 2, name
+        assert results[0]['loss'] == results[1]['loss']  # every process sees the global loss
+        multi_rows = _rows(tmp_path / name)
+        assert [r['step'] for r in single_rows] == [r['step'] for r in multi_rows] == [1, 2, 3]
+        for a, b in zip(single_rows, multi_rows):
+            assert abs(a['loss'] - b['loss']) <= 2 * TOKENS * U * abs(a['loss']), (name, a, b)
+            # | ||g|| - ||g'|| | <= ||g - g'|| <= sqrt(count) max|g - g'|, and max|g| <= ||g||.
+            grad_tol = 2 * TOKENS * U * a['grad_norm'] * np.sqrt(count)
+            assert abs(a['grad_norm'] - b['grad_norm']) <= grad_tol, (name, a, b)
+        pm = _params(tmp_path / name)
+        assert max(float(np.abs(a - b).max()) for a, b in zip(ps, pm)) <= tol, name
+        # Only process 0 writes the run record; it names both processes and the mesh.
+        run = json.loads((tmp_path / name / 'config.json').read_text())['run']
+        assert (run['processes'], run['devices']) == (2, 8)
+        assert run['mesh'] == ({'data': 8, 'fsdp': 1, 'tensor': 1} if name == 'data'
+                               else {'data': 1, 'fsdp': 1, 'tensor': 8})
+
+
+@pytest.mark.parametrize('differs', ['corpus', 'config'])
+def test_processes_that_see_different_inputs_are_refused_in_one_line(tmp_path, differs):
+    lines = (SENTEVAL_ROOT / 'SNLI' / 's2.dev').read_text().splitlines()[:64]
+    for pid in (0, 1):
+        # Each "host" has its own corpus.txt (read relative to its working folder): the same
+        # config, and for 'corpus' a last line that differs on process 1.
+        folder = tmp_path / f'host{pid}'
+        folder.mkdir()
+        changed = differs == 'corpus' and pid == 1
+        (folder / 'corpus.txt').write_text('\n'.join(lines[:-1] + [lines[-1] + ' x' * changed]))
+    env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(REPO),
+               XLA_FLAGS='--xla_force_host_platform_device_count=4')
+    with reserved_port() as port:
+        procs = [subprocess.Popen(
+            [sys.executable, str(REPO / 'train.py'), '--config',
+             str(REPO / 'configs' / 'tiny_unsup_simcse.py'), '--workdir', str(tmp_path / 'w'),
+             '--noprogress', '--config.train_file=corpus.txt',
+             f'--config.learning_rate={0.001 * (1 + (differs == "config" and pid == 1))}',
+             '--coordinator', f'127.0.0.1:{port}', '--num_processes', '2',
+             '--process_id', str(pid)], cwd=tmp_path / f'host{pid}', env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+        outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 1, err[-3000:]
+        assert err.strip().splitlines()[-1] == (
+            f'error: process 1 of 2 sees a different {differs} than process 0; every process '
+            f'must start the same run on the same data'), err[-3000:]
+        assert 'Traceback' not in err
+    assert not (tmp_path / 'w').exists()  # refused before anything was written

@@ -193,3 +193,30 @@ def test_meshes_compute_the_single_device_step_up_to_float32_rounding():
         assert meshes['data4_fsdp2']['spec'] == str(P('fsdp'))
         if 'data2_tensor4' in meshes:
             assert meshes['data2_tensor4']['spec'] == str(P(None, 'tensor'))
+
+
+def test_mesh_from_topology_on_one_slice():
+    import jax
+    mesh = sharding.make_mesh()  # every device of this process on the data axis
+    assert dict(mesh.shape) == {'data': jax.device_count(), 'fsdp': 1, 'tensor': 1}
+    assert list(mesh.devices.flat) == jax.devices()
+    # One process holds every batch shard, so it feeds every row of each batch.
+    assert sharding.process_batch_rows(mesh, 32).tolist() == list(range(32))
+    with pytest.raises(sharding.MeshError, match=r'needs \d+ devices, have'):
+        sharding.make_mesh(jax.device_count() + 1)
+
+
+def test_slices_across_the_network_must_match_the_processes():
+    # CPU devices have no slice_index: each process is a slice.
+    with pytest.raises(sharding.MeshError, match='mesh_dcn_data x mesh_dcn_fsdp x mesh_dcn_tensor'
+                                                 ' = 2 must equal the number of processes, 1'):
+        sharding.make_mesh(dcn_data=2)
+    with pytest.raises(sharding.MeshError, match='= 4 must equal'):
+        sharding.make_mesh(dcn_fsdp=2, dcn_tensor=2)
+
+
+def test_micro_batch_must_split_over_the_batch_shards():
+    mesh = _mesh(4, 2, 1)
+    assert sharding.check_global_batch(64, mesh, micro_batch_size=16) == 8
+    with pytest.raises(ValueError, match='micro_batch_size 12 cannot be split over 8 batch'):
+        sharding.check_global_batch(96, mesh, micro_batch_size=12)
