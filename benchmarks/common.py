@@ -10,6 +10,17 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 
+# Random-init architectures for `--shape` (BERT vocabulary, so the bundled tokenizer's ids fit).
+SHAPES = {
+    "bert-base": {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
+                  "num_attention_heads": 12, "intermediate_size": 3072,
+                  "max_position_embeddings": 512, "type_vocab_size": 2},
+    "tiny": {"vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "intermediate_size": 37, "max_position_embeddings": 512,
+             "type_vocab_size": 2},
+}
+
+
 def available_cpus() -> int:
     """CPUs this process may run on (its affinity; os.cpu_count() where there is none)."""
     if hasattr(os, "sched_getaffinity"):
@@ -46,24 +57,42 @@ def seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def alternating(contenders: Mapping[str, Callable[[], object]], work: float,
+                repeats: int) -> dict:
+    """Runs the contenders in turn (A B C A B C ...) `repeats` times.
+
+    Returns {name: {'per_s': median rate, 'rates': [...]}}. Alternating spreads slow drifts of
+    the machine (thermal, other processes) over every side, so per-round ratios
+    (`ratio_stats`) are steadier than the ratio of separate bests.
+    """
+    rates = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            rates[name].append(work / seconds(fn))
+    return {name: {"per_s": statistics.median(r), "rates": r} for name, r in rates.items()}
+
+
+def ratio_stats(ours: list, theirs: list) -> dict:
+    """Median, min and max of the per-round ratios ours[i] / theirs[i] (rates of one round)."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return {"ratio": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios), "repeats": len(ratios)}
+
+
 def alternating_rates(ours: Callable[[], object], theirs: Callable[[], object], work: float,
                       repeats: int) -> dict:
-    """Runs the two sides alternately `repeats` times; returns both rates and the ratio spread.
+    """Two sides run alternately `repeats` times: both median rates and the ratio spread."""
+    rates = alternating({"ours": ours, "theirs": theirs}, work, repeats)
+    return {"ours_per_s": rates["ours"]["per_s"], "reference_per_s": rates["theirs"]["per_s"],
+            **ratio_stats(rates["ours"]["rates"], rates["theirs"]["rates"])}
 
-    Alternating (A B A B ...) spreads slow drifts of the machine (thermal, other processes) over
-    both sides, so the per-pair ratio is steadier than the ratio of two separate bests.
-    """
-    ours_rates, theirs_rates, ratios = [], [], []
-    for _ in range(repeats):
-        a = work / seconds(ours)
-        b = work / seconds(theirs)
-        ours_rates.append(a)
-        theirs_rates.append(b)
-        ratios.append(a / b)
-    return {"ours_per_s": statistics.median(ours_rates),
-            "reference_per_s": statistics.median(theirs_rates),
-            "ratio": statistics.median(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios), "repeats": repeats}
+
+def xla_flops(stage) -> float:
+    """XLA's FLOP count of a compiled (or lowered) program; 0.0 where the backend has none."""
+    analysis = stage.cost_analysis()
+    if isinstance(analysis, (list, tuple)):  # older JAX: one dict per module
+        analysis = analysis[0] if analysis else {}
+    return float((analysis or {}).get("flops", 0.0))
 
 
 def status_mb(field: str) -> float:

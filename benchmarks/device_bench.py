@@ -10,11 +10,15 @@ pooling, cosine / 0.05 InfoNCE, clipping 1.0, AdamW:
 jaxsim runs `jaxsim.train.step.make_train_step` (as `train.py` builds it). FLOPs per step are
 XLA's count for the compiled step (`compiled.cost_analysis()['flops']`; the lowered module's
 count where a backend reports none); achieved TFLOP/s = FLOPs x steps/s, MFU = achieved / the
-device's peak for the compute dtype (table below, or `--peak-tflops`). The PyTorch reference
-(`torch_reference.py`: transformers BertModel + the same loss + AdamW; bf16 through autocast
-with float32 master weights) runs on the same device in the same run where torch has that
-device (CUDA, or the CPU); its TFLOP/s use the same per-step count. ratio = jaxsim steps/s /
-PyTorch steps/s.
+device's data-sheet peak for the compute dtype (table below, or `--peak-tflops`);
+`fraction_of_peak` = achieved / the matrix-product peak measured on the device in the same run
+(`peak.py`: JAX's for jaxsim, torch's for PyTorch). The PyTorch reference (`torch_reference.py`:
+transformers BertModel + the same loss + AdamW) runs on the same device in the same run where
+torch has that device (CUDA, or the CPU), twice: in float32 and under
+`torch.autocast(device, dtype=torch.bfloat16)` (float32 master weights); its TFLOP/s use the same
+per-step count. The three run in turn `--repeats` rounds of `--steps` steps; each ratio is the
+median [min, max] of per-round ratios jaxsim steps/s / PyTorch steps/s (`vs_pytorch_float32`,
+`vs_pytorch_bfloat16`); a setting's `ratio` is against the PyTorch of jaxsim's compute dtype.
 
 float32 means float32 products on both sides (`--fp32-matmul tf32` allows TF32 on both, with the
 TF32 peak). `--tiny` swaps in a tiny model and batches so the script runs on a CPU in seconds
@@ -27,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +42,8 @@ from jaxsim import sharding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch_reference  # noqa: E402
-from common import write_json  # noqa: E402
+from common import alternating, ratio_stats, write_json, xla_flops  # noqa: E402
+from peak import describe, fraction_of_peak, measure_peaks  # noqa: E402
 from train_speed import build_step  # noqa: E402
 
 BERT_BASE = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
@@ -49,6 +53,8 @@ TINY = {"vocab_size": 1000, "hidden_size": 32, "num_hidden_layers": 2, "num_atte
         "intermediate_size": 37, "max_position_embeddings": 64, "type_vocab_size": 2}
 # setting -> (objective, examples per step, sentences per example in the batch arrays)
 SETTINGS = {"unsup": ("unsup", 64, 1), "sup": ("sup", 512, 3)}
+# PyTorch's configurations: float32, and bf16 autocast (float32 master weights).
+REFERENCES = ("float32", "bfloat16")
 TINY_BATCH = {"unsup": 8, "sup": 8}
 LENGTH, TINY_LENGTH = 32, 16
 
@@ -99,9 +105,9 @@ def jaxsim_step(objective: str, dtype: str, arrays: dict, arch: dict, fast_compi
     lowered = train_step.lower(state, placed)
     compiled = lowered.compile()
     compile_s = time.perf_counter() - start
-    flops, source = _flops(compiled), "compiled"
+    flops, source = xla_flops(compiled), "compiled"
     if not flops:
-        flops, source = _flops(lowered), "lowered"
+        flops, source = xla_flops(lowered), "lowered"
     holder = {"state": state}
 
     def run():
@@ -109,13 +115,6 @@ def jaxsim_step(objective: str, dtype: str, arrays: dict, arch: dict, fast_compi
         jax.block_until_ready(metrics["loss"])
 
     return run, flops, source, compile_s
-
-
-def _flops(stage) -> float:
-    analysis = stage.cost_analysis()
-    if isinstance(analysis, (list, tuple)):  # older JAX: one dict per module
-        analysis = analysis[0] if analysis else {}
-    return float((analysis or {}).get("flops", 0.0))
 
 
 def torch_device() -> str | None:
@@ -132,15 +131,46 @@ def torch_device() -> str | None:
     return None
 
 
-def steps_per_s(run, steps: int, warmup: int) -> tuple[float, list]:
-    for _ in range(warmup):
-        run()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return 1.0 / statistics.median(times), times
+def measure_setting(name: str, arrays: dict, arch: dict, peak: float | None, peaks: dict,
+                    tdev: str | None, args) -> dict:
+    """One setting: jaxsim and the PyTorch configurations in alternating rounds."""
+    objective, _, _ = SETTINGS[name]
+    run, flops, source, compile_s = jaxsim_step(objective, args.dtype, arrays, arch,
+                                                fast_compile=args.tiny)
+    ones = {"jaxsim": run}
+    if tdev is not None:
+        for ref in REFERENCES:
+            ones[f"pytorch_{ref}"] = _torch_run(objective, arrays, arch, args, tdev, ref)
+    for one in ones.values():
+        for _ in range(args.warmup):
+            one()
+    contenders = {k: (lambda one=one: [one() for _ in range(args.steps)])
+                  for k, one in ones.items()}
+    rates = alternating(contenders, args.steps, args.repeats)
+    batch = arrays["input_ids"].shape[0]
+    row = {"objective": objective, "batch": batch, "views": 2 if objective == "unsup" else 3,
+           "flops_per_step": flops, "flops_source": source, "compile_s": round(compile_s, 2),
+           "rates": {k: r["rates"] for k, r in rates.items()}}
+    for key, r in rates.items():
+        dtype = args.dtype if key == "jaxsim" else key.split("_", 1)[1]
+        row[f"{key}_steps_per_s"] = r["per_s"]
+        row[f"{key}_tflops"] = flops * r["per_s"] / 1e12
+        framework = "jax" if key == "jaxsim" else "torch"
+        measured = peaks.get(framework, {}).get(dtype)
+        fraction = fraction_of_peak(flops, r["per_s"], measured)
+        if key == "jaxsim":
+            row["peak_gflops"] = measured
+            row["fraction_of_peak"] = fraction
+            row["jaxsim_mfu"] = row["jaxsim_tflops"] / peak if peak else None
+        else:
+            row[f"{key}_fraction_of_peak"] = fraction
+    if tdev is not None:
+        for ref in REFERENCES:
+            row[f"vs_pytorch_{ref}"] = ratio_stats(rates["jaxsim"]["rates"],
+                                                   rates[f"pytorch_{ref}"]["rates"])
+        row.update({k: row[f"vs_pytorch_{args.dtype}"][k]
+                    for k in ("ratio", "ratio_min", "ratio_max")})
+    return row
 
 
 def main():
@@ -149,8 +179,13 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--fp32-matmul", default="highest", choices=("highest", "tf32"),
                         help="float32 products: true float32, or TF32 on both sides")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per side")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed round")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating rounds")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--peak-size", type=int, default=None,
+                        help="measured peak's product size (default 8192 on accelerators, "
+                             "2048 on the CPU)")
+    parser.add_argument("--peak-repeats", type=int, default=10)
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's peak for the dtype (overrides the table)")
     parser.add_argument("--no-torch", action="store_true")
@@ -170,38 +205,36 @@ def main():
     arch = TINY if args.tiny else BERT_BASE
     length = TINY_LENGTH if args.tiny else LENGTH
     tdev = None if args.no_torch else torch_device()
+    if tdev == "cpu":
+        import torch
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count())))
+    peak_size = args.peak_size or (2048 if device.platform == "cpu" else 8192)
+    peaks = measure_peaks(peak_size, args.peak_repeats, torch_too=tdev is not None)
+    print(describe(peaks), flush=True)
     record = {"device_kind": kind, "platform": device.platform, "dtype": args.dtype,
               "fp32_matmul": args.fp32_matmul if args.dtype == "float32" else None,
               "peak_tflops": peak, "peak_source": "--peak-tflops" if args.peak_tflops else
-              ("table" if peak else None), "model": "tiny" if args.tiny else "bert-base",
-              "architecture": arch, "length": length, "steps": args.steps,
+              ("table" if peak else None), "peak_gflops": peaks,
+              "model": "tiny" if args.tiny else "bert-base", "architecture": arch,
+              "length": length, "steps": args.steps, "repeats": args.repeats,
               "warmup": args.warmup, "torch_device": tdev, "settings": {}}
     rng = np.random.default_rng(0)
     for name in settings:
         objective, batch, views = SETTINGS[name]
         batch = TINY_BATCH[name] if args.tiny else batch
         arrays = random_batch(rng, batch, views, length, arch["vocab_size"])
-        run, flops, source, compile_s = jaxsim_step(objective, args.dtype, arrays, arch,
-                                                    fast_compile=args.tiny)
-        ours, _ = steps_per_s(run, args.steps, args.warmup)
-        row = {"objective": objective, "batch": batch, "views": 2 if objective == "unsup"
-               else 3, "flops_per_step": flops, "flops_source": source,
-               "compile_s": round(compile_s, 2), "jaxsim_steps_per_s": ours,
-               "jaxsim_tflops": flops * ours / 1e12}
-        row["jaxsim_mfu"] = row["jaxsim_tflops"] / peak if peak else None
-        if tdev is not None:
-            theirs, _ = steps_per_s(_torch_run(objective, arrays, arch, args, tdev),
-                                    args.steps, args.warmup)
-            row.update(pytorch_steps_per_s=theirs, pytorch_tflops=flops * theirs / 1e12,
-                       pytorch_mfu=flops * theirs / 1e12 / peak if peak else None,
-                       ratio=ours / theirs)
+        row = measure_setting(name, arrays, arch, peak, peaks, tdev, args)
         record["settings"][name] = row
-        mfu = f"  MFU {row['jaxsim_mfu']:.1%}" if peak else "  (no peak known: --peak-tflops)"
-        line = (f"{name:5s} batch {batch:4d}  jaxsim {ours:8.3f} steps/s "
-                f"{row['jaxsim_tflops']:8.3f} TFLOP/s{mfu}")
-        if "ratio" in row:
-            line += (f"  | PyTorch ({tdev}) {row['pytorch_steps_per_s']:8.3f} steps/s  "
-                     f"ratio {row['ratio']:.2f}x")
+        mfu = f"  MFU {row['jaxsim_mfu']:.1%}" if peak else "  (no data-sheet peak: --peak-tflops)"
+        line = (f"{name:5s} batch {batch:4d}  jaxsim {row['jaxsim_steps_per_s']:8.3f} steps/s "
+                f"{row['jaxsim_tflops']:8.3f} TFLOP/s{mfu}, {row['fraction_of_peak']:.1%} of "
+                f"measured peak")
+        for ref in REFERENCES if tdev is not None else ():
+            stats = row[f"vs_pytorch_{ref}"]
+            line += (f"\n      PyTorch ({tdev}, {ref}{' autocast' if ref == 'bfloat16' else ''}) "
+                     f"{row[f'pytorch_{ref}_steps_per_s']:8.3f} steps/s  ratio "
+                     f"{stats['ratio']:.2f}x [{stats['ratio_min']:.2f}-{stats['ratio_max']:.2f}]")
         print(line, flush=True)
     first = record["settings"][settings[0]]
     record["ratio"] = first.get("ratio")  # None where no PyTorch ran on this device
@@ -209,16 +242,14 @@ def main():
     write_json(args.json, record)
 
 
-def _torch_run(objective: str, arrays: dict, arch: dict, args, device: str):
+def _torch_run(objective: str, arrays: dict, arch: dict, args, device: str, reference: str):
     import torch
 
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = args.fp32_matmul == "tf32"
         torch.backends.cudnn.allow_tf32 = args.fp32_matmul == "tf32"
-    else:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count())))
     model = torch_reference.load_model(config=arch)
-    autocast = torch.bfloat16 if args.dtype == "bfloat16" else None
+    autocast = torch.bfloat16 if reference == "bfloat16" else None
     return torch_reference.make_step(model, arrays, unsup=objective == "unsup", device=device,
                                      autocast_dtype=autocast)
 

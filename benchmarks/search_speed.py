@@ -11,6 +11,10 @@ faiss is given its BLAS path for every batch (`--faiss-blas-threshold 0`; its de
 heuristic sends small batches, e.g. 256 queries of dimension 384, to a ~10x slower loop) and
 its best OpenMP thread count among --faiss-threads (OMP_WAIT_POLICY=PASSIVE).
 
+Fraction of peak: each configuration's scoring product (2 x queries x rows x dim FLOPs; the
+top-k selection adds none) at jaxsim's rate, over JAX's float32 matrix-product peak measured in
+the same process (`peak.py`).
+
 "ratio" (top level) = geometric mean over the configurations of jaxsim_qps / faiss_qps
 (> 1: jaxsim faster).
 
@@ -27,9 +31,14 @@ import json
 import math
 import os
 import platform
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak import describe, fraction_of_peak, measure_peaks  # noqa: E402
 
 
 def unit_rows(n: int, dim: int, rng: np.random.Generator) -> np.ndarray:
@@ -99,6 +108,9 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
         "approx_recall": overlap(approx.rows, ours.rows),
         "data_s": make_s, "build_s": build_s, "load_average_1min": os.getloadavg()[0],
     }
+    row["flops"] = 2.0 * args.queries * rows * dim
+    row["peak_gflops"] = args.peaks["jax"]["float32"]
+    row["fraction_of_peak"] = fraction_of_peak(row["flops"], 1.0 / jax_s, row["peak_gflops"])
     return row
 
 
@@ -117,6 +129,8 @@ def main():
     parser.add_argument("--block-rows", type=int, default=None)
     parser.add_argument("--query-batch", type=int, default=None)
     parser.add_argument("--approx-recall", type=float, default=0.95)
+    parser.add_argument("--peak-size", type=int, default=2048, help="peak product size")
+    parser.add_argument("--peak-repeats", type=int, default=10)
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
 
@@ -138,6 +152,8 @@ def main():
     default_blas_threshold = faiss.cvar.distance_compute_blas_threshold
     faiss.cvar.distance_compute_blas_threshold = args.faiss_blas_threshold
     load_before = os.getloadavg()
+    args.peaks = measure_peaks(args.peak_size, args.peak_repeats, torch_too=False)
+    print(describe(args.peaks))
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{jax.device_count()}, "
           f"faiss {faiss.__version__} (best of {args.faiss_threads} threads, BLAS threshold "
           f"{args.faiss_blas_threshold}), "
@@ -164,7 +180,7 @@ def main():
                "faiss_blas_threshold": args.faiss_blas_threshold,
                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                "faiss_default_blas_threshold": default_blas_threshold,
-               "block_rows": args.block_rows, "query_batch": args.query_batch,
+               "peak_gflops": args.peaks, "block_rows": args.block_rows, "query_batch": args.query_batch,
                "load_average_before": load_before, "load_average_after": load_after,
                "jax": jax.__version__, "faiss": faiss.__version__,
                "machine": platform.processor() or platform.machine()}

@@ -5,7 +5,8 @@ negatives; supervised: entailment positives and contradiction negatives) + globa
 + `torch.optim.AdamW` with a linear decay, as the reference implementation trains. Imports no
 JAX, so run as a script it measures PyTorch's own peak memory:
 
-    python benchmarks/torch_reference.py --arrays unsup.npz --model PATH [--threads 2]
+    python benchmarks/torch_reference.py --arrays unsup.npz (--model PATH | --shape tiny)
+        [--autocast bfloat16] [--threads 2]
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from common import print_peak_memory, status_mb
+from common import SHAPES, print_peak_memory, status_mb
 
 LR, TOTAL_STEPS, TEMP, CLIP, DROPOUT = 3e-5, 1000, 0.05, 1.0, 0.1
 
@@ -92,7 +93,11 @@ def make_step(model, arrays: Mapping[str, np.ndarray], unsup: bool, device: str 
 def main():
     parser = argparse.ArgumentParser(description="peak memory of the PyTorch reference step")
     parser.add_argument("--arrays", type=Path, required=True, help=".npz of [B, V, L] arrays")
-    parser.add_argument("--model", required=True, help="model folder")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="model folder")
+    source.add_argument("--shape", choices=sorted(SHAPES), help="random init at this shape")
+    parser.add_argument("--autocast", default="float32", choices=("float32", "bfloat16"),
+                        help="bfloat16: the step under torch.autocast (float32 master weights)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
@@ -102,7 +107,9 @@ def main():
     torch.set_num_threads(args.threads)
     arrays = dict(np.load(args.arrays))
     baseline = status_mb("VmRSS")
-    run = make_step(load_model(args.model), arrays, unsup=arrays["input_ids"].shape[1] == 1)
+    model = (load_model(args.model) if args.model else load_model(config=SHAPES[args.shape]))
+    run = make_step(model, arrays, unsup=arrays["input_ids"].shape[1] == 1,
+                    autocast_dtype=torch.bfloat16 if args.autocast == "bfloat16" else None)
     print_peak_memory(run, args.steps, baseline)
 
 

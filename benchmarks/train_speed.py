@@ -1,21 +1,32 @@
 """SimCSE train-step throughput: jaxsim's step vs the same step in PyTorch, one process (CPU).
 
-Both sides: all-MiniLM-L6-v2, fixed padding to `--max-len`, mean pooling, dropout 0.1, cosine /
-0.05 InfoNCE with in-batch negatives, global-norm clipping at 1.0, AdamW (lr 3e-5, linear decay).
-jaxsim runs `jaxsim.train.step.make_train_step` built as `train.py` builds it; PyTorch runs the
-reference step of `torch_reference.py` (`transformers.BertModel` + the same loss +
-`torch.optim.AdamW`). Inputs are tokenized once, so only steps are timed. Rows (objective:dtype):
+Both sides: all-MiniLM-L6-v2 (or a random-init `--shape`), fixed padding to `--max-len`, mean
+pooling, dropout 0.1, cosine / 0.05 InfoNCE with in-batch negatives, global-norm clipping at 1.0,
+AdamW (lr 3e-5, linear decay). jaxsim runs `jaxsim.train.step.make_train_step` built as
+`train.py` builds it; PyTorch runs the reference step of `torch_reference.py`
+(`transformers.BertModel` + the same loss + `torch.optim.AdamW`) twice: in float32, and under
+`torch.autocast('cpu', dtype=torch.bfloat16)` (float32 master weights), the configuration a
+PyTorch user picks for speed on a CPU with bf16 instructions. Inputs are tokenized once, so only
+steps are timed. Rows (objective:dtype, jaxsim's compute dtype):
 
   unsup:float32    unsupervised: each of `--batch` sentences encoded twice (two dropout views)
-  unsup:bfloat16   the same with bf16 compute (float32 master weights), vs PyTorch float32
+  unsup:bfloat16   the same with bf16 compute (float32 master weights)
   sup:float32      supervised: (premise, entailment, contradiction) SNLI triplets, 3 views
 
-For each row the sides run alternately `--repeats` times, `--steps` steps each
-(`common.alternating_rates`): ratio = jaxsim steps/s / PyTorch steps/s (median, min, max).
+For each row jaxsim and both PyTorch configurations run in turn `--repeats` times, `--steps`
+steps each (`common.alternating`); each ratio is the median [min, max] of the per-round ratios
+jaxsim steps/s / PyTorch steps/s (`vs_pytorch_float32`, `vs_pytorch_bfloat16`). A row's `ratio`
+is against the PyTorch of the same compute dtype; the record's headline `ratio` is unsup:bfloat16
+vs PyTorch bf16 autocast (each side's fastest configuration) when that row runs.
+
+Fraction of peak: FLOPs per step are XLA's cost analysis of the compiled step; achieved GFLOP/s
+(FLOPs x steps/s) over the matrix-product peak of the row's dtype (`peak.py`, measured in this
+process on the same threads: JAX's peak for jaxsim, PyTorch's for PyTorch, same FLOP count).
 Peak RSS of each side's train loop is measured in its own subprocess (resource.getrusage; the
 PyTorch one never imports JAX).
 
-    python benchmarks/train_speed.py [--threads 2] [--repeats 5] [--steps 3] [--json out.json]
+    python benchmarks/train_speed.py [--shape minilm|bert-base|tiny] [--threads 2] [--repeats 5]
+        [--steps 3] [--json out.json]
 """
 from __future__ import annotations
 
@@ -44,11 +55,15 @@ from jaxsim.train.config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch_reference  # noqa: E402
-from common import (alternating_rates, available_cpus, load_average,  # noqa: E402
-                    print_peak_memory, seconds, set_threads, status_mb, write_json)
+from common import (SHAPES, alternating, available_cpus, load_average,  # noqa: E402
+                    print_peak_memory, ratio_stats, set_threads, status_mb, write_json,
+                    xla_flops)
+from peak import describe, fraction_of_peak, measure_peaks  # noqa: E402
 
 ROWS = ("unsup:float32", "unsup:bfloat16", "sup:float32")
 OBJECTIVES = ("unsup", "sup")
+# PyTorch's configurations: float32, and bf16 autocast (float32 master weights).
+REFERENCES = ("float32", "bfloat16")
 HERE = Path(__file__).resolve().parent
 
 
@@ -109,36 +124,100 @@ def build_step(objective: str, dtype: str, arrays: dict, mesh=None, **config):
     return train_step, state, placed
 
 
+def shape_config(shape: str) -> dict:
+    """TrainConfig fields for `--shape`: the bundled checkpoint, or a random-init architecture."""
+    if shape == "minilm":
+        return {}
+    return {"random_init": True, "model_overrides": SHAPES[shape]}
+
+
 def jaxsim_step(objective: str, dtype: str, arrays: dict, **config):
-    """A no-argument callable running one jaxsim train step (blocking), built by `build_step`."""
+    """(run, flops): a no-argument callable running one jaxsim train step (blocking), built by
+    `build_step` and compiled ahead, and XLA's FLOP count of that compiled step."""
     train_step, state, placed = build_step(objective, dtype, arrays, **config)
+    compiled = train_step.lower(state, placed).compile()
     holder = {"state": state}
 
     def run():
-        holder["state"], metrics = train_step(holder["state"], placed)
+        holder["state"], metrics = compiled(holder["state"], placed)
         jax.block_until_ready(metrics["loss"])
 
-    return run
+    return run, xla_flops(compiled)
 
 
-def memory_child(objective: str, dtype: str, folder: Path) -> None:
+def torch_model(shape: str):
+    if shape == "minilm":
+        return torch_reference.load_model(str(bundled_model_path()))
+    return torch_reference.load_model(config=SHAPES[shape])
+
+
+def memory_child(objective: str, dtype: str, shape: str, folder: Path) -> None:
     """Runs a few jaxsim steps on saved arrays and prints the process's memory figures."""
     arrays = dict(np.load(folder / f"{objective}.npz"))
     baseline = status_mb("VmRSS")
-    print_peak_memory(jaxsim_step(objective, dtype, arrays), 3, baseline)
+    run, _ = jaxsim_step(objective, dtype, arrays, **shape_config(shape))
+    print_peak_memory(run, 3, baseline)
 
+
+def measure_row(objective: str, dtype: str, arrays: dict, torch_runs: dict, peaks: dict,
+                args) -> dict:
+    """jaxsim's step and both PyTorch steps in alternating rounds: rates, ratios, peak shares."""
+    start = time.perf_counter()
+    ours_one, flops = jaxsim_step(objective, dtype, arrays, **shape_config(args.shape))
+    compile_s = time.perf_counter() - start
+    ours_one()  # first run: allocations
+    contenders = {"jaxsim": lambda: [ours_one() for _ in range(args.steps)]}
+    for ref in REFERENCES:
+        step = torch_runs[(objective, ref)]
+        contenders[f"pytorch_{ref}"] = lambda step=step: [step() for _ in range(args.steps)]
+    rates = alternating(contenders, args.steps, args.repeats)
+    rows_per_step = args.batch * (2 if objective == "unsup" else 3)
+    row = {"objective": objective, "dtype": dtype, "reference_dtype": dtype,
+           "flops_per_step": flops, "compile_s": round(compile_s, 2), "repeats": args.repeats,
+           "rates": {name: r["rates"] for name, r in rates.items()}}
+    for name, r in rates.items():
+        row[f"{name}_steps_per_s"] = r["per_s"]
+        row[f"{name}_sentences_per_s"] = r["per_s"] * rows_per_step
+    for ref in REFERENCES:
+        row[f"vs_pytorch_{ref}"] = ratio_stats(rates["jaxsim"]["rates"],
+                                               rates[f"pytorch_{ref}"]["rates"])
+    row.update({k: row[f"vs_pytorch_{dtype}"][k] for k in ("ratio", "ratio_min", "ratio_max")})
+    row["peak_gflops"] = peaks["jax"][dtype]
+    row["jaxsim_gflops"] = flops * row["jaxsim_steps_per_s"] / 1e9
+    row["fraction_of_peak"] = fraction_of_peak(flops, row["jaxsim_steps_per_s"],
+                                               row["peak_gflops"])
+    for ref in REFERENCES:  # PyTorch against its own peak, same FLOP count
+        row[f"pytorch_{ref}_fraction_of_peak"] = fraction_of_peak(
+            flops, row[f"pytorch_{ref}_steps_per_s"], peaks["torch"][ref])
+    return row
+
+
+def print_row(row: dict) -> None:
+    fp32, bf16 = row["vs_pytorch_float32"], row["vs_pytorch_bfloat16"]
+    print(f"{row['objective']:5s} {row['dtype']:8s}  jaxsim {row['jaxsim_steps_per_s']:.3f} "
+          f"steps/s ({row['fraction_of_peak']:.0%} of peak)  PyTorch fp32 "
+          f"{row['pytorch_float32_steps_per_s']:.3f}, bf16 autocast "
+          f"{row['pytorch_bfloat16_steps_per_s']:.3f} steps/s  ratio vs fp32 "
+          f"{fp32['ratio']:.2f}x [{fp32['ratio_min']:.2f}-{fp32['ratio_max']:.2f}], vs bf16 "
+          f"{bf16['ratio']:.2f}x [{bf16['ratio_min']:.2f}-{bf16['ratio_max']:.2f}]  compile "
+          f"{row['compile_s']:.1f} s", flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default=",".join(ROWS),
                         help=f"comma-separated objective:dtype rows (default {','.join(ROWS)})")
+    parser.add_argument("--shape", default="minilm", choices=("minilm", *SHAPES),
+                        help="minilm: the bundled all-MiniLM-L6-v2; bert-base / tiny: random "
+                             "init at those shapes")
     parser.add_argument("--batch", type=int, default=64, help="examples per step")
     parser.add_argument("--max-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=available_cpus(),
                         help="cores for both sides (the process is pinned to them)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="steps per timed repeat")
+    parser.add_argument("--peak-size", type=int, default=2048, help="peak product size")
+    parser.add_argument("--peak-repeats", type=int, default=10)
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--rss-child", nargs=2, default=None, help=argparse.SUPPRESS)
@@ -147,58 +226,49 @@ def main():
     set_threads(args.threads)  # before JAX's backend and torch's pool start
     if args.rss_child:
         (objective, dtype), folder = args.rss_child[0].split(":"), Path(args.rss_child[1])
-        memory_child(objective, dtype, folder)
+        memory_child(objective, dtype, args.shape, folder)
         return
     load = load_average()
-    print(f"threads {args.threads} (this process may use {available_cpus()} CPUs), batch "
-          f"{args.batch}, max_len {args.max_len}, 1-min load average before the run "
-          f"{'n/a' if load is None else f'{load:.2f}'}", flush=True)
+    print(f"threads {args.threads} (this process may use {available_cpus()} CPUs), shape "
+          f"{args.shape}, batch {args.batch}, max_len {args.max_len}, 1-min load average before "
+          f"the run {'n/a' if load is None else f'{load:.2f}'}", flush=True)
     memory = {} if args.no_rss else measure_memory(rows, args)
 
     import torch
 
     torch.set_num_threads(args.threads)
-    model_path = str(bundled_model_path())
+    peaks = measure_peaks(args.peak_size, args.peak_repeats)
+    print(describe(peaks), flush=True)
     record = {"threads": args.threads, "batch": args.batch, "max_len": args.max_len,
-              "steps_per_repeat": args.steps, "model": "all-MiniLM-L6-v2", "rows": {}}
+              "steps_per_repeat": args.steps, "shape": args.shape,
+              "model": "all-MiniLM-L6-v2" if args.shape == "minilm" else
+              f"random init, {args.shape}", "peak_gflops": peaks, "rows": {}}
     torch_runs = {}
     for objective, dtype in rows:
         arrays = tokenized(objective, args.batch, args.max_len)
-        if objective not in torch_runs:
-            torch_runs[objective] = torch_reference.make_step(
-                torch_reference.load_model(model_path), arrays, unsup=objective == "unsup")
-            for _ in range(2):  # warm-up (allocator, first-call paths)
-                torch_runs[objective]()
-        theirs_one = torch_runs[objective]
-        ours_one = jaxsim_step(objective, dtype, arrays)
-        first = seconds(ours_one)  # compile + one step
-        warm = seconds(ours_one)
-        ours = lambda: [ours_one() for _ in range(args.steps)]  # noqa: E731
-        theirs = lambda: [theirs_one() for _ in range(args.steps)]  # noqa: E731
-        rates = alternating_rates(ours, theirs, args.steps, args.repeats)
-        rows_per_step = args.batch * (2 if objective == "unsup" else 3)
-        row = {"objective": objective, "dtype": dtype, "reference_dtype": "float32",
-               "jaxsim_steps_per_s": rates["ours_per_s"],
-               "pytorch_steps_per_s": rates["reference_per_s"],
-               "jaxsim_sentences_per_s": rates["ours_per_s"] * rows_per_step,
-               "pytorch_sentences_per_s": rates["reference_per_s"] * rows_per_step,
-               "ratio": rates["ratio"], "ratio_min": rates["ratio_min"],
-               "ratio_max": rates["ratio_max"], "repeats": rates["repeats"],
-               "compile_s": round(max(first - warm, 0.0), 2)}
-        rss = ""
+        for ref in REFERENCES:
+            if (objective, ref) not in torch_runs:
+                run = torch_reference.make_step(
+                    torch_model(args.shape), arrays, unsup=objective == "unsup",
+                    autocast_dtype=torch.bfloat16 if ref == "bfloat16" else None)
+                for _ in range(2):  # warm-up (allocator, first-call paths)
+                    run()
+                torch_runs[(objective, ref)] = run
+        row = measure_row(objective, dtype, arrays, torch_runs, peaks, args)
         if memory:
             row["jaxsim_memory"] = memory[("jaxsim", objective, dtype)]
-            row["pytorch_memory"] = memory[("torch", objective, "float32")]
-            rss = (f"  peak RSS jaxsim {row['jaxsim_memory']['peak_rss_mb']:.0f} MB, "
-                   f"PyTorch {row['pytorch_memory']['peak_rss_mb']:.0f} MB")
+            for ref in REFERENCES:
+                row[f"pytorch_{ref}_memory"] = memory[("torch", objective, ref)]
         record["rows"][f"{objective}:{dtype}"] = row
-        print(f"{objective:5s} {dtype:8s}  jaxsim {row['jaxsim_steps_per_s']:.3f} steps/s  "
-              f"PyTorch fp32 {row['pytorch_steps_per_s']:.3f} steps/s  ratio {row['ratio']:.2f}x "
-              f"(min {row['ratio_min']:.2f}, max {row['ratio_max']:.2f})  compile "
-              f"{row['compile_s']:.1f} s{rss}", flush=True)
-    headline = record["rows"].get("unsup:float32") or next(iter(record["rows"].values()))
+        print_row(row)
+        if memory:
+            print(f"      peak RSS jaxsim {row['jaxsim_memory']['peak_rss_mb']:.0f} MB, PyTorch "
+                  f"fp32 {row['pytorch_float32_memory']['peak_rss_mb']:.0f} MB, bf16 autocast "
+                  f"{row['pytorch_bfloat16_memory']['peak_rss_mb']:.0f} MB", flush=True)
+    headline = record["rows"].get("unsup:bfloat16") or next(iter(record["rows"].values()))
     record["ratio"] = headline["ratio"]
     record["ratio_row"] = f"{headline['objective']}:{headline['dtype']}"
+    record["ratio_reference"] = f"pytorch_{headline['reference_dtype']}"
     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write_json(args.json, record)
 
@@ -208,17 +278,19 @@ def measure_memory(rows, args) -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        model_path = str(bundled_model_path())
         for objective in sorted({o for o, _ in rows}):
             np.savez(folder / f"{objective}.npz", **tokenized(objective, args.batch,
                                                               args.max_len))
-            cmd = [sys.executable, str(HERE / "torch_reference.py"), "--arrays",
-                   str(folder / f"{objective}.npz"), "--model", model_path,
-                   "--threads", str(args.threads)]
-            out[("torch", objective, "float32")] = _child(cmd)
+            for ref in REFERENCES:
+                model = (["--model", str(bundled_model_path())] if args.shape == "minilm"
+                         else ["--shape", args.shape])
+                cmd = [sys.executable, str(HERE / "torch_reference.py"), "--arrays",
+                       str(folder / f"{objective}.npz"), *model, "--autocast", ref,
+                       "--threads", str(args.threads)]
+                out[("torch", objective, ref)] = _child(cmd)
         for objective, dtype in rows:
             cmd = [sys.executable, __file__, "--rss-child", f"{objective}:{dtype}", str(folder),
-                   "--threads", str(args.threads)]
+                   "--shape", args.shape, "--threads", str(args.threads)]
             out[("jaxsim", objective, dtype)] = _child(cmd)
     return out
 

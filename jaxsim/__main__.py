@@ -1,9 +1,10 @@
-"""Command line: `python -m jaxsim {encode,export,index,search} [options]`.
+"""Command line: `python -m jaxsim {encode,export,index,search,serve} [options]`.
 
     python -m jaxsim encode --input sentences.txt --output vectors.npy [--model M]
     python -m jaxsim export --checkpoint WORKDIR_OR_FOLDER --out DIR
         [--format hf|sentence-transformers] [--post whitening[:K]|sn|natsv:K --fit-data FILE]
     python -m jaxsim index / search   (see jaxsim/search/cli.py)
+    python -m jaxsim serve --index DIR  (see docs/serve.md)
 
 Every command reports a user error (bad file, bad option, unreadable model) as one line
 `error: <message>` on stderr and exits 1; anything else is a bug and keeps its traceback.
@@ -29,6 +30,7 @@ from jaxsim.io.export import FORMATS, export_source, exportable_calibrations
 from jaxsim.io.pretrained import bundled_model_path, load_pretrained
 from jaxsim.models.poolers import POOLERS
 from jaxsim.search.cli import index_main, search_main
+from jaxsim.serve.cli import serve_main
 
 
 class UsageError(JaxsimError):
@@ -190,6 +192,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "export": export_main,
     "index": index_main,
     "search": search_main,
+    "serve": serve_main,
 }
 
 

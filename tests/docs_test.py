@@ -14,6 +14,7 @@ import train as train_cli
 from jaxsim import __main__ as jaxsim_cli
 from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.search import cli as search_cli
+from jaxsim.serve import cli as serve_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
@@ -87,7 +88,8 @@ def _parsers():
     def jaxsim_command(args):
         name, rest = args[0], args[1:]
         parser = {'encode': jaxsim_cli.encode_parser, 'export': jaxsim_cli.export_parser,
-                  'index': search_cli.index_parser, 'search': search_cli.search_parser}[name]()
+                  'index': search_cli.index_parser, 'search': search_cli.search_parser,
+                  'serve': serve_cli.serve_parser}[name]()
         with jaxsim_cli._usage_errors_as_exceptions():
             parser.parse_args(rest)
 

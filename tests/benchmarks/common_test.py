@@ -56,3 +56,26 @@ def test_set_threads_refuses_counts_outside_the_usable_cpus():
     for n in (0, common.available_cpus() + 1):
         with pytest.raises(SystemExit, match=f"--threads {n}: this process may use 1 to"):
             common.set_threads(n)
+
+
+def test_alternating_runs_the_contenders_in_turn():
+    calls = []
+    contenders = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    rates = common.alternating(contenders, work=10.0, repeats=3)
+    assert calls == ["a", "b", "c"] * 3
+    assert set(rates) == {"a", "b", "c"}
+    for r in rates.values():
+        assert len(r["rates"]) == 3 and all(x > 0 for x in r["rates"])
+        assert r["per_s"] == sorted(r["rates"])[1]  # the median of three
+
+
+def test_ratio_stats_are_per_round_ratios():
+    stats = common.ratio_stats([4.0, 9.0, 3.0], [2.0, 3.0, 3.0])  # round ratios 2, 3, 1
+    assert stats == {"ratio": 2.0, "ratio_min": 1.0, "ratio_max": 3.0, "repeats": 3}
+
+
+def test_alternating_rates_keeps_its_two_sided_record():
+    record = common.alternating_rates(lambda: None, lambda: None, work=1.0, repeats=2)
+    assert set(record) == {"ours_per_s", "reference_per_s", "ratio", "ratio_min", "ratio_max",
+                           "repeats"}
+    assert record["ratio_min"] <= record["ratio"] <= record["ratio_max"]

@@ -28,11 +28,12 @@ import types
 import numpy as np
 
 import jaxsim
+from jaxsim.paths import SENTEVAL_ROOT
 
 SIMCSE_COMMIT = '49fa580a853752ede55b8c76d9debf748e214d3f'
 POOLERS = ('cls', 'cls_before_pooler', 'avg', 'avg_top2', 'avg_first_last')
 HERE = pathlib.Path(__file__).resolve().parent
-STSB_TEST = pathlib.Path('/work/shared/data/senteval/STS/STSBenchmark/sts-test.csv')
+STSB_TEST = SENTEVAL_ROOT / 'STS' / 'STSBenchmark' / 'sts-test.csv'
 MAX_LENGTH = 128
 
 

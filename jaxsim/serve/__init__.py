@@ -1,0 +1,1 @@
+"""The search service: HTTP app, request batcher, web page (see docs/serve.md)."""

@@ -1,0 +1,215 @@
+"""The HTTP face of a `SearchService`: JSON routes, request validation, the web page.
+
+    GET  /            the search page (static/index.html)
+    GET  /health      {"status", "model", "pooler", "rows", "dim", "batching", "limits", ...}
+    POST /search      {"queries": [str], "top_k": 5, "threshold": 0.6 | null}
+                      -> {"results": [[{"sentence", "score", "row"}, ...], ...]}
+    POST /encode      {"sentences": [str], "normalize": false} -> {"dim", "vectors": [[...]]}
+    POST /similarity  {"queries": [str], "keys": [str]} -> {"scores": [[...]]}
+
+Every error is a JSON object {"error": message} (plus "field" when one field is at fault):
+422 for a malformed field, 400 for a body that is not JSON, 415 for another content type, 413
+for a body over the size limit, 503 when the queue is full or the server is stopping. No
+request value names a file.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import math
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from jaxsim.serve.batcher import BatcherBusy, BatcherClosed
+from jaxsim.serve.service import SearchService, ServeLimits
+
+
+class FieldError(Exception):
+    """One request field breaks a limit; answered 422 naming the field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+# Strict: "5" is not a top_k and 1 is not a string; unknown fields are refused by name.
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+class SearchRequest(BaseModel):
+    model_config = _STRICT
+    queries: list[str]
+    top_k: int = 5
+    threshold: Optional[float] = Field(default=0.6, allow_inf_nan=False)
+
+
+class EncodeRequest(BaseModel):
+    model_config = _STRICT
+    sentences: list[str]
+    normalize: bool = False
+
+
+class SimilarityRequest(BaseModel):
+    model_config = _STRICT
+    queries: list[str]
+    keys: list[str]
+
+
+def _check_sentences(limits: ServeLimits, **fields: list[str]) -> None:
+    """Each field non-empty, all of them together within max_sentences, each within max_chars."""
+    for name, sentences in fields.items():
+        if not sentences:
+            raise FieldError(name, "must hold at least one sentence")
+        for i, s in enumerate(sentences):
+            if len(s) > limits.max_chars:
+                raise FieldError(f"{name}[{i}]", f"{len(s)} characters, the limit is "
+                                                 f"{limits.max_chars}")
+    total = sum(len(s) for s in fields.values())
+    if total > limits.max_sentences:
+        raise FieldError(" + ".join(fields), f"{total} sentences, the limit is "
+                                             f"{limits.max_sentences} per request")
+
+
+def _error(status: int, message: str, field: Optional[str] = None) -> JSONResponse:
+    body = {"error": message} if field is None else {"error": message, "field": field}
+    return JSONResponse(body, status_code=status)
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's list of pydantic errors as one message naming the first field at fault."""
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return _error(400, "body: not valid JSON", "body")
+    field = ""  # e.g. queries[1], as _check_sentences names it
+    for part in first.get("loc", ())[1:]:  # loc[0] is "body"
+        field += f"[{part}]" if isinstance(part, int) else f".{part}" if field else str(part)
+    field = field or "body"
+    if first.get("type") == "extra_forbidden":
+        return _error(422, f"{field}: unknown field", field)
+    return _error(422, f"{field}: {first.get('msg', 'invalid')}", field)
+
+
+class _BodyLimit:
+    """ASGI middleware: refuses a request body over `max_bytes` (declared or streamed) with 413
+    before the app reads it, so a huge upload costs neither memory nor parsing."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _refuse(self, send) -> None:
+        response = _error(413, f"body: over the {self.max_bytes}-byte limit", "body")
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(response.body)).encode())]})
+        await send({"type": "http.response.body", "body": response.body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(send)
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def _page() -> str:
+    return (importlib.resources.files("jaxsim.serve") / "static" / "index.html").read_text(
+        encoding="utf-8")
+
+
+def create_app(service: SearchService) -> FastAPI:
+    """The FastAPI app serving `service`; starting the app starts the service's batcher and
+    stopping it fails the requests still queued (clients get 503, never a hang)."""
+    limits = service.limits
+    page = _page()  # read once: no route reads files
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        service.start()
+        try:
+            yield
+        finally:
+            service.close()
+
+    app = FastAPI(title="jaxsim search", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.add_middleware(_BodyLimit, max_bytes=limits.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError):
+        kind = request.headers.get("content-type", "")
+        if "json" not in kind:  # FastAPI would only say the body is not an object
+            return _error(415, f"body: send JSON with Content-Type: application/json (got "
+                               f"{kind or 'none'})", "body")
+        return _validation_error(exc)
+
+    @app.exception_handler(FieldError)
+    async def on_field(_request: Request, exc: FieldError):
+        return _error(422, str(exc), exc.field)
+
+    @app.exception_handler(BatcherBusy)
+    async def on_busy(_request: Request, exc: BatcherBusy):
+        return _error(503, str(exc))
+
+    @app.exception_handler(BatcherClosed)
+    async def on_closed(_request: Request, exc: BatcherClosed):
+        return _error(503, str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def on_http(_request: Request, exc: HTTPException):
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index_page():
+        return HTMLResponse(page)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **service.describe()}
+
+    @app.post("/search")
+    async def search(request: SearchRequest):
+        _check_sentences(limits, queries=request.queries)
+        if not 1 <= request.top_k <= limits.max_top_k:
+            raise FieldError("top_k", f"must be in [1, {limits.max_top_k}], got {request.top_k}")
+        results = await service.search(request.queries, request.top_k, request.threshold)
+        return {"results": results}
+
+    @app.post("/encode")
+    async def encode(request: EncodeRequest):
+        _check_sentences(limits, sentences=request.sentences)
+        vectors = await service.encode(request.sentences, request.normalize)
+        return {"dim": int(vectors.shape[1]), "vectors": vectors.tolist()}
+
+    @app.post("/similarity")
+    async def similarity(request: SimilarityRequest):
+        _check_sentences(limits, queries=request.queries, keys=request.keys)
+        scores = await service.similarity(request.queries, request.keys)
+        return {"scores": [[s if math.isfinite(s) else None for s in row]
+                           for row in scores.tolist()]}
+
+    return app

@@ -1,0 +1,108 @@
+"""Command line `python -m jaxsim serve`: the search service over HTTP (see docs/serve.md).
+
+    python -m jaxsim serve --index DIR [--model M] [--host 127.0.0.1] [--port 8000]
+
+The model and index load (and the one-query shapes compile) before the port is bound; then one
+line `serving http://HOST:PORT` goes to stdout. `--port 0` binds a free port chosen by the
+system, and that line (or `--port-file`) says which: a test or a script needs no guessing and
+no bind-then-release race.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from jaxsim.errors import JaxsimError
+from jaxsim.io.store import write_atomic
+from jaxsim.serve.app import create_app
+from jaxsim.serve.service import ServeLimits, open_service
+
+
+class ServeUsageError(JaxsimError):
+    """A bad serve option (address, limits)."""
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    defaults = ServeLimits()
+    p = argparse.ArgumentParser(
+        prog="python -m jaxsim serve",
+        description="Serve a search index over HTTP: a JSON API (/search, /encode, "
+                    "/similarity, /health) and a search page at /.")
+    p.add_argument("--index", required=True, type=Path, help="folder from `jaxsim index`")
+    p.add_argument("--model", default=None,
+                   help="model to encode with (default: the one the index records; checked)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--port-file", type=Path, default=None,
+                   help="write the bound port here (a decimal number and a newline)")
+    p.add_argument("--no-batching", dest="batching", action="store_false",
+                   help="one device call per request (for comparison)")
+    p.add_argument("--batch-window-ms", type=float, default=defaults.window_ms,
+                   help="how long a batch keeps collecting requests")
+    p.add_argument("--max-batch", type=int, default=defaults.max_batch,
+                   help="sentences in one merged encode")
+    p.add_argument("--max-queue", type=int, default=defaults.max_queue,
+                   help="requests waiting; more are answered 503")
+    p.add_argument("--max-sentences", type=int, default=defaults.max_sentences,
+                   help="sentences in one request")
+    p.add_argument("--max-top-k", type=int, default=defaults.max_top_k)
+    p.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, handed to uvicorn (which then never binds itself)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        raise ServeUsageError(f"--host {host} --port {port}: cannot bind ({e.strerror or e})") \
+            from None
+    return sock
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    args = serve_parser().parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        raise ServeUsageError(f"--port must be in [0, 65535], got {args.port}")
+    try:
+        limits = ServeLimits(max_sentences=args.max_sentences, max_top_k=args.max_top_k,
+                             max_batch=args.max_batch, max_queue=args.max_queue,
+                             window_ms=args.batch_window_ms)
+    except ValueError as e:
+        raise ServeUsageError(str(e)) from None
+    import uvicorn  # the server library only where a server runs
+
+    service = open_service(args.index, args.model, limits=limits, batching=args.batching)
+    app = create_app(service)
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    if args.port_file is not None:
+        write_atomic(args.port_file, f"{port}\n", what="--port-file")
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving http://{shown}:{port} ({len(service.index)} sentences, model "
+          f"{service.describe()['model']}, batching {'on' if args.batching else 'off'})",
+          flush=True)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                            lifespan="on")
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish, queued ones
+    # get 503), then re-raises the signal to the handler it found: this one, so a requested
+    # stop ends with one line and the shell's status (130 / 143) rather than death by signal.
+    received = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: received.append(signum))
+    uvicorn.Server(config).run(sockets=[sock])
+    stats = service.batcher.stats
+    reason = signal.Signals(received[0]).name if received else "server exited"
+    print(f"stopped ({reason}) after {stats.requests} requests in {stats.batches} batches",
+          flush=True)
+    return 128 + received[0] if received else 0

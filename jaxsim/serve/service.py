@@ -1,0 +1,139 @@
+"""What the server serves, without HTTP: a loaded index and its model behind a `Batcher`.
+
+`open_service(index_dir, model=None)` loads the index (its files are only read: the vectors
+are memory-mapped read-only and copied), loads the model the index records (or the one given)
+and checks it is the model that built the index, once, before any request. Requests then go
+through the batcher: `search`, `encode` and `similarity` are coroutines that wait on the
+batcher's future without blocking the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from jaxsim.io.pretrained import load_pretrained
+from jaxsim.search.index import SearchIndex, load_index
+from jaxsim.search.vectors import SearchError, embed, normalize_rows
+from jaxsim.serve.batcher import Batcher
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeLimits:
+    """What one request may ask, and how requests are batched.
+
+    Attributes:
+      max_sentences: sentences (queries, or queries + keys) in one request.
+      max_chars: characters in one sentence (the model truncates tokens anyway; this bounds
+        tokenization work).
+      max_top_k: results per query.
+      max_body_bytes: size of a request body.
+      max_batch: sentences in one merged encode.
+      max_queue: requests waiting for the device; more get 503.
+      window_ms: how long a batch keeps collecting after its first request.
+    """
+
+    max_sentences: int = 64
+    max_chars: int = 2000
+    max_top_k: int = 100
+    max_body_bytes: int = 1_000_000
+    max_batch: int = 256
+    max_queue: int = 1024
+    window_ms: float = 5.0
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) < (0 if field.name == "window_ms" else 1):
+                raise ValueError(f"{field.name} must be positive, got {getattr(self, field.name)}")
+        if self.max_sentences > self.max_batch:
+            raise ValueError(f"max_sentences ({self.max_sentences}) must not exceed max_batch "
+                             f"({self.max_batch}): a request is never split across batches")
+
+
+def _rows_bucket(n: int, limit: int) -> int:
+    """Encode batch rows for n sentences: the next power of two, so few shapes compile."""
+    return min(limit, 1 << max(0, (n - 1).bit_length()))
+
+
+class SearchService:
+    """An index and its model, served through a batcher. Start with `start`, end with `close`."""
+
+    def __init__(self, index: SearchIndex, model: Any, *, limits: ServeLimits = ServeLimits(),
+                 batching: bool = True, encode_batch: int = 64):
+        self.index, self.model, self.limits = index, model, limits
+        self.pooler = index.info.pooler
+        self.encode_batch = encode_batch
+        self._sentences = index.sentences  # one copy; the served index never grows
+        self.batcher = Batcher(self._encode, self._search, window_s=limits.window_ms / 1000,
+                               max_batch=limits.max_batch, max_queue=limits.max_queue,
+                               enabled=batching)
+
+    # Called on the batcher's thread only.
+    def _encode(self, sentences: list[str]) -> np.ndarray:
+        rows = _rows_bucket(len(sentences), self.encode_batch)
+        return embed(self.model, sentences, pooler=self.pooler, batch_size=rows)
+
+    def _search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.index.search_vectors(vectors, k)
+
+    def start(self, warm_up: bool = True) -> "SearchService":
+        """Starts the batcher; `warm_up` first compiles the one-query encode and search."""
+        if warm_up and len(self.index):
+            self._search(self._encode([""]), 1)
+        self.batcher.start()
+        return self
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    def describe(self) -> dict:
+        """What /health reports: model, pooler, rows, limits, and requests/batches served."""
+        return {"model": self.index.info.model or str(self.model.path), "pooler": self.pooler,
+                "rows": len(self.index), "dim": self.index.dim,
+                "batching": self.batcher.enabled, "queued": self.batcher.queued(),
+                "served": dataclasses.asdict(self.batcher.stats),
+                "limits": dataclasses.asdict(self.limits)}
+
+    async def _submit(self, sentences: list[str], top_k: int = 0):
+        return await asyncio.wrap_future(self.batcher.submit(sentences, top_k))
+
+    async def search(self, queries: list[str], top_k: int,
+                     threshold: Optional[float]) -> list[list[dict]]:
+        """Per query, {'sentence', 'score', 'row'} dicts best first with score >= threshold."""
+        if not len(self.index):
+            return [[] for _ in queries]
+        result = await self._submit(queries, min(top_k, len(self.index)))
+        return [[{"sentence": self._sentences[r], "score": float(s), "row": int(r)}
+                 for s, r in zip(scores, rows)
+                 if r >= 0 and (threshold is None or s >= threshold)]
+                for scores, rows in zip(result.scores, result.rows)]
+
+    async def encode(self, sentences: list[str], normalize: bool) -> np.ndarray:
+        vectors = (await self._submit(sentences)).vectors
+        return normalize_rows(vectors) if normalize else vectors
+
+    async def similarity(self, queries: list[str], keys: list[str]) -> np.ndarray:
+        """Cosines [len(queries), len(keys)]; both sides share one encode."""
+        vectors = normalize_rows((await self._submit(queries + keys)).vectors)
+        return vectors[: len(queries)] @ vectors[len(queries):].T
+
+
+def open_service(index_dir: Union[str, os.PathLike], model: Optional[str] = None, *,
+                 limits: ServeLimits = ServeLimits(), batching: bool = True) -> SearchService:
+    """Loads an index and its model (default: the one the index records) and checks them.
+
+    Raises:
+      IndexFileError: the folder is not a readable index.
+      SearchError: the index holds bare vectors or no sentences, and no model can encode.
+      ModelMismatchError: `model` is not the model that built the index.
+    """
+    index = load_index(index_dir)
+    if index.info.pooler is None or index.sentences is None:
+        raise SearchError(f"{index_dir}: the index was built from bare vectors; serve an index "
+                          f"built with `python -m jaxsim index`")
+    encoder = load_pretrained(model or index.info.model, pooler=index.info.pooler)
+    index.encode_checked(encoder, [])  # encodes the probe: refuses another model now
+    return SearchService(index, encoder, limits=limits, batching=batching)

@@ -1,0 +1,49 @@
+"""benchmarks/peak.py: the matrix-product peak record (GFLOP/s from the best time of each
+framework and dtype) and the fraction-of-peak arithmetic every benchmark uses."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import peak  # noqa: E402
+
+
+def test_tiny_run_writes_a_consistent_record(tmp_path):
+    out = tmp_path / "peak.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "peak.py"), "--size", "64", "--repeats", "2",
+         "--threads", "1", "--json", str(out)], cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["size"] == 64 and record["repeats"] == 2 and record["threads"] == 1
+    assert record["flops_per_product"] == 2 * 64 ** 3
+    assert record["torch_device"] == "cpu" and record["cpus_used"] == 1
+    for framework in ("jax", "torch"):
+        for dtype in ("float32", "bfloat16"):
+            best = record["best_s"][framework][dtype]
+            assert best > 0
+            assert record[framework][dtype] == pytest.approx(2 * 64 ** 3 / best / 1e9)
+    assert record["ratio"] == pytest.approx(record["jax"]["float32"] / record["torch"]["float32"])
+    assert "load_average_1min" in record  # written through common.write_json
+    assert "matrix-product peak (64x64, best of 2, GFLOP/s): jax float32" in proc.stdout
+
+
+def test_fraction_of_peak():
+    # 2 GFLOP a step at 3 steps/s on a 12 GFLOP/s peak: half the peak.
+    assert peak.fraction_of_peak(2e9, 3.0, 12.0) == pytest.approx(0.5)
+    assert peak.fraction_of_peak(2e9, 3.0, None) is None  # no peak measured
+    assert peak.fraction_of_peak(0.0, 3.0, 12.0) is None  # no FLOP count from the backend
+
+
+def test_refuses_a_non_positive_size(capsys):
+    with pytest.raises(SystemExit):
+        peak.main(["--size", "0"])
+    assert "--size and --repeats must be positive" in capsys.readouterr().err

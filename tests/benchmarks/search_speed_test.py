@@ -1,0 +1,40 @@
+"""benchmarks/search_speed.py end to end at tiny sizes: the record's ratios follow from its
+timings, the exact search finds faiss's rows, and the fraction of JAX's measured float32 peak."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_run_writes_a_consistent_record(tmp_path):
+    out = tmp_path / "search.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "search_speed.py"), "--rows", "3000",
+         "--dims", "16,32", "--queries", "8", "--top-k", "5", "--repeats", "2",
+         "--faiss-threads", "1", "--peak-size", "64", "--peak-repeats", "2", "--json",
+         str(out)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+        text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    peak = record["peak_gflops"]["jax"]["float32"]
+    assert peak > 0 and record["peak_gflops"]["size"] == 64
+    assert [(c["rows"], c["dim"]) for c in record["configs"]] == [(3000, 16), (3000, 32)]
+    for config in record["configs"]:
+        assert config["ratio"] == pytest.approx(config["faiss_s"] / config["jaxsim_s"])
+        assert config["jaxsim_qps"] == pytest.approx(8 / config["jaxsim_s"])
+        assert config["faiss_qps"] == pytest.approx(8 / config["faiss_s"])
+        assert config["overlap_with_faiss"] == pytest.approx(1.0)  # both exact
+        assert config["flops"] == 2 * 8 * 3000 * config["dim"]
+        assert config["peak_gflops"] == peak
+        assert config["fraction_of_peak"] == pytest.approx(
+            config["flops"] / config["jaxsim_s"] / 1e9 / peak)
+    assert record["ratio"] == pytest.approx(
+        math.exp(sum(math.log(c["ratio"]) for c in record["configs"]) / 2))

@@ -1,0 +1,30 @@
+"""`python -m jaxsim serve` refuses bad input in one line, before any port is opened."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "jaxsim", "serve", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--index", "{tmp}/missing"], "not a search index"),
+    (["--index", "{tmp}", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    (["--index", "{tmp}", "--max-sentences", "300"], "must not exceed max_batch"),
+    (["--index", "{tmp}", "--max-queue", "0"], "max_queue must be positive"),
+])
+def test_bad_options_are_one_line_errors(tmp_path, args, message):
+    proc = _serve(*[a.format(tmp=tmp_path) for a in args])
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert proc.stdout == ""  # never got as far as serving
