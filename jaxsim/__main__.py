@@ -1,10 +1,11 @@
-"""Command line: `python -m jaxsim {encode,export,index,search,serve} [options]`.
+"""Command line: `python -m jaxsim {encode,export,index,search,serve,prepare} [options]`.
 
     python -m jaxsim encode --input sentences.txt --output vectors.npy [--model M]
     python -m jaxsim export --checkpoint WORKDIR_OR_FOLDER --out DIR
         [--format hf|sentence-transformers] [--post whitening[:K]|sn|natsv:K --fit-data FILE]
     python -m jaxsim index / search   (see jaxsim/search/cli.py)
     python -m jaxsim serve --index DIR  (see docs/serve.md)
+    python -m jaxsim prepare FILE... [--format text|csv|snli]  (index training data; docs/pod.md)
 
 Every command reports a user error (bad file, bad option, unreadable model) as one line
 `error: <message>` on stderr and exits 1; anything else is a bug and keeps its traceback.
@@ -23,6 +24,7 @@ import numpy as np
 
 from jaxsim import runtime
 from jaxsim.data.readers import read_text, read_sentences, text_lines
+from jaxsim.data.sources import prepare_main
 from jaxsim.data.tokenize import token_ids
 from jaxsim.encode import encode
 from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS, JaxsimError
@@ -193,6 +195,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "index": index_main,
     "search": search_main,
     "serve": serve_main,
+    "prepare": prepare_main,
 }
 
 

@@ -12,6 +12,7 @@ import pytest
 import eval as eval_cli
 import train as train_cli
 from jaxsim import __main__ as jaxsim_cli
+from jaxsim.data import sources
 from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.search import cli as search_cli
 from jaxsim.serve import cli as serve_cli
@@ -89,7 +90,7 @@ def _parsers():
         name, rest = args[0], args[1:]
         parser = {'encode': jaxsim_cli.encode_parser, 'export': jaxsim_cli.export_parser,
                   'index': search_cli.index_parser, 'search': search_cli.search_parser,
-                  'serve': serve_cli.serve_parser}[name]()
+                  'serve': serve_cli.serve_parser, 'prepare': sources.prepare_parser}[name]()
         with jaxsim_cli._usage_errors_as_exceptions():
             parser.parse_args(rest)
 

@@ -19,9 +19,11 @@ import json
 import logging
 import os
 import time
+import weakref
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
+import fsspec
 import numpy as np
 
 from jaxsim.data.readers import MAX_LINE_CHARS, DataError, PathLike
@@ -58,13 +60,77 @@ class FileKey:
     @classmethod
     def of(cls, path: Path) -> 'FileKey':
         st = path.stat()
+        if hasattr(st, 'st_size'):
+            size, mtime_ns = st.st_size, st.st_mtime_ns
+        else:  # an epath StatResult (gs://, s3://): seconds
+            size, mtime_ns = st.length, int(float(st.mtime or 0) * 1e9)
         h = hashlib.sha256()
         with path.open('rb') as f:
             h.update(f.read(EDGE_BYTES))
-            if st.st_size > EDGE_BYTES:
-                f.seek(max(EDGE_BYTES, st.st_size - EDGE_BYTES))
+            if size > EDGE_BYTES:
+                f.seek(max(EDGE_BYTES, size - EDGE_BYTES))
                 h.update(f.read(EDGE_BYTES))
-        return cls(st.st_size, st.st_mtime_ns, h.hexdigest()[:32])
+        return cls(size, mtime_ns, h.hexdigest()[:32])
+
+
+class ByteReader:
+    """Reads byte ranges of one file from any thread: `os.pread` on a local file; on a remote
+    one (gs://, s3://) ranged reads through its fsspec file system, all ranges of a call at
+    once (one round trip for a batch rather than one per line)."""
+
+    def __init__(self, path: PathLike):
+        if store.is_remote(path):
+            self._fs, self._path = fsspec.core.url_to_fs(str(path))
+        else:
+            self._fs, fd = None, os.open(path, os.O_RDONLY)
+            self._fd = fd
+            weakref.finalize(self, os.close, fd)  # closed with the reader
+
+    def read(self, spans: np.ndarray) -> list[bytes]:
+        """The bytes of each [start, end) row of `spans`."""
+        starts, ends = [int(x) for x in spans[:, 0]], [int(x) for x in spans[:, 1]]
+        if self._fs is None:
+            return [os.pread(self._fd, e - s, s) for s, e in zip(starts, ends)]
+        return self._fs.cat_ranges([self._path] * len(starts), starts, ends, on_error='raise')
+
+
+class DiskArray:
+    """A saved .npy array read by rows with `os.pread`, never loaded or memory-mapped.
+
+    A memory map would do, except that the kernel maps page-cache folios far larger than a row
+    (measured: 20 batches of random rows of a 10M-line index mapped 155 MB), so resident
+    memory would grow with the corpus; reading the rows asked for keeps it constant.
+    """
+
+    def __init__(self, path: Path):
+        with open(path, 'rb') as f:
+            version = np.lib.format.read_magic(f)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            self.shape, fortran, self.dtype = read_header(f)
+            self._start = f.tell()
+        if fortran and len(self.shape) > 1:
+            raise ValueError(f'{path}: Fortran-ordered array')
+        self._row = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        fd = self._fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, fd)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows):
+        """Row i (an int) or rows (a sequence or array of ints)."""
+        one = np.ndim(rows) == 0
+        rows = np.atleast_1d(np.asarray(rows, np.int64))
+        if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(f'rows out of range [0, {len(self)})')
+        data = b''.join(os.pread(self._fd, self._row, self._start + int(r) * self._row)
+                        for r in rows)
+        out = np.frombuffer(data, self.dtype).reshape((len(rows),) + tuple(self.shape[1:]))
+        return out[0] if one else out
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self[np.arange(len(self))], dtype)
 
 
 @dataclasses.dataclass
@@ -73,7 +139,7 @@ class LineIndex:
 
     Attributes:
       path: the file.
-      offsets: [records, 2] uint64 (start, end) byte offsets (a read-only memory map).
+      offsets: [records, 2] uint64 (start, end) byte offsets (a DiskArray, or in memory).
       sha256: 'sha256:<hex>' of the file's bytes.
       size: the file's size in bytes.
       lines: physical lines in the file.
@@ -81,7 +147,7 @@ class LineIndex:
     """
 
     path: Path
-    offsets: np.ndarray
+    offsets: Union[np.ndarray, DiskArray]
     sha256: str
     size: int
     lines: int
@@ -90,10 +156,10 @@ class LineIndex:
     def __len__(self) -> int:
         return len(self.offsets)
 
-    def raw(self, fd: int, i: int) -> str:
-        """Record i's line as text (not stripped), read with `os.pread` from `fd`."""
-        start, end = (int(x) for x in self.offsets[i])
-        return os.pread(fd, end - start, start).decode('utf-8')
+    def read_lines(self, reader: ByteReader, records: Sequence[int]) -> list[str]:
+        """The lines of `records` as text (not stripped), read with `reader`."""
+        spans = np.asarray(self.offsets[np.asarray(records, np.int64)]).reshape(-1, 2)
+        return [b.decode('utf-8') for b in reader.read(spans)]
 
     def line_number(self, i: int) -> int:
         """Record i's 1-based line in the file (counts line breaks: meant for messages)."""
@@ -111,8 +177,8 @@ def load_or_build(path: PathLike, kind: str = 'text', check: Optional[Check] = N
 
     Args:
       path: a local text file.
-      kind: 'text' (records are the lines that are not blank after stripping whitespace) or
-        'csv' (records are the non-empty lines, '\\r' aside).
+      kind: 'text' (records are the lines that are not blank after stripping whitespace),
+        'csv' (the non-empty lines, '\\r' aside) or 'lines' (every line).
       check: validates every record when the index is built (e.g. CSV columns).
       what: what the file is, for messages.
 
@@ -120,68 +186,87 @@ def load_or_build(path: PathLike, kind: str = 'text', check: Optional[Check] = N
       DataError: naming the file (and line): missing, unreadable, not UTF-8, NUL byte, an
         overlong line, what `check` refuses.
     """
-    path = Path(path)
+    path = store.as_path(path) if store.is_remote(path) else Path(path)
+    key = file_key(path, what)
+
+    def build():
+        offsets, sha, lines = _scan(path, kind, check)
+        log.info('%s: indexing %d records', path, len(offsets))
+        return offsets, {'sha256': sha, 'lines': lines}
+
+    offsets, meta, build_s = cached(cache_stems(path, f'{kind}-index'),
+                                    {'kind': kind, **dataclasses.asdict(key)}, build)
+    return LineIndex(path, offsets, meta['sha256'], key.size, meta['lines'], build_s)
+
+
+def file_key(path: Path, what: str = 'file') -> FileKey:
+    """`FileKey.of(path)`; a missing or unreadable path is a DataError naming it."""
     if path.is_dir():
         raise DataError(f'{path}: is a directory, not a {what}')
     try:
-        key = FileKey.of(path)
+        return FileKey.of(path)
     except FileNotFoundError:
         raise DataError(f'{path}: {what} not found') from None
     except OSError as e:
         raise DataError(f'{path}: cannot read {what}: {e.strerror or e}') from None
-    for stem in _candidates(path, kind):
-        found = _load(stem, path, kind, key)
-        if found is not None:
-            return found
-    t0 = time.perf_counter()
-    offsets, sha, lines = _scan(path, kind, check)
-    build_s = time.perf_counter() - t0
-    meta = {'version': INDEX_VERSION, 'kind': kind, 'size': key.size, 'mtime_ns': key.mtime_ns,
-            'edges': key.edges, 'sha256': sha, 'records': len(offsets), 'lines': lines,
-            'build_s': round(build_s, 3)}
-    for stem in _candidates(path, kind):
-        if _save(stem, offsets, meta):
-            log.info('%s: indexed %d records in %.1f s (%s)', path, len(offsets), build_s, stem)
-            found = _load(stem, path, kind, key)
-            if found is not None:
-                return dataclasses.replace(found, build_s=build_s)
-    log.warning('%s: could not cache its line index (read-only folders); kept in memory', path)
-    return LineIndex(path, offsets, sha, key.size, lines, build_s)
 
 
-def _candidates(path: Path, kind: str) -> list[Path]:
-    """Where the index may live: beside the file, then in the cache folder."""
-    name = f'{path.name}.{kind}-index'
+def cache_stems(path: Path, suffix: str) -> list[Path]:
+    """Where a file's derived array may live: beside it, then in the cache folder."""
+    name = f'{path.name}.{suffix}'
+    if store.is_remote(path):  # read with os.pread: a local copy only
+        return [index_dir() / f'{hashlib.sha256(str(path).encode()).hexdigest()[:16]}-{name}']
     tag = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
     return [path.parent / name, index_dir() / f'{tag}-{name}']
 
 
-def _load(stem: Path, path: Path, kind: str, key: FileKey) -> Optional[LineIndex]:
-    meta_path, array_path = stem.with_name(stem.name + '.json'), stem.with_name(stem.name + '.npy')
+def cached(stems: Sequence[Path], key: dict, build: Callable[[], tuple[np.ndarray, dict]]
+           ) -> tuple[np.ndarray, dict, float]:
+    """An array derived from data files, identified by `key`, built once.
+
+    Looks for STEM.json holding `key` (and STEM.npy of the recorded shape) at each stem in
+    turn; otherwise calls build() -> (array, metadata) and saves both at the first writable
+    stem (the array first, then the metadata that validates it: every process of a run may
+    build at once, and a crash mid-write never leaves a half-written index).
+
+    Returns:
+      (array, a DiskArray when cached; metadata; seconds spent building, 0.0 when found).
+    """
+    key = json.loads(json.dumps({'version': INDEX_VERSION, **key}))  # as it reads back
+    for stem in stems:
+        found = _load(stem, key)
+        if found is not None:
+            return (*found, 0.0)
+    t0 = time.perf_counter()
+    array, extra = build()
+    build_s = time.perf_counter() - t0
+    meta = {'key': key, 'shape': list(array.shape), 'dtype': array.dtype.str, **extra,
+            'build_s': round(build_s, 3)}
+    for stem in stems:
+        try:
+            with store.open_atomic(stem.with_name(stem.name + '.npy'), 'wb') as f:
+                np.save(f, array)
+            store.write_json(stem.with_name(stem.name + '.json'), meta)
+        except (OSError, store.StorageError):
+            continue
+        found = _load(stem, key)
+        if found is not None:
+            return (*found, build_s)
+    log.warning('%s: could not cache (read-only folders); kept in memory', stems[0])
+    return array, meta, build_s
+
+
+def _load(stem: Path, key: dict) -> Optional[tuple[np.ndarray, dict]]:
     try:
-        meta = json.loads(meta_path.read_text())
-        if (meta.get('version'), meta.get('kind'), meta.get('size'), meta.get('mtime_ns'),
-                meta.get('edges')) != (INDEX_VERSION, kind, key.size, key.mtime_ns, key.edges):
+        meta = json.loads(stem.with_name(stem.name + '.json').read_text())
+        if meta.get('key') != key:
             return None
-        offsets = np.load(array_path, mmap_mode='r')
+        array = DiskArray(stem.with_name(stem.name + '.npy'))
     except (OSError, ValueError):
         return None
-    if offsets.shape != (meta['records'], 2) or offsets.dtype != np.uint64:
+    if list(array.shape) != meta.get('shape') or array.dtype.str != meta.get('dtype'):
         return None
-    return LineIndex(path, offsets, meta['sha256'], key.size, meta['lines'])
-
-
-def _save(stem: Path, offsets: np.ndarray, meta: dict) -> bool:
-    """Writes the offsets, then the metadata that validates them; False where not writable."""
-    try:
-        # Atomic writes: every process of a run may build at once, and a crash mid-write
-        # never leaves a half-written index (the metadata, written last, validates it).
-        with store.open_atomic(stem.with_name(stem.name + '.npy'), 'wb') as f:
-            np.save(f, offsets)
-        store.write_json(stem.with_name(stem.name + '.json'), meta)
-        return True
-    except (OSError, store.StorageError):
-        return False
+    return array, meta
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,7 +332,9 @@ def _chunk_records(path: Path, chunk: bytes, kind: str, lines_before: int, pos: 
         if n > MAX_LINE_CHARS:
             raise DataError(f'{path}:{linenos[i]}: line of {n} characters exceeds the '
                             f'{MAX_LINE_CHARS} limit (missing line breaks?)')
-    if kind == 'csv':
+    if kind == 'lines':
+        keep = np.ones(len(starts), bool)
+    elif kind == 'csv':
         length = ends - starts
         cr = np.zeros(len(starts), bool)
         cr[length > 0] = buf[ends[length > 0] - 1] == 13

@@ -89,8 +89,10 @@ class StreamIterator:
         """This process's rows of global batch `step` of `epoch`, tokenized:
         int32 [rows, views, max_len] per field."""
         rows = self.rows_fn(self.order.batch_size(step))
-        return self.tokenize([self.source[int(i)]
-                              for i in self.order.examples(epoch, step, rows)])
+        indices = [int(i) for i in self.order.examples(epoch, step, rows)]
+        getitems = getattr(self.source, 'getitems', None)  # one read for the batch
+        return self.tokenize(getitems(indices) if getitems else
+                             [self.source[i] for i in indices])
 
     def _batch_at(self, position: int) -> dict[str, np.ndarray]:
         return self.batch(*divmod(position, self.steps_per_epoch))

@@ -14,18 +14,14 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import os
-import time
-import weakref
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
 from jaxsim.data import index as index_lib
-from jaxsim.data.readers import (NLI_COLUMNS, DataError, PathLike, check_nli_header,
-                                 check_nli_row)
-from jaxsim.io import store
+from jaxsim.data.readers import (NLI_COLUMNS, SNLI_LABELS, DataError, PathLike,
+                                 check_nli_header, check_nli_row)
 
 
 def _sha256_json(value) -> str:
@@ -39,19 +35,25 @@ class _FileSource:
     views = 1
 
     def __init__(self, path: PathLike, idx: index_lib.LineIndex, skip: int = 0):
-        self.path, self.index, self._skip = Path(path), idx, skip
+        self.path, self.index, self._skip = idx.path, idx, skip
         self.name = str(path)
         self.build_s = idx.build_s
-        self._fd = os.open(self.path, os.O_RDONLY)
-        self.close = weakref.finalize(self, os.close, self._fd)  # also when garbage-collected
+        self._reader = index_lib.ByteReader(path)
 
     def __len__(self) -> int:
         return len(self.index) - self._skip
 
-    def _line(self, i: int) -> str:
-        if not 0 <= i < len(self):
-            raise IndexError(f'{self.name}: example {i} of {len(self)}')
-        return self.index.raw(self._fd, i + self._skip)
+    def __getitem__(self, i: int) -> tuple[str, ...]:
+        return self.getitems([i])[0]
+
+    def getitems(self, indices: Sequence[int]) -> list[tuple[str, ...]]:
+        """Examples `indices`, read together (one round trip for a remote file)."""
+        for i in indices:
+            if not 0 <= i < len(self):
+                raise IndexError(f'{self.name}: example {i} of {len(self)}')
+        records = [int(i) + self._skip for i in indices]
+        return [self._parse(text, r) for text, r in
+                zip(self.index.read_lines(self._reader, records), records)]
 
     def fingerprint(self) -> str:
         return _sha256_json({'file': self.index.sha256, 'size': self.index.size,
@@ -67,8 +69,8 @@ class TextSource(_FileSource):
             raise DataError(f'{path}: no sentences (the file is empty or blank)')
         super().__init__(path, idx)
 
-    def __getitem__(self, i: int) -> tuple[str]:
-        return (self._line(i).strip(),)
+    def _parse(self, text: str, record: int) -> tuple[str]:
+        return (text.strip(),)
 
 
 def _parse_nli_line(text: str, path: PathLike, lineno: int) -> list[str]:
@@ -112,11 +114,85 @@ class CsvSource(_FileSource):
             raise DataError(f'{path}: no triplets after the header')
         super().__init__(path, idx, skip=1)
 
-    def __getitem__(self, i: int) -> tuple[str, str, str]:
-        row = _parse_nli_line(self._line(i), self.path, -1)
+    def _parse(self, text: str, record: int) -> tuple[str, str, str]:
+        row = _parse_nli_line(text, self.path, -1)
         if len(row) != 3 or not all(c.strip() for c in row):  # changed since it was indexed
-            row = check_nli_row(row, self.path, self.index.line_number(i + 1))
+            row = check_nli_row(row, self.path, self.index.line_number(record))
         return tuple(c.strip() for c in row)
+
+
+class SnliSource:
+    """(premise, entailment, contradiction) triplets of SentEval's SNLI files, read at random.
+
+    The triplets are those of `readers.build_snli_triplets` (hypotheses grouped by premise,
+    each entailment paired with a contradiction of the same premise), found by one pass over
+    `s1/s2/labels.<split>` and cached as line numbers ([triplets, 3] per split, beside the
+    files or in the index cache folder); each triplet is then read as three lines.
+    """
+
+    views = 3
+
+    def __init__(self, snli_dir: PathLike, splits: Sequence[str] = ('dev', 'test')):
+        self.name = f'{snli_dir} ({",".join(splits)})'
+        self.parts, self.build_s, digests = [], 0.0, []
+        for split in splits:
+            files = [Path(snli_dir) / f'{name}.{split}' for name in ('s1', 's2', 'labels')]
+            idx = [index_lib.load_or_build(f, 'lines', what='SNLI file') for f in files]
+            counts = [len(x) for x in idx]
+            if len(set(counts)) != 1:
+                n = min(counts)
+                short = files[counts.index(n)]
+                listed = ', '.join(f'{f.name}: {c}' for f, c in zip(files, counts))
+                raise DataError(f'{short}:{n + 1}: line missing; the files must pair up line '
+                                f'by line ({listed} lines)')
+            key = {'split': split, 'files': [x.sha256 for x in idx]}
+            table, _, built = index_lib.cached(
+                index_lib.cache_stems(files[0], 'snli-triplets'), key,
+                lambda files=files: (_snli_table(files), {}))
+            readers = [index_lib.ByteReader(f) for f in files[:2]]
+            self.parts.append((table, idx[:2], readers))
+            self.build_s += sum(x.build_s for x in idx) + built
+            digests.append(key)
+        self._starts = np.cumsum([0] + [len(t) for t, _, _ in self.parts])
+        self._digest = _sha256_json(digests)
+        if not len(self):
+            raise DataError(f'{snli_dir}: no (entailment, contradiction) pairs found')
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, i: int) -> tuple[str, str, str]:
+        if not 0 <= i < len(self):
+            raise IndexError(f'{self.name}: example {i} of {len(self)}')
+        part = int(np.searchsorted(self._starts, i, side='right')) - 1
+        table, (s1, s2), (r1, r2) = self.parts[part]
+        premise, ent, con = (int(x) for x in table[i - self._starts[part]])
+        (premise,), (ent, con) = s1.read_lines(r1, [premise]), s2.read_lines(r2, [ent, con])
+        return premise.strip(), ent.strip(), con.strip()
+
+    def fingerprint(self) -> str:
+        return _sha256_json({'snli': self._digest, 'records': len(self)})
+
+
+def _snli_table(files: Sequence[Path]) -> np.ndarray:
+    """[triplets, 3] int64 0-based lines: premise (of s1), entailment and contradiction (of s2)."""
+    groups: dict[str, dict[str, list[int]]] = {}
+    with files[0].open('rb') as f1, files[1].open('rb') as f2, files[2].open('rb') as f3:
+        for lineno, (a, b, c) in enumerate(zip(f1, f2, f3)):
+            premise, hyp = a.decode('utf-8-sig').strip(), b.decode('utf-8-sig').strip()
+            label = c.decode('utf-8-sig').strip()
+            if label not in SNLI_LABELS:
+                raise DataError(f'{files[2]}:{lineno + 1}: label {label[:40]!r} is not one of '
+                                f'{", ".join(SNLI_LABELS)}')
+            if premise and hyp:
+                groups.setdefault(premise, {}).setdefault(label, []).append(lineno)
+    rows = []
+    for by_label in groups.values():  # dicts keep first-seen order, as the reader's list
+        ent, con = by_label.get('entailment', []), by_label.get('contradiction', [])
+        for k, line in enumerate(ent):
+            if con:  # the premise is read from s1 at the entailment's own line
+                rows.append((line, line, con[k % len(con)]))
+    return np.array(rows, np.int64).reshape(-1, 3)
 
 
 class ListSource:
@@ -162,39 +238,25 @@ class TfdsSource:
             raise DataError(f'TFDS {name!r} split {split!r} (data_dir={data_dir}): cannot open: '
                             f'{type(e).__name__}: {e}') from None
         files = sorted(p for p in Path(str(builder.data_path)).iterdir() if p.is_file())
-        key = json.loads(json.dumps({  # as it reads back from JSON
-            'split': split, 'fields': self.fields,
-            'files': [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}))
-        self.keep, self._digest, self.build_s = self._kept(builder, files, key)
-        if not len(self.keep):
-            raise DataError(f'TFDS {name!r} split {split!r}: no non-empty examples')
+        key = {'split': split, 'fields': self.fields,
+               'files': [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
 
-    def _kept(self, builder, files, key) -> tuple[np.ndarray, str, float]:
+        def build():
+            keep = np.array([i for i in range(len(self.source)) if all(self._fields(i))],
+                            np.uint64)
+            h = hashlib.sha256()
+            for p in files:
+                with p.open('rb') as f:
+                    while block := f.read(index_lib.CHUNK_BYTES):
+                        h.update(block)
+            return keep, {'sha256': 'sha256:' + h.hexdigest()}
+
         tag = _sha256_json({'data': str(builder.data_path), **key})[7:23]
         stem = index_lib.index_dir() / f'{tag}-{builder.name}.tfds-index'
-        meta_path = stem.with_name(stem.name + '.json')
-        array_path = stem.with_name(stem.name + '.npy')
-        try:
-            meta = json.loads(meta_path.read_text())
-            if meta.get('key') == key:
-                return np.load(array_path, mmap_mode='r'), meta['sha256'], 0.0
-        except (OSError, ValueError):
-            pass
-        t0 = time.perf_counter()
-        keep = np.array([i for i in range(len(self.source)) if all(self._fields(i))], np.uint64)
-        h = hashlib.sha256()
-        for p in files:
-            with p.open('rb') as f:
-                while block := f.read(index_lib.CHUNK_BYTES):
-                    h.update(block)
-        digest, build_s = 'sha256:' + h.hexdigest(), time.perf_counter() - t0
-        try:
-            with store.open_atomic(array_path, 'wb') as f:
-                np.save(f, keep)
-            store.write_json(meta_path, {'key': key, 'sha256': digest, 'records': len(keep)})
-        except (OSError, store.StorageError):
-            pass  # an unwritable cache only costs the pass again next time
-        return keep, digest, build_s
+        self.keep, meta, self.build_s = index_lib.cached([stem], key, build)
+        self._digest = meta['sha256']
+        if not len(self.keep):
+            raise DataError(f'TFDS {name!r} split {split!r}: no non-empty examples')
 
     def _fields(self, i: int) -> tuple[str, ...]:
         ex = self.source[i]
@@ -232,31 +294,42 @@ class Limited:
             raise IndexError(f'{self.name}: example {i} of {self.limit}')
         return self.source[i]
 
+    def getitems(self, indices: Sequence[int]) -> list:
+        for i in indices:
+            if not 0 <= i < self.limit:
+                raise IndexError(f'{self.name}: example {i} of {self.limit}')
+        inner = getattr(self.source, 'getitems', None)
+        return inner(list(indices)) if inner else [self.source[i] for i in indices]
+
     def fingerprint(self) -> str:
         return _sha256_json({'source': self.source.fingerprint(), 'first': self.limit})
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m jaxsim.data.sources FILE... [--format text|csv]`: builds (or finds) the line
-    index of each training file ahead of a run, and prints its records, time and digest."""
+def prepare_parser():
     import argparse
-    ap = argparse.ArgumentParser(prog='python -m jaxsim.data.sources',
-                                 description='Index training files once, before a run.')
-    ap.add_argument('files', nargs='+')
-    ap.add_argument('--format', choices=('text', 'csv'), default='text',
-                    help="'text': a sentence a line; 'csv': sent0,sent1,hard_neg triplets")
-    args = ap.parse_args(argv)
-    kind = TextSource if args.format == 'text' else CsvSource
+    ap = argparse.ArgumentParser(
+        prog='python -m jaxsim prepare',
+        description='Index training files once, before a run (every process then reads only '
+                    'its rows). An index is reused while its file is unchanged.')
+    ap.add_argument('files', nargs='+', help='files (or SentEval SNLI folders with --format snli)')
+    ap.add_argument('--format', choices=('text', 'csv', 'snli'), default='text',
+                    help="'text': a sentence a line; 'csv': sent0,sent1,hard_neg triplets; "
+                         "'snli': SentEval's SNLI folder")
+    ap.add_argument('--snli-splits', default='dev,test', help='with --format snli')
+    return ap
+
+
+def prepare_main(argv: Sequence[str]) -> int:
+    """`python -m jaxsim prepare FILE... [--format text|csv|snli]`: builds (or finds) the index
+    of each training file and prints its examples, time and content digest."""
+    args = prepare_parser().parse_args(argv)
     for path in args.files:
-        try:
-            src = kind(path)
-        except DataError as e:
-            print(f'error: {e}')
-            return 1
+        if args.format == 'snli':
+            src = SnliSource(path, args.snli_splits.split(','))
+            digest = src.fingerprint()
+        else:
+            src = (TextSource if args.format == 'text' else CsvSource)(path)
+            digest = src.index.sha256
         how = f'indexed in {src.build_s:.1f} s' if src.build_s else 'index reused'
-        print(f'{path}: {len(src)} examples, {how}, {src.index.sha256}')
+        print(f'{path}: {len(src)} examples, {how}, {digest}', flush=True)
     return 0
-
-
-if __name__ == '__main__':
-    raise SystemExit(main())

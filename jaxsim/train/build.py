@@ -83,9 +83,9 @@ def make_encoder(cfg: TrainConfig, config: BertConfig) -> SentenceEncoder:
 def open_source(cfg: TrainConfig):
     """The training examples as a random-access source (`jaxsim.data.sources`).
 
-    Text and CSV files are read through a line index built once (and cached); the small
-    SentEval-derived sets ('snli', 'senteval_corpus') are held in memory. `source.name` names
-    the data in messages and the run record.
+    Text, CSV and SentEval SNLI files are read through line indexes built once (and cached);
+    the small deduplicated SentEval corpus ('senteval_corpus') is held in memory.
+    `source.name` names the data in messages and the run record.
     """
     path = cfg.data_path
     if cfg.data_format == 'tfds':
@@ -99,8 +99,7 @@ def open_source(cfg: TrainConfig):
         source = sources.ListSource(readers.collect_corpus(path), f'{path} '
                                     f'({len(readers.CORPUS_FILES)} SentEval text files)')
     else:
-        source = sources.ListSource(readers.build_snli_triplets(path, cfg.snli_splits),
-                                    f'{path} ({",".join(cfg.snli_splits)})')
+        source = sources.SnliSource(path, cfg.snli_splits)
     if cfg.max_examples > 0:
         source = sources.Limited(source, cfg.max_examples)
     return source

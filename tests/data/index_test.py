@@ -11,6 +11,7 @@ import pytest
 from jaxsim.data import index, readers, sources
 from jaxsim.data.readers import DataError
 from jaxsim.io import store
+from jaxsim.paths import SENTEVAL_ROOT
 
 
 @pytest.fixture(autouse=True)
@@ -145,3 +146,31 @@ def test_limited_takes_the_first_examples(tmp_path):
     with pytest.raises(IndexError):
         src[2]
     assert src.fingerprint() != sources.TextSource(path).fingerprint()
+
+
+def test_snli_source_reads_the_triplets_of_build_snli_triplets(tmp_path):
+    for split in ('dev', 'test'):
+        for name in ('s1', 's2', 'labels'):
+            f = f'{name}.{split}'
+            (tmp_path / f).write_bytes((SENTEVAL_ROOT / 'SNLI' / f).read_bytes())
+    src = sources.SnliSource(tmp_path, ('dev', 'test'))
+    want = readers.build_snli_triplets(tmp_path, ('dev', 'test'))
+    assert len(src) == len(want) and src.views == 3
+    assert [src[i] for i in range(len(src))] == want
+    assert sources.SnliSource(tmp_path, ('dev', 'test')).build_s == 0.0  # all cached
+
+
+def test_snli_source_errors_as_the_reader(tmp_path):
+    (tmp_path / 's1.dev').write_text('p1\np1\n \np1\np2\np2\np3\n')
+    (tmp_path / 's2.dev').write_text('e1\nc1\nx\nn1\ne2\ne2b\nc3\n')
+    (tmp_path / 'labels.dev').write_text(
+        'entailment\ncontradiction\nentailment\nneutral\nentailment\nentailment\ncontradiction\n')
+    src = sources.SnliSource(tmp_path, ['dev'])
+    assert [src[i] for i in range(len(src))] == readers.build_snli_triplets(tmp_path, ['dev'])
+    (tmp_path / 'labels.dev').write_text('entailment\n')
+    with pytest.raises(DataError, match=r'labels\.dev:2: line missing'):
+        sources.SnliSource(tmp_path, ['dev'])
+    (tmp_path / 'labels.dev').write_text('entailment\ncontradiction\nneutral\nentailment\n'
+                                         'entailed\ncontradiction\nneutral\n')
+    with pytest.raises(DataError, match=r"labels\.dev:5: label 'entailed' is not one of"):
+        sources.SnliSource(tmp_path, ['dev'])
