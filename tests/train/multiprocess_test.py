@@ -53,13 +53,19 @@ _SCRIPT = textwrap.dedent('''
 
 
 @contextlib.contextmanager
-def reserved_port():
+def reserved_port(low: int = 0):
     """A loopback port held for the coordinator: the socket stays bound (SO_REUSEPORT, never
     listening) until the run ends, so no other program can take the port between choosing it
-    and the coordinator's bind; gRPC servers bind with SO_REUSEPORT and share it."""
+    and the coordinator's bind; gRPC servers bind with SO_REUSEPORT and share it. `low`: the
+    first free port from there (0: any the OS picks)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind(('127.0.0.1', 0))
+        for port in ([0] if not low else range(low, 65536)):
+            try:
+                s.bind(('127.0.0.1', port))
+                break
+            except OSError:
+                continue
         yield s.getsockname()[1]
 
 
@@ -134,15 +140,24 @@ def test_processes_that_see_different_inputs_are_refused_in_one_line(tmp_path, d
         (folder / 'corpus.txt').write_text('\n'.join(lines[:-1] + [lines[-1] + ' x' * changed]))
     env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(REPO),
                XLA_FLAGS='--xla_force_host_platform_device_count=4')
-    with reserved_port() as port:
-        procs = [subprocess.Popen(
-            [sys.executable, str(REPO / 'train.py'), '--config',
-             str(REPO / 'configs' / 'tiny_unsup_simcse.py'), '--workdir', str(tmp_path / 'w'),
-             '--noprogress', '--config.train_file=corpus.txt',
-             f'--config.learning_rate={0.001 * (1 + (differs == "config" and pid == 1))}',
-             '--coordinator', f'127.0.0.1:{port}', '--num_processes', '2',
-             '--process_id', str(pid)], cwd=tmp_path / f'host{pid}', env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+    # 'config' starts as under SLURM (--distributed auto reads the job's variables; JAX takes
+    # the coordinator port from the job id, in [61440, 65535]); 'corpus' with explicit flags.
+    with reserved_port(61440 if differs == 'config' else 0) as port:
+        def launch(pid):
+            args, extra = ['--coordinator', f'127.0.0.1:{port}', '--num_processes', '2',
+                           '--process_id', str(pid)], {}
+            if differs == 'config':
+                args = ['--distributed', 'auto', f'--config.learning_rate={0.001 * (1 + pid)}']
+                extra = dict(SLURM_JOB_ID=str(port - 61440), SLURM_STEP_NODELIST='127.0.0.1',
+                             SLURM_NTASKS='2', SLURM_PROCID=str(pid), SLURM_LOCALID=str(pid))
+            return subprocess.Popen(
+                [sys.executable, str(REPO / 'train.py'), '--config',
+                 str(REPO / 'configs' / 'tiny_unsup_simcse.py'), '--workdir',
+                 str(tmp_path / 'w'), '--noprogress', '--config.train_file=corpus.txt', *args],
+                cwd=tmp_path / f'host{pid}', env={**env, **extra}, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True)
+
+        procs = [launch(pid) for pid in (0, 1)]
         outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 1, err[-3000:]
