@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+
+if __name__ == '__main__':
+    # Hold Ctrl-C / SIGTERM back while JAX and transformers import (seconds); main() installs
+    # the handlers that report them in one line, and the held signal is delivered then.
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
 
 # Before numpy / transformers load. The eval's linear algebra is small ([D, D] eigh);
 # OpenBLAS threads spinning against busy cores made it 50x slower on a shared 2-core machine.
@@ -18,7 +24,8 @@ os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')
 os.environ.setdefault('TRANSFORMERS_NO_ADVISORY_WARNINGS', '1')
 
-from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS  # noqa: E402
+from jaxsim import cli_io  # noqa: E402
+from jaxsim.errors import USER_ERROR_EXIT  # noqa: E402
 from jaxsim.eval import cli_checks, plots, report, runner  # noqa: E402
 from jaxsim.runtime import enable_compilation_cache  # noqa: E402
 
@@ -79,57 +86,64 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help='STS12-16 aggregation shown in the table (JSON has all three)')
     p.add_argument('--split', choices=('test', 'dev'), default='test',
                    help="'dev' scores STS-B dev (model selection)")
-    p.add_argument('--json', default=None, help='write results JSON to this file')
-    p.add_argument('--plots', default=None, help='write PNG figures into this folder')
+    p.add_argument('--json', default=None,
+                   help='write results JSON to this file (an existing one only with --overwrite)')
+    p.add_argument('--plots', default=None,
+                   help='write PNG figures into this folder (absent or empty; an earlier '
+                        'plots folder only with --overwrite)')
+    p.add_argument('--overwrite', action='store_true',
+                   help='replace an existing --json file / --plots folder')
     p.add_argument('--no-diagnostics', action='store_true',
                    help='skip alignment/uniformity/anisotropy/spectrum')
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        seeds = cli_checks.parse_seeds(args.seeds) if args.seeds is not None else None
-        if args.json:
-            cli_checks.check_output_file(args.json, '--json')
-        if args.plots:
-            cli_checks.check_output_dir(args.plots, '--plots')
-        sts_tasks, transfer_tasks = runner.split_tasks(
-            args.tasks.split(',') if args.tasks else [])
-        roots = args.data or [runner.DEFAULT_DATA]
-        runner.check_transfer_data(transfer_tasks, roots)
-        models = args.model or [None]
-        cli_checks.quiet_library_logs()
-        enable_compilation_cache()
-        rows, transfer_rows = [], []
-        if sts_tasks or not transfer_tasks:
-            rows = runner.run(
-                models, roots, sts_tasks or None,
-                posts=args.post or ['none'], pooler=args.pooler, max_length=args.max_length,
-                batch_size=args.batch_size, split=args.split, aggregate=args.aggregate,
-                fit_on=args.fit_on or ['target'], seeds=seeds or [0],
-                flow_checkpoint=args.flow_checkpoint, flow_config=args.flow_config,
-                eps=args.eps, diagnostics=not args.no_diagnostics or bool(args.plots),
-                dtype=args.dtype)
-            print(report.markdown_table(rows, args.aggregate))
-            t = rows[-1].details['timing']
-            print(f"\ntime: {t['total_s']:.1f} s evaluating ({t['encode_s']:.1f} s encoding "
-                  f"{t['sentences_encoded']} sentences, {t['rest_s']:.1f} s the rest)",
-                  file=sys.stderr)
-        if transfer_tasks:
-            transfer_rows = runner.run_transfer(
-                models, roots, transfer_tasks, pooler=args.pooler, max_length=args.max_length,
-                batch_size=args.batch_size, seeds=seeds or [runner.SENTEVAL_SEED],
-                dtype=args.dtype)
-            print(('\n' if rows else '') + report.transfer_table(transfer_rows))
-        if args.json:
-            report.write_json(args.json, rows, transfer_rows)
-        if args.plots and rows:
-            for path in plots.write_plots(rows, args.plots):
-                print(f'wrote {path}', file=sys.stderr)
-    except USER_ERRORS as e:
-        print(f'error: {e}', file=sys.stderr)
-        return USER_ERROR_EXIT
+    # The handlers go in first (delivering a signal held back during start-up); then a
+    # usage error, an interrupt or a user error is one line.
+    return cli_io.run_command(lambda: evaluate(parse_args(argv)))
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    seeds = cli_checks.parse_seeds(args.seeds) if args.seeds is not None else None
+    if args.json:
+        cli_io.check_output_file(args.json, args.overwrite, '--json')
+    if args.plots:
+        cli_io.check_output_dir(args.plots, args.overwrite, '--plots',
+                                keep=plots.check_replaceable)
+    sts_tasks, transfer_tasks = runner.split_tasks(args.tasks.split(',') if args.tasks else [])
+    cli_checks.check_flag_effects(args, sts_tasks, transfer_tasks)
+    roots = args.data or [runner.DEFAULT_DATA]
+    runner.check_transfer_data(transfer_tasks, roots)
+    models = args.model or [None]
+    cli_checks.quiet_library_logs()
+    enable_compilation_cache()
+    rows, transfer_rows = [], []
+    if sts_tasks or not transfer_tasks:
+        rows = runner.run(
+            models, roots, sts_tasks or None,
+            posts=args.post or ['none'], pooler=args.pooler, max_length=args.max_length,
+            batch_size=args.batch_size, split=args.split, aggregate=args.aggregate,
+            fit_on=args.fit_on or ['target'], seeds=seeds or [0],
+            flow_checkpoint=args.flow_checkpoint, flow_config=args.flow_config,
+            eps=args.eps, diagnostics=not args.no_diagnostics or bool(args.plots),
+            dtype=args.dtype)
+        print(report.markdown_table(rows, args.aggregate))
+        t = rows[-1].details['timing']
+        print(f"\ntime: {t['total_s']:.1f} s evaluating ({t['encode_s']:.1f} s encoding "
+              f"{t['sentences_encoded']} sentences, {t['rest_s']:.1f} s the rest)",
+              file=sys.stderr)
+    if transfer_tasks:
+        transfer_rows = runner.run_transfer(
+            models, roots, transfer_tasks, pooler=args.pooler, max_length=args.max_length,
+            batch_size=args.batch_size, seeds=seeds or [runner.SENTEVAL_SEED],
+            dtype=args.dtype)
+        print(('\n' if rows else '') + report.transfer_table(transfer_rows))
+    if args.json:
+        report.write_json(args.json, rows, transfer_rows, overwrite=args.overwrite)
+    if args.plots and rows:
+        for path in plots.write_plots(rows, args.plots, overwrite=args.overwrite):
+            print(f'wrote {path}', file=sys.stderr)
     return 0
 
 

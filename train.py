@@ -9,6 +9,12 @@ The logic lives in jaxsim.train; this file parses flags and turns outcomes into 
 0 done, 1 bad input (one `error:` line), 130/143 interrupted by SIGINT/SIGTERM (state saved).
 """
 import os
+import signal
+
+if __name__ == '__main__':
+    # Hold Ctrl-C / SIGTERM back while JAX and transformers import; run() delivers a held
+    # signal once its handler is in place, so it ends in one line like any other.
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
 
 # Before JAX and transformers load: no "PyTorch was not found" advice (jaxsim uses
 # transformers for tokenizers only) and no libtpu / XLA start-up chatter. runtime.setup()
@@ -20,12 +26,11 @@ for _name, _value in {'TRANSFORMERS_NO_ADVISORY_WARNINGS': '1', 'TRANSFORMERS_VE
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
-import signal  # noqa: E402
 import sys  # noqa: E402
 
 from absl import logging as absl_logging  # noqa: E402
 
-from jaxsim import distributed, runtime  # noqa: E402
+from jaxsim import distributed, interrupts, runtime  # noqa: E402
 from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS  # noqa: E402
 from jaxsim.train.config import TrainConfig  # noqa: E402
 from jaxsim.train.config_files import apply_overrides, load_config_file  # noqa: E402
@@ -81,6 +86,7 @@ def main(argv=None) -> int:
 def run(args, overrides) -> int:
     main_process = True
     try:
+        interrupts.unblock()  # a signal held back during start-up is raised here
         distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                auto=args.distributed == 'auto')
         main_process = distributed.is_main_process()

@@ -8,13 +8,16 @@
     python -m jaxsim prepare FILE... [--format text|csv|snli]  (index training data; docs/pod.md)
 
 Every command reports a user error (bad file, bad option, unreadable model) as one line
-`error: <message>` on stderr and exits 1; anything else is a bug and keeps its traceback.
+`error: <message>` on stderr and exits 1, and SIGINT / SIGTERM as one line with exit 130 / 143
+(start-up included: jaxsim/__init__.py holds them back until `main` installs its handlers);
+anything else is a bug and keeps its traceback. Every output follows `jaxsim.io.store`'s rule:
+an existing target is refused without --overwrite, and it is written whole or not at all.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
+import json
 import sys
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -22,14 +25,14 @@ from typing import Callable, Iterator, Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsim import runtime
-from jaxsim.data.readers import read_text, read_sentences, text_lines
+from jaxsim import cli_io, runtime
 from jaxsim.data.sources import prepare_main
 from jaxsim.data.tokenize import token_ids
 from jaxsim.encode import encode
-from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS, JaxsimError
-from jaxsim.io.export import FORMATS, export_source, exportable_calibrations
-from jaxsim.io.pretrained import bundled_model_path, load_pretrained
+from jaxsim.errors import JaxsimError
+from jaxsim.io import store
+from jaxsim.io.export import FORMATS, RECORD_FILE, export_source, exportable_calibrations
+from jaxsim.io.pretrained import bundled_model_path, describe_provenance, load_pretrained
 from jaxsim.models.poolers import POOLERS
 from jaxsim.search.cli import index_main, search_main
 from jaxsim.serve.cli import serve_main
@@ -56,35 +59,6 @@ def _usage_errors_as_exceptions() -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------------- encode
-def _check_output_file(path: Path, overwrite: bool) -> Path:
-    """Refuses an output that exists (without --overwrite), is a folder, or cannot be written;
-    checked before the model is loaded, so no encoding time is wasted."""
-    if path.is_dir():
-        raise UsageError(f"--output {path} is a folder; name a file, e.g. {path / 'vectors.npy'}")
-    if path.exists() and not overwrite:
-        raise UsageError(f"--output {path} exists; pass --overwrite to replace it")
-    folder = path.absolute().parent
-    if not folder.is_dir():
-        raise UsageError(f"--output {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UsageError(f"--output {path}: the folder {folder} is not writable")
-    return path
-
-
-def _write_npy(path: Path, array: np.ndarray) -> None:
-    """Writes exactly `path` (np.save on a name would append '.npy' to e.g. 'vecs.bin'), via a
-    sibling temporary file renamed into place, so a failure never leaves half a file. The file
-    is created by open(), so its mode follows the umask (0644 under 022)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "xb") as f:
-            np.save(f, array)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def _count_over_limit(tokenizer, sentences: Sequence[str], limit: int) -> int:
     """Sentences longer than `limit` tokens (special tokens included), i.e. truncated."""
     ids = token_ids(tokenizer, sentences, max_length=limit + 1)
@@ -101,8 +75,9 @@ def encode_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="HF folder, hub id or train workdir (default: the bundled "
                         "all-MiniLM-L6-v2)")
-    p.add_argument("--input", required=True, type=Path, help="UTF-8 text, one sentence a line")
-    p.add_argument("--output", required=True, type=Path,
+    p.add_argument("--input", required=True,
+                   help="UTF-8 text, one sentence a line; - reads standard input")
+    p.add_argument("--output", required=True,
                    help="the .npy file to write (written under exactly this name)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--pooler", choices=POOLERS.names(), default=None,
@@ -121,11 +96,10 @@ def encode_main(argv: Sequence[str]) -> int:
     args = encode_parser().parse_args(argv)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be positive, got {args.batch_size}")
-    output = _check_output_file(args.output, args.overwrite)
-    sentences = read_sentences(args.input)
-    skipped = len(text_lines(read_text(args.input))) - len(sentences)
+    output = cli_io.check_output_file(args.output, args.overwrite, "--output")
+    sentences, skipped, name = cli_io.input_sentences(args.input)
     if skipped:
-        print(f"note: {args.input}: skipped {skipped} blank line{'s' * (skipped > 1)}; row i "
+        print(f"note: {name}: skipped {skipped} blank line{'s' * (skipped > 1)}; row i "
               f"of the output is the i-th non-blank line", file=sys.stderr)
     model = load_pretrained(args.model or bundled_model_path(), pooler=args.pooler)
     limit = model.max_length() if args.max_length is None else args.max_length
@@ -138,7 +112,9 @@ def encode_main(argv: Sequence[str]) -> int:
               f"and are truncated to {limit}", file=sys.stderr)
     vectors = encode(model, sentences, batch_size=args.batch_size, max_length=limit,
                      normalize=args.normalize, dtype=getattr(jnp, args.dtype))
-    _write_npy(output, vectors)
+    # Exactly this name (np.save on a name would append '.npy'), whole or not at all.
+    with store.open_atomic(output, "wb", overwrite=args.overwrite, what="--output") as f:
+        np.save(f, vectors)
     print(f"wrote {vectors.shape[0]} x {vectors.shape[1]} vectors to {output}", file=sys.stderr)
     return 0
 
@@ -151,7 +127,7 @@ def export_parser() -> argparse.ArgumentParser:
                     "a hub model as a Hugging Face or sentence-transformers folder.")
     p.add_argument("--checkpoint", "--model", dest="source", required=True,
                    help="train workdir (model.json + checkpoints/), model folder or hub id")
-    p.add_argument("--out", required=True, type=Path,
+    p.add_argument("--out", required=True,
                    help="output folder: absent, empty, or a previous export with --overwrite")
     p.add_argument("--format", default="hf", choices=FORMATS)
     p.add_argument("--pooler", default=None, choices=POOLERS.names(),
@@ -184,7 +160,9 @@ def export_main(argv: Sequence[str]) -> int:
                         calibration=args.calibration, normalize=args.normalize,
                         max_length=args.max_length, batch_size=args.batch_size,
                         overwrite=args.overwrite)
-    print(f"exported {args.source} -> {out} ({args.format})", file=sys.stderr)
+    origin = json.loads((out / RECORD_FILE).read_text(encoding="utf-8")).get("provenance", {})
+    print(f"exported {describe_provenance(origin) if origin else args.source} -> {out} "
+          f"({args.format})", file=sys.stderr)
     return 0
 
 
@@ -202,19 +180,19 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = f"usage: python -m jaxsim {{{','.join(COMMANDS)}}} [options]"
-    if argv[:1] in (["-h"], ["--help"]):
-        print(usage)
-        return 0
-    runtime.setup()
-    try:
+
+    def command() -> int:
+        if argv[:1] in (["-h"], ["--help"]):
+            print(usage)
+            return 0
+        runtime.setup()
         if not argv or argv[0] not in COMMANDS:
             got = f"unknown command {argv[0]!r}" if argv else "no command"
             raise UsageError(f"{got}; {usage}")
         with _usage_errors_as_exceptions():
-            return COMMANDS[argv[0]](argv[1:]) or 0
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return USER_ERROR_EXIT
+            return COMMANDS[argv[0]](argv[1:])
+
+    return cli_io.run_command(command)
 
 
 if __name__ == "__main__":

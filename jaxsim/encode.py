@@ -19,17 +19,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tqdm.auto import tqdm
-
 from jaxsim import sharding as sharding_lib
 from jaxsim.data.tokenize import TokenBatch, bucket_length, check_sentences, pad_batch, token_ids
+from jaxsim.errors import JaxsimError
 from jaxsim.model import SentenceModel
 from jaxsim.models.encoder import SentenceEncoder
+from jaxsim.models.st_head import Normalize, apply_head, output_size
+from jaxsim.progress import progress_bar
 
 # Sentences tokenized per background job; big enough to sort well, small enough to overlap.
 _CHUNK = 4096
 # Inputs at least this long get a progress bar by default.
 _PROGRESS_THRESHOLD = 5000
+
+
+class NonFiniteVectorsError(JaxsimError):
+    """A model that gave NaN / inf vectors (e.g. diverged or corrupted weights)."""
+
+
+def check_finite(vectors: np.ndarray, sentences: Sequence[str], model: str) -> None:
+    """Raises NonFiniteVectorsError naming the first sentence whose vector is not finite."""
+    bad = ~np.isfinite(vectors).all(axis=1)
+    if bad.any():
+        first = int(np.argmax(bad))
+        text = sentences[first] if len(sentences[first]) <= 80 else sentences[first][:77] + "..."
+        raise NonFiniteVectorsError(
+            f"{model} gives non-finite (NaN/inf) vectors for {int(bad.sum())} of {len(bad)} "
+            f"sentences, the first for sentence {first + 1}: {text!r}; its weights are probably "
+            f"NaN or inf")
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,7 +119,8 @@ def _batches(model: SentenceModel, sentences: list[str], batch_size: int, max_le
 def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[str] = None,
            batch_size: int = 64, max_length: Optional[int] = None, normalize: bool = False,
            progress: Optional[bool] = None, params: Any = None, dtype=jnp.float32,
-           mesh: Optional[Mesh] = None, dropout_key: Optional[jax.Array] = None) -> np.ndarray:
+           mesh: Optional[Mesh] = None, dropout_key: Optional[jax.Array] = None,
+           finite: bool = True) -> np.ndarray:
     """Encodes sentences into vectors, in input order.
 
     Args:
@@ -112,13 +130,16 @@ def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[s
       batch_size: sentences per global batch (rounded up to a multiple of the mesh's batch
         shards).
       max_length: token limit including special tokens; default: `model.max_length()`.
-      normalize: L2-normalize the vectors.
-      progress: show a progress bar; default: only for long inputs.
+      normalize: L2-normalize the vectors (after the model's own head, if any).
+      progress: show progress (a bar on a terminal, else periodic lines on stderr); default:
+        only for long inputs.
       params: parameters to use instead of `model.params` (e.g. a training state's).
       dtype: compute dtype (float32 or bfloat16; parameters stay float32).
       mesh: devices to encode on, the batch split over its data axes (default: all devices).
       dropout_key: encode in training mode (dropout on, the pooler's head applied) with
         per-batch keys folded from this one; None encodes deterministically.
+      finite: raise NonFiniteVectorsError, naming the first sentence, when a vector holds NaN
+        or inf (False returns them as they are).
 
     Returns:
       float32 array [len(sentences), hidden].
@@ -132,7 +153,7 @@ def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[s
     if not 2 <= max_length <= model.config.max_length:
         raise ValueError(f"max_length must be in [2, {model.config.max_length}], got {max_length}")
     if not items:
-        return np.zeros((0, model.hidden_size), np.float32)
+        return np.zeros((0, output_size(model.head, model.hidden_size)), np.float32)
     mesh = default_mesh() if mesh is None else mesh
     shards = sharding_lib.batch_shards(mesh)
     batch_size = -(-batch_size // shards) * shards
@@ -142,12 +163,13 @@ def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[s
         params = jax.tree.map(lambda p: p.astype(dtype), params)
     encoder = model.encoder.clone(dtype=dtype)
     train = dropout_key is not None
-    encode_batch = make_encode_fn(encoder, normalize, train, mesh)
+    # With a head, normalizing comes after it (on the host, as the head runs there).
+    encode_batch = make_encode_fn(encoder, normalize and not model.head, train, mesh)
     key = dropout_key if train else jax.random.key(0)
 
     out = np.empty((len(items), model.hidden_size), np.float32)
     show = len(items) >= _PROGRESS_THRESHOLD if progress is None else progress
-    bar = tqdm(total=len(items), unit="sent", disable=not show, desc="encode")
+    bar = progress_bar(len(items), "encode", unit="sent", enable=show)
     pending = None  # (indices, device result) of the previous batch: fetched after the next
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
         for n, (indices, batch) in enumerate(_batches(model, items, batch_size, max_length,
@@ -160,4 +182,8 @@ def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[s
         out[pending[0]] = np.asarray(pending[1])[: len(pending[0])]
         bar.update(len(pending[0]))
     bar.close()
+    if model.head:  # a sentence-transformers folder's Dense / Normalize, as it applies them
+        out = apply_head(model.head + ((Normalize(),) if normalize else ()), out)
+    if finite:
+        check_finite(out, items, model.path or "the model")
     return out

@@ -27,6 +27,8 @@ class SentenceModel:
       max_seq_length: the token limit it was trained/published with, or None for the
         tokenizer's limit.
       ignored: checkpoint tensors that were not loaded (task heads, buffers).
+      head: modules applied after pooling (`jaxsim.models.st_head`: a sentence-transformers
+        folder's Dense / Normalize), by `jaxsim.encode`.
     """
 
     encoder: SentenceEncoder
@@ -35,6 +37,7 @@ class SentenceModel:
     path: str = ""
     max_seq_length: Optional[int] = None
     ignored: tuple[str, ...] = ()
+    head: tuple = ()
 
     @property
     def config(self) -> BertConfig:

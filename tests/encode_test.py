@@ -207,7 +207,7 @@ def test_cli_checks_the_output_before_loading_the_model(tmp_path, capsys):
     src = tmp_path / "in.txt"
     src.write_text("hello\n")
     # The model does not exist either: the output error comes first, before any loading.
-    for output, message in [(tmp_path / "no" / "o.npy", "does not exist"),
+    for output, message in [(src / "o.npy", "in.txt is not a folder"),
                             (tmp_path, "is a folder")]:
         code, err = _cli(capsys, "--model", str(tmp_path / "missing-model"), "--input", str(src),
                          "--output", str(output))

@@ -6,10 +6,13 @@ in the first second, not after it.
 from __future__ import annotations
 
 import logging
-import os
-import pathlib
 
+from jaxsim import calibrate
 from jaxsim.errors import JaxsimError
+from jaxsim.eval.runner import is_seeded
+
+# The largest seed every consumer takes (np.random.RandomState, jax.random.key).
+MAX_SEED = 2**32 - 1
 
 
 class OptionError(JaxsimError):
@@ -24,49 +27,38 @@ def parse_seeds(text: str) -> list[int]:
         if not part.isdigit():
             raise OptionError(f'--seeds {text!r}: {part!r} is not a non-negative integer '
                               '(expected e.g. --seeds 0,1,2)')
+        if int(part) > MAX_SEED:
+            raise OptionError(f'--seeds {text!r}: {part} is larger than {MAX_SEED} (seeds are '
+                              f'32-bit: NumPy and JAX keys take no more)')
         seeds.append(int(part))
     if len(set(seeds)) != len(seeds):
         raise OptionError(f'--seeds {text!r}: a seed is listed twice')
     return seeds
 
 
-def _writable_ancestor(path: pathlib.Path, option: str) -> None:
-    """The nearest existing ancestor of `path` (which does not exist) must be a writable
-    folder."""
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise OptionError(f'{option} {path}: {parent} is a file, not a folder')
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OptionError(f'{option} {path}: cannot write in {parent} (permission denied)')
-
-
-def check_output_file(path, option: str = '--json') -> pathlib.Path:
-    """A file the command will write later: not a folder, and creatable or writable now."""
-    path = pathlib.Path(path)
-    if path.is_dir() or str(path).endswith(os.sep):
-        raise OptionError(f'{option} {path}: is a folder; give a file path such as '
-                          f'{path / "results.json"}')
-    if path.exists():
-        if not os.access(path, os.W_OK):
-            raise OptionError(f'{option} {path}: the file is not writable')
-    else:
-        _writable_ancestor(path, option)
-    return path
-
-
-def check_output_dir(path, option: str = '--plots') -> pathlib.Path:
-    """A folder the command will write into later: a folder (or creatable), writable."""
-    path = pathlib.Path(path)
-    if path.exists():
-        if not path.is_dir():
-            raise OptionError(f'{option} {path}: is a file, not a folder')
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise OptionError(f'{option} {path}: the folder is not writable')
-    else:
-        _writable_ancestor(path, option)
-    return path
+def check_flag_effects(args, sts_tasks, transfer_tasks) -> None:
+    """Refuses flags that would do nothing with the other flags given (each named)."""
+    from_posts = [calibrate.parse_spec(p)[0] for p in (args.post or ['none'])]
+    calibrating = [p for p, name in zip(args.post or [], from_posts) if name != 'none']
+    runs_sts = bool(sts_tasks) or not transfer_tasks
+    if args.fit_on and not (calibrating and runs_sts):
+        raise OptionError(f'--fit-on {args.fit_on[0]} has no effect: it chooses what a '
+                          f'calibration is fitted on, and no calibrating --post is given '
+                          f'(e.g. --post whitening)')
+    has_flow = 'flow' in from_posts and runs_sts
+    for flag, value in (('--flow-checkpoint', args.flow_checkpoint),
+                        ('--flow-config', args.flow_config)):
+        if value is not None and not has_flow:
+            raise OptionError(f'{flag} {value} has no effect without --post flow')
+    if args.seeds is not None:
+        seeded = [p for p in calibrating if is_seeded(p)] if runs_sts else []
+        if not seeded and not transfer_tasks:
+            raise OptionError(f'--seeds {args.seeds} has no effect: only flow calibrations '
+                              f'and transfer tasks take a seed, and none is asked for')
+        if seeded and args.flow_checkpoint is not None and not transfer_tasks and all(
+                calibrate.parse_spec(p)[0] == 'flow' for p in seeded):
+            raise OptionError(f'--seeds {args.seeds} has no effect with --flow-checkpoint '
+                              f'(the saved flow is used as it is)')
 
 
 class _DropMessage(logging.Filter):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import jax
@@ -296,7 +296,8 @@ def _pad_rows(rows: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def fit(x, y, problems: Sequence[Problem], num_classes: int,
-        cfg: ClassifierConfig = ClassifierConfig(), init: Optional[dict] = None) -> FitResult:
+        cfg: ClassifierConfig = ClassifierConfig(), init: Optional[dict] = None,
+        progress: Optional[Callable[[int, int], None]] = None) -> FitResult:
     """Trains one classifier per (problem, L2 value) as SentEval does; keeps the best on dev.
 
     Args:
@@ -307,6 +308,7 @@ def fit(x, y, problems: Sequence[Problem], num_classes: int,
       cfg: the classifier settings.
       init: {'w': [D, K], 'b': [K]} initial weights for every classifier; default
         `torch_like_init(D, K, cfg.seed)`, PyTorch's own.
+      progress: called after every round with (classifiers done training, classifiers).
 
     Returns:
       The kept (best-on-dev) classifiers and their dev scores.
@@ -370,6 +372,8 @@ def fit(x, y, problems: Sequence[Problem], num_classes: int,
         active = active & ~(missed & (misses >= cfg.tenacity))
         misses = misses + missed
         rounds += 1
+        if progress is not None:
+            progress(int(num_p * num_r - active.sum()), num_p * num_r)
     return FitResult(weight=np.asarray(state['best']['w'])[:num_p],
                      bias=np.asarray(state['best']['b'])[:num_p],
                      dev_correct=np.asarray(state['best_correct'])[:num_p],

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxsim.eval.protocol import StsResult
+from jaxsim.io import store
 
 
 def _pyplot():
@@ -61,16 +62,33 @@ def plot_align_uniform(results: Sequence[StsResult], path: str | os.PathLike) ->
     return path
 
 
-def write_plots(results: Sequence[StsResult], directory: str | os.PathLike) -> list[pathlib.Path]:
-    """Writes the figures the diagnostics allow; returns their paths."""
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+PLOT_FILES = ('spectrum.png', 'align_uniform.png')
+
+
+def check_replaceable(directory) -> None:
+    """An existing non-empty folder --overwrite may replace: one holding only our figures."""
+    others = [p.name for p in directory.iterdir() if p.name not in PLOT_FILES]
+    if others:
+        raise ValueError(f'--plots {directory} holds other files ({", ".join(sorted(others)[:3])}'
+                         f'); it is not replaced even with --overwrite: choose another folder')
+
+
+def write_plots(results: Sequence[StsResult], directory: str | os.PathLike,
+                overwrite: bool = False) -> list[pathlib.Path]:
+    """Writes the figures the diagnostics allow into `directory`, swapped in whole
+    (`jaxsim.io.store.replace_dir`); returns their paths.
+
+    Args:
+      overwrite: replace an earlier plots folder (one holding only these figures).
+    """
     with_diag = [r for r in results if 'diagnostics' in r.details]
     if not with_diag:
         raise ValueError('--plots needs diagnostics, which were not computed')
-    out = [plot_spectra(with_diag, directory / 'spectrum.png')]
     with_au = [r for r in with_diag if 'alignment' in r.details['diagnostics']
                and 'uniformity' in r.details['diagnostics']]
-    if with_au:
-        out.append(plot_align_uniform(with_au, directory / 'align_uniform.png'))
-    return out
+    names = []
+    with store.replace_dir(directory, overwrite, '--plots', keep=check_replaceable) as tmp:
+        names.append(plot_spectra(with_diag, tmp / PLOT_FILES[0]).name)
+        if with_au:
+            names.append(plot_align_uniform(with_au, tmp / PLOT_FILES[1]).name)
+    return [pathlib.Path(directory) / n for n in names]

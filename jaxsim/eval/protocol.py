@@ -281,3 +281,15 @@ class StsResult:
     @property
     def avg(self) -> float:
         return self.avg_of(self.aggregate)
+
+
+def check_post_widths(posts: Sequence[str], width: int, model: str) -> None:
+    """Refuses, before any encoding, a calibration asking for more dimensions than the model's
+    vectors have (e.g. whitening:99999 on a 384-wide model)."""
+    for post in posts:
+        name, arg = calibrate.parse_spec(post)
+        cls = calibrate.CALIBRATIONS.get(name)
+        if getattr(cls, 'linear', False) and isinstance(arg, int) and arg > width:
+            raise ProtocolError(
+                f'--post {post}: {arg} is more than the {width} dimensions of the vectors of '
+                f'{model}')

@@ -18,6 +18,8 @@ from jaxsim.eval import transfer
 from jaxsim.eval.metrics import AGGREGATE_DOC
 from jaxsim.eval.protocol import StsResult
 from jaxsim.eval.transfer import TransferResult
+from jaxsim.io import store
+from jaxsim.io.pretrained import describe_provenance
 
 # Column headers as in the SimCSE paper's tables.
 SHORT_NAMES = {
@@ -79,13 +81,41 @@ def markdown_table(results: Sequence[StsResult], aggregate: str | None = None) -
     for r in results:
         label = f'{r.label} ({r.fit_on})' if show_fit and r.fit_on else r.label
         cells = ([str(r.model)] if multi_model else []) + [label]
-        cells += [_fmt(r.scores[c].get(aggregate)) if c in r.scores else '' for c in columns]
-        cells.append(_fmt(r.avg_of(aggregate)) if set(r.scores) == set(columns) else 'n/a')
+        spread = seed_spread(r, aggregate)
+        cells += [_fmt(r.scores[c].get(aggregate)) + spread.get(c, '') if c in r.scores else ''
+                  for c in columns]
+        cells.append(_fmt(r.avg_of(aggregate)) + spread.get('avg', '')
+                     if set(r.scores) == set(columns) else 'n/a')
         lines.append('| ' + ' | '.join(cells) + ' |')
+    if any(r.details.get('per_seed') for r in results):
+        lines.append('')
+        lines.append('mean ±std over seeds ' + '; '.join(_dedup(
+            f'{r.label}: {", ".join(map(str, r.details["seeds"]))}' for r in results
+            if r.details.get('per_seed'))) + ' (std: population, ddof 0)')
     lines.append('')
+    lines += checkpoint_lines(results)
     lines += data_lines(results)
     lines += [f'note: {n}' for n in _dedup(n for r in results for n in r.details.get('notes', []))]
     return '\n'.join(lines)
+
+
+def seed_spread(r: StsResult, aggregate: str) -> dict[str, str]:
+    """' ±std' per task (and 'avg') of a row scored over several seeds, else {}."""
+    per_seed = r.details.get('per_seed')
+    if not per_seed:
+        return {}
+    out = {task: f' ±{float(np.std(values)):.2f}' for task, values in per_seed.items()}
+    if set(r.scores) == set(per_seed):
+        averages = np.mean([per_seed[t] for t in r.scores], axis=0)  # one average per seed
+        out['avg'] = f' ±{float(np.std(averages)):.2f}'
+    return out
+
+
+def checkpoint_lines(results: Sequence[StsResult]) -> list[str]:
+    """'checkpoint: WORKDIR step N (best stsb_dev X)' for models loaded from a train workdir."""
+    records = _dedup(json.dumps(r.details['checkpoint'], sort_keys=True) for r in results
+                     if 'step' in r.details.get('checkpoint', {}))
+    return [f'checkpoint: {describe_provenance(json.loads(x))}' for x in records]
 
 
 def data_lines(results: Sequence[StsResult]) -> list[str]:
@@ -129,15 +159,27 @@ def transfer_table(rows: Sequence[tuple[str, str, Sequence[TransferResult]]]) ->
         cells = [model]
         for t in columns:
             r = by_task.get(t)
-            cells.append(_fmt(r.acc) if r else '')
+            cells.append(_fmt(r.acc) + _transfer_spread(r, 'acc') if r else '')
             if t == 'MRPC':
-                cells.append(_fmt(r.f1) if r else '')
+                cells.append(_fmt(r.f1) + _transfer_spread(r, 'f1') if r else '')
         accs = [by_task[t].acc for t in columns if t in by_task]
         cells.append(_fmt(float(np.mean(accs))) if len(accs) == len(columns) else 'n/a')
         lines.append('| ' + ' | '.join(cells) + ' |')
     roots = _dedup(r.details.get('root', '') for _, _, rs in rows for r in rs)
+    seeds = _dedup(str(r.details['seeds']) for _, _, rs in rows for r in rs
+                   if r.details.get('per_seed'))
+    if seeds:
+        lines += ['', f'mean ±std over seeds {", ".join(seeds)} (std: population, ddof 0)']
     lines += ['', f'data: {", ".join(columns)} from {" + ".join(roots)}']
     return '\n'.join(lines)
+
+
+def _transfer_spread(r: TransferResult, key: str) -> str:
+    """' ±std' over seeds of a transfer result scored with several, else ''."""
+    per_seed = r.details.get('per_seed')
+    if not per_seed or per_seed[0].get(key) is None:
+        return ''
+    return f' ±{float(np.std([s[key] for s in per_seed])):.2f}'
 
 
 def transfer_to_json(model: str, pooler: str, results: Sequence[TransferResult]) -> dict:
@@ -168,15 +210,12 @@ def result_to_json(r: StsResult) -> dict:
 
 
 def write_json(path: str | os.PathLike, results: Sequence[StsResult],
-               transfer_rows: Sequence[tuple[str, str, Sequence[TransferResult]]] = ()) -> None:
+               transfer_rows: Sequence[tuple[str, str, Sequence[TransferResult]]] = (),
+               overwrite: bool = False) -> None:
     """Writes one record for one row, else a list of records (STS rows, then one transfer
-    record per model)."""
+    record per model); whole or not at all, and an existing file only with `overwrite`."""
     records = ([result_to_json(r) for r in results]
                + [transfer_to_json(*row) for row in transfer_rows])
     payload = records[0] if len(records) == 1 else records
-    dirname = os.path.dirname(os.fspath(path))
-    if dirname:
-        os.makedirs(dirname, exist_ok=True)
-    with open(path, 'w', encoding='utf-8') as f:
-        json.dump(payload, f, indent=2, allow_nan=False)
-        f.write('\n')
+    store.write_atomic(path, json.dumps(payload, indent=2, allow_nan=False) + '\n',
+                       overwrite=overwrite, what='--json')

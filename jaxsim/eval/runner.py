@@ -19,6 +19,8 @@ import numpy as np
 
 import jaxsim
 from jaxsim import calibrate
+from jaxsim.io.pretrained import describe_provenance, provenance
+from jaxsim.models.st_head import output_size
 from jaxsim.data import senteval
 from jaxsim.data import transfer as transfer_data
 from jaxsim.data.senteval import StsTask
@@ -242,7 +244,7 @@ def make_encoder(model: jaxsim.SentenceModel, max_length: Optional[int] = None,
     """A cached `list[str] -> [N, H]` over `jaxsim.encode` (eval mode: no dropout)."""
     def encode_fn(sentences: list[str]) -> np.ndarray:
         return jaxsim.encode(model, sentences, batch_size=batch_size, max_length=max_length,
-                             progress=False, dtype=getattr(jnp, dtype))
+                             dtype=getattr(jnp, dtype))  # a progress bar for long inputs
 
     return CachedEncoder(encode_fn)
 
@@ -279,6 +281,11 @@ def _load(name: Optional[str], pooler: Optional[str]) -> tuple[jaxsim.SentenceMo
     t0 = time.perf_counter()
     model = jaxsim.load_pretrained(name or str(jaxsim.bundled_model_path()), pooler)
     return model, time.perf_counter() - t0
+
+
+def checkpoint_of(name: Optional[str]) -> dict:
+    """Where a model's weights come from (a workdir's checkpoint step and its metric)."""
+    return provenance(name) if name else {'source': BUNDLED_NAME}
 
 
 def _mean_transfer(results: Sequence[transfer.TransferResult], seeds: Sequence[int]
@@ -321,6 +328,9 @@ def run_transfer(models: Sequence[Optional[str]], roots: Sequence, tasks: Sequen
         model, _ = _load(name, pooler)
         encoder = make_encoder(model, max_length, batch_size, dtype)
         label = str(name or BUNDLED_NAME)
+        origin = checkpoint_of(name)
+        if 'step' in origin:
+            label = describe_provenance(origin)
         results = [_mean_transfer([transfer.evaluate_transfer(t, encoder, roots, seed=s,
                                                               model=label) for s in seeds],
                                   seeds) for t in tasks]
@@ -366,6 +376,8 @@ def run(models: Sequence[Optional[str]], roots: Sequence, tasks: Optional[Sequen
     rows: list[StsResult] = []
     for name in models:
         model, load_s = _load(name, pooler)
+        protocol.check_post_widths(posts, output_size(model.head, model.hidden_size),
+                                   str(name or BUNDLED_NAME))
         encoder = make_encoder(model, max_length, batch_size, dtype)
         noisy = make_noisy_encoder(model, max_length, batch_size, dtype)
         out = evaluate_rows(
@@ -373,7 +385,8 @@ def run(models: Sequence[Optional[str]], roots: Sequence, tasks: Optional[Sequen
             fit_on=fit_on, seeds=seeds, flow_checkpoint=flow_checkpoint, fit_options=options,
             noisy_encode_fn=noisy, diagnostics=diagnostics,
             model=str(name or BUNDLED_NAME), pooler=model.pooler,
-            extra_details={'model_path': str(model.path), 'max_length': max_length,
+            extra_details={'model_path': str(model.path), 'checkpoint': checkpoint_of(name),
+                           'max_length': max_length,
                            'batch_size': batch_size, 'dtype': dtype, 'load_model_s': load_s,
                            'versions': {'jaxsim': jaxsim.__version__,
                                         'jax': jax.__version__}})

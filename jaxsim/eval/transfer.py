@@ -33,6 +33,8 @@ from jaxsim.data import transfer as transfer_data
 from jaxsim.data.transfer import LabeledText, PathLike, TransferData
 from jaxsim.eval import logreg
 from jaxsim.eval.logreg import ClassifierConfig, ClassifierError, Problem
+from jaxsim.io import store
+from jaxsim.progress import CountProgress
 
 EncodeFn = Callable[[list[str]], np.ndarray]
 
@@ -145,7 +147,7 @@ def _dev_scores(fit: logreg.FitResult, problems: slice) -> np.ndarray:
 
 
 def cross_validate(x, y, num_classes: int, cfg: ClassifierConfig = ClassifierConfig(),
-                   kfold: int = KFOLD) -> dict:
+                   kfold: int = KFOLD, progress=None) -> dict:
     """MR/CR/SUBJ/MPQA: SentEval's InnerKFoldClassifier on [N, D] features and [N] labels.
 
     Returns:
@@ -159,7 +161,7 @@ def cross_validate(x, y, num_classes: int, cfg: ClassifierConfig = ClassifierCon
         for inner_train, inner_test in stratified_kfold(y[train], kfold, INNER_KFOLD_SEED):
             problems.append(Problem(train[inner_train], train[inner_test]))
     problems += [Problem(train) for train, _ in outer]              # the refits, 5% carve-out
-    fit = logreg.fit(x, y, problems, num_classes, cfg)
+    fit = logreg.fit(x, y, problems, num_classes, cfg, progress=progress)
     chosen, fold_acc, dev_scores, devresults = [], [], [], []
     for o, (_, test) in enumerate(outer):
         scores = _dev_scores(fit, slice(o * kfold, (o + 1) * kfold))
@@ -176,7 +178,8 @@ def cross_validate(x, y, num_classes: int, cfg: ClassifierConfig = ClassifierCon
 
 
 def cv_then_test(x_train, y_train, x_test, y_test, num_classes: int,
-                 cfg: ClassifierConfig = ClassifierConfig(), kfold: int = KFOLD) -> dict:
+                 cfg: ClassifierConfig = ClassifierConfig(), kfold: int = KFOLD,
+                 progress=None) -> dict:
     """TREC/MRPC: SentEval's KFoldClassifier (L2 by k-fold CV on train, refit, test).
 
     Returns:
@@ -186,7 +189,7 @@ def cv_then_test(x_train, y_train, x_test, y_test, num_classes: int,
     folds = stratified_kfold(y_train, kfold, cfg.seed)
     problems = [Problem(train, test) for train, test in folds]
     problems.append(Problem(np.arange(len(y_train))))
-    fit = logreg.fit(x_train, y_train, problems, num_classes, cfg)
+    fit = logreg.fit(x_train, y_train, problems, num_classes, cfg, progress=progress)
     scores = _dev_scores(fit, slice(0, kfold))
     r = int(np.argmax(scores))
     pred = logreg.predict(fit.weight[kfold, r], fit.bias[kfold, r], x_test)
@@ -196,7 +199,7 @@ def cv_then_test(x_train, y_train, x_test, y_test, num_classes: int,
 
 
 def dev_then_test(x_train, y_train, x_dev, y_dev, x_test, y_test, num_classes: int,
-                  cfg: ClassifierConfig = ClassifierConfig()) -> dict:
+                  cfg: ClassifierConfig = ClassifierConfig(), progress=None) -> dict:
     """SST2: SentEval's SplitClassifier (L2 chosen on dev, scored on test).
 
     SentEval retrains the chosen L2 value with the same seed and data, which reproduces the
@@ -205,7 +208,8 @@ def dev_then_test(x_train, y_train, x_dev, y_dev, x_test, y_test, num_classes: i
     x = np.concatenate([np.asarray(x_train, np.float32), np.asarray(x_dev, np.float32)])
     y = np.concatenate([np.asarray(y_train), np.asarray(y_dev)])
     n = len(y_train)
-    fit = logreg.fit(x, y, [Problem(np.arange(n), np.arange(n, len(y)))], num_classes, cfg)
+    fit = logreg.fit(x, y, [Problem(np.arange(n), np.arange(n, len(y)))], num_classes, cfg,
+                     progress=progress)
     scores = np.asarray([_py_round(100 * a) for a in fit.dev_accuracy[0]])
     r = int(np.argmax(scores))
     pred = logreg.predict(fit.weight[0, r], fit.bias[0, r], x_test)
@@ -263,22 +267,25 @@ def _features(split: LabeledText, lookup) -> np.ndarray:
     return np.concatenate([np.abs(u - v), u * v], axis=1)           # SentEval's mrpc.py
 
 
-def run_protocol(data: TransferData, lookup, cfg: ClassifierConfig) -> dict:
-    """The task's protocol on SentEval-ordered splits; `lookup(sentences) -> [n, D]`."""
+def run_protocol(data: TransferData, lookup, cfg: ClassifierConfig, progress=None) -> dict:
+    """The task's protocol on SentEval-ordered splits; `lookup(sentences) -> [n, D]`;
+    `progress(done, total)` is called as the classifiers finish."""
     splits = {k: _ordered(v) for k, v in data.splits.items()}
     feats = {k: _features(v, lookup) for k, v in splits.items()}
     labels = {k: v.labels for k, v in splits.items()}
     protocol = PROTOCOLS[data.name]
     if protocol == 'cv':
-        out = cross_validate(feats['all'], labels['all'], data.num_classes, cfg)
+        out = cross_validate(feats['all'], labels['all'], data.num_classes, cfg,
+                             progress=progress)
         out.update(n_dev=len(labels['all']), n_test=len(labels['all']))
     elif protocol == 'dev_test':
         out = dev_then_test(feats['train'], labels['train'], feats['dev'], labels['dev'],
-                            feats['test'], labels['test'], data.num_classes, cfg)
+                            feats['test'], labels['test'], data.num_classes, cfg,
+                            progress=progress)
         out.update(n_dev=len(labels['dev']), n_test=len(labels['test']))
     else:
         out = cv_then_test(feats['train'], labels['train'], feats['test'], labels['test'],
-                           data.num_classes, cfg)
+                           data.num_classes, cfg, progress=progress)
         out.update(n_dev=len(labels['train']), n_test=len(labels['test']))
     if data.name == 'MRPC':
         out['f1'] = f1_x100(labels['test'], out['pred'])
@@ -289,7 +296,7 @@ def run_protocol(data: TransferData, lookup, cfg: ClassifierConfig) -> dict:
 def evaluate_transfer(task_name: str, encode_fn: EncodeFn,
                       roots: PathLike | Sequence[PathLike], *, seed: int = 1111,
                       config: Optional[ClassifierConfig] = None,
-                      model: str = '') -> TransferResult:
+                      model: str = '', progress: bool = True) -> TransferResult:
     """Scores sentence vectors on one SentEval transfer task.
 
     Args:
@@ -299,6 +306,7 @@ def evaluate_transfer(task_name: str, encode_fn: EncodeFn,
       seed: SentEval's task seed (classifier batch order and init; TREC/MRPC folds).
       config: classifier settings (its seed is replaced by `seed`); default SimCSE's test mode.
       model: label stored in the result for tables.
+      progress: report the classifiers' progress on stderr (a bar on a terminal, else lines).
 
     Returns:
       The task's TransferResult.
@@ -308,7 +316,12 @@ def evaluate_transfer(task_name: str, encode_fn: EncodeFn,
     cfg = dataclasses.replace(config or ClassifierConfig(), seed=seed)
     lookup = _encode_all(data, encode_fn)
     t1, c1 = time.perf_counter(), time.process_time()
-    out = run_protocol(data, lookup, cfg)
+    # The classifiers train together, round by round: progress counts those done.
+    bar = CountProgress(f'{data.name} classifiers', unit='clf', enable=progress)
+    try:
+        out = run_protocol(data, lookup, cfg, progress=bar)
+    finally:
+        bar.close()
     t2, c2 = time.perf_counter(), time.process_time()
     details = {
         'protocol': PROTOCOL_DOC[PROTOCOLS[data.name]],
@@ -373,11 +386,9 @@ def transfer_result_to_json(r: TransferResult) -> dict:
             'n_dev': r.n_dev, 'n_test': r.n_test, 'details': r.details}
 
 
-def write_transfer_json(path: PathLike, results: Sequence[TransferResult]) -> None:
-    """Writes a list of records (one per task and model) to `path`."""
-    dirname = os.path.dirname(os.fspath(path))
-    if dirname:
-        os.makedirs(dirname, exist_ok=True)
-    with open(path, 'w', encoding='utf-8') as f:
-        json.dump([transfer_result_to_json(r) for r in results], f, indent=2, allow_nan=False)
-        f.write('\n')
+def write_transfer_json(path: PathLike, results: Sequence[TransferResult],
+                        overwrite: bool = False) -> None:
+    """Writes a list of records (one per task and model) to `path`, whole or not at all; an
+    existing file only with `overwrite`."""
+    text = json.dumps([transfer_result_to_json(r) for r in results], indent=2, allow_nan=False)
+    store.write_atomic(path, text + '\n', overwrite=overwrite, what='transfer JSON')

@@ -19,7 +19,6 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxsim import compile_options, sharding
@@ -27,6 +26,7 @@ from jaxsim.flows.config import FlowConfig, FlowError
 from jaxsim.flows.models import make_flow
 from jaxsim.flows.optim import decay_mask, make_optimizer
 from jaxsim.flows.prior import nats_to_bits_per_dim, nll_nats
+from jaxsim.progress import progress_bar
 
 _EVAL_ROWS = 512  # held-out rows are padded to a multiple of this (one compiled shape)
 # A flow whose NLL exceeds this many nats per dim has blown up (a unit Gaussian is ~1.4; an
@@ -283,7 +283,8 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
         required): each epoch trains on `embed(fold_in(key, epoch))`, while the held-out NLL
         stays on the clean x. Ignored otherwise, so a caller can always offer it.
       mesh: the batch is split over its data axes (default: `default_mesh`).
-      progress: show a tqdm bar.
+      progress: show progress (a bar on a terminal, else periodic lines: no carriage
+        returns in logs).
 
     Returns:
       A FitResult; `make_flow(config, D)` applies its params.
@@ -343,8 +344,8 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
     best = (math.inf, params, 0)
     history: list[dict[str, float]] = []
     stopped_early, bad_evals, step = False, 0, 0
-    bar = tqdm.tqdm(total=config.max_epochs * steps, desc='flow fit', unit='step',
-                    disable=not progress, leave=False)
+    bar = progress_bar(config.max_epochs * steps, 'flow fit', unit='step', enable=progress,
+                       leave=False)
     try:
         for epoch in range(config.max_epochs):
             if epoch:

@@ -12,17 +12,17 @@ carrying an affine calibration z = (x - mu) W (weight W^T, bias -mu W, identity 
 and an optional Normalize, so `SentenceTransformer(DIR).encode` returns jaxsim's vectors.
 
 Every export records its choices in `jaxsim_export.json` (pooler, mlp_only_train, calibration,
-normalize), which `jaxsim.load_pretrained` reads back. The folder is built next to its final
-place and renamed into it, so a failure never leaves half an export; folders get mode 0777 and
-files 0666 less the umask, like any file the user writes.
+normalize) and where it came from (`provenance`: source, workdir step, selection metric and
+value), which `jaxsim.load_pretrained` reads back. The folder is built next to its final place
+and swapped in (`jaxsim.io.store.replace_dir`), so a failure or an interrupt never leaves half
+an export; folders get mode 0777 and files 0666 less the umask, like any file the user writes.
 """
 from __future__ import annotations
 
 import importlib.metadata
 import json
 import os
-import secrets
-import shutil
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -34,15 +34,18 @@ from jaxsim.data.readers import read_sentences
 from jaxsim.encode import encode
 from jaxsim.errors import JaxsimError
 from jaxsim.io.hf import encoder_params_to_hf
+from jaxsim.io import store
 from jaxsim.io.hf_folder import has_normalize_module
-from jaxsim.io.pretrained import load_pretrained
+from jaxsim.io.pretrained import describe_provenance, load_pretrained, provenance
 from jaxsim.io.workdir import is_train_workdir
 from jaxsim.model import SentenceModel
-from jaxsim.models.poolers import StModule, get_pooler
+from jaxsim.models import st_head
+from jaxsim.models.poolers import StModule, get_pooler, st_dense
 
 FORMATS = ("hf", "sentence-transformers")
 RECORD_FILE = "jaxsim_export.json"
 _IDENTITY = "torch.nn.modules.linear.Identity"
+_NORMALIZE = "sentence_transformers.models.Normalize"
 # sentence-transformers modules that read every layer's output: the Transformer module passes
 # them on only when the Hugging Face config sets output_hidden_states.
 _READS_ALL_LAYERS = ("WeightedLayerPooling",)
@@ -60,57 +63,46 @@ class ExportError(JaxsimError):
 
 
 # ------------------------------------------------------------------------------ the output
+def _is_previous_export(folder) -> None:
+    """The only non-empty folder `overwrite` replaces: a previous export."""
+    if any(True for _ in folder.iterdir()) and not (folder / RECORD_FILE).exists():
+        raise ExportError(f"--out {folder} is not empty and holds no {RECORD_FILE}: not a "
+                          f"previous export, so --overwrite will not delete it")
+
+
 def check_out(out: Union[str, os.PathLike], overwrite: bool,
-              sources: Sequence[Union[str, os.PathLike]] = ()) -> Path:
-    """Refuses an output that would destroy something: a source model, a non-empty folder
+              sources: Sequence[Union[str, os.PathLike]] = ()) -> store.Path:
+    """Refuses an output that would destroy something: a source model, an existing target
     (without `overwrite`), or, even with it, a non-empty folder that is not a jaxsim export."""
-    out = Path(out).absolute()
-    for src in sources:
-        src = Path(src).absolute()
-        if out == src or out in src.parents:
-            raise ExportError(f"--out {out} would overwrite the model being exported ({src})")
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"--out {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise ExportError(f"--out {out} is not empty; pass --overwrite to replace it")
-        if not (out / RECORD_FILE).is_file():
-            raise ExportError(f"--out {out} is not empty and holds no {RECORD_FILE}: not a "
-                              f"previous export, so --overwrite will not delete it")
-    if not out.parent.is_dir():
-        raise ExportError(f"--out {out}: the parent folder {out.parent} does not exist")
-    if not os.access(out.parent, os.W_OK):
-        raise ExportError(f"--out {out}: the folder {out.parent} is not writable")
-    return out
+    target = store.as_path(out, "--out")
+    if not store.is_remote(target):
+        absolute = Path(os.fspath(target)).absolute()
+        for src in sources:
+            src = Path(src).absolute()
+            if absolute == src or absolute in src.parents:
+                raise ExportError(f"--out {absolute} would overwrite the model being exported "
+                                  f"({src})")
+    store.refuse_existing(target, overwrite, "--out")
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"--out {target} exists and is not a folder")
+    if target.exists() and any(True for _ in target.iterdir()):
+        _is_previous_export(target)
+    store.check_reachable(target, "--out")
+    return target
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def _write_json(path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
-def _save_tensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
+def _save_tensors(path, tensors: Mapping[str, np.ndarray]) -> None:
     """Writes a safetensors file through open(), so its mode follows the umask
     (`safetensors.numpy.save_file` creates files 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = safetensors_bytes({k: np.ascontiguousarray(v, dtype=np.float32)
                               for k, v in tensors.items()}, metadata={"format": "pt"})
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def _sibling_dir(out: Path, tag: str) -> Path:
-    """A new empty folder next to `out`, created with the umask's permissions.
-
-    (`tempfile.mkdtemp` would create it 0700, and the export would keep that mode after the
-    rename: a model folder nobody else can read.)"""
-    while True:
-        path = out.parent / f".{out.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
+    path.write_bytes(data)
 
 
 # ------------------------------------------------------------------ sentence-transformers
@@ -148,14 +140,29 @@ def calibration_module(calibration: calibrate.Calibration, dim: int) -> StModule
         {"linear.weight": w.T, "linear.bias": -(mu @ w)})  # torch Linear: weight [out, in]
 
 
+def head_modules(model: SentenceModel) -> list[StModule]:
+    """The model's own modules after pooling (a loaded sentence-transformers folder's Dense /
+    Normalize), as they were."""
+    out = []
+    for module in model.head:
+        if isinstance(module, st_head.Dense):
+            bias = module.bias if module.bias is not None else np.zeros(module.out_features)
+            out.append(st_dense(module.weight.T, bias, module.activation))
+        else:
+            out.append(StModule(_NORMALIZE, {}))
+    return out
+
+
 def st_modules(model: SentenceModel, calibration: Any = None,
                normalize: bool = False) -> list[StModule]:
-    """Modules after the Transformer: pooler rule, then calibration Dense, then Normalize."""
-    modules = pooler_modules(model)
+    """Modules after the Transformer: pooler rule, the model's own head, then calibration
+    Dense, then Normalize."""
+    modules = pooler_modules(model) + head_modules(model)
     if calibration is not None:
-        modules.append(calibration_module(calibration, model.hidden_size))
-    if normalize:
-        modules.append(StModule("sentence_transformers.models.Normalize", {}))
+        width = st_head.output_size(model.head, model.hidden_size)
+        modules.append(calibration_module(calibration, width))
+    if normalize and not (modules and modules[-1].type == _NORMALIZE):
+        modules.append(StModule(_NORMALIZE, {}))
     return modules
 
 
@@ -199,7 +206,7 @@ def describe_calibration(calibration: calibrate.Calibration) -> dict:
 def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str = "hf", *,
                  calibration: Any = None, normalize: bool = False,
                  max_length: Optional[int] = None, overwrite: bool = False,
-                 source: Optional[str] = None) -> Path:
+                 source: Optional[str] = None, provenance: Optional[Mapping] = None) -> Path:
     """Writes `model` (with its own pooler) as a Hugging Face or sentence-transformers folder.
 
     Args:
@@ -212,12 +219,17 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
       max_length: token limit (sentence-transformers `max_seq_length`); default: the model's.
       overwrite: replace a previous export in `out`.
       source: where the model came from, for the record (default: `model.path`).
+      provenance: recorded as is under 'provenance' (e.g. a workdir's step and metric).
 
     Returns:
       The output folder.
     """
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
+    if format == "hf" and any(isinstance(m, st_head.Dense) for m in model.head):
+        raise ExportError(f"{model.path} applies a Dense module after pooling: export it with "
+                          f"--format sentence-transformers (a Hugging Face model folder has no "
+                          f"place for it)")
     if format == "hf" and (calibration is not None or normalize):
         raise ExportError("a calibration or normalize needs --format sentence-transformers "
                           "(a Hugging Face model folder has no place for them)")
@@ -237,30 +249,20 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
               "mlp_only_train": bool(model.encoder.mlp_only_train),
               "source": source or model.path, "normalize": bool(normalize),
               "post": None if calibration is None else describe_calibration(calibration),
-              "max_seq_length": max_length}
+              "max_seq_length": max_length,
+              # The modules after the pooler's own (head, calibration, Normalize), for loading.
+              "head_modules": len(modules) - len(pooler_modules(model)) if modules else 0}
 
-    tmp = _sibling_dir(out, "tmp")
-    old = None
-    try:
+    if provenance:
+        record["provenance"] = dict(provenance)
+    with store.replace_dir(out, overwrite, "--out", keep=_is_previous_export) as tmp:
         _write_json(tmp / "config.json", hf_config)
         _save_tensors(tmp / "model.safetensors", tensors)
-        model.tokenizer.save_pretrained(str(tmp))
+        model.tokenizer.save_pretrained(os.fspath(tmp))
         if modules:
             record["modules"] = _write_st(tmp, modules, max_length)
         _write_json(tmp / RECORD_FILE, record)
-        if out.exists():
-            old = _sibling_dir(out, "old")
-            os.replace(out, old / out.name)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out.exists():
-            os.replace(old / out.name, out)  # put the previous export back
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    return out
+    return out if store.is_remote(out) else Path(os.fspath(out))
 
 
 # ------------------------------------------------------------- the command: source -> folder
@@ -350,7 +352,11 @@ def export_source(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
     if step != "best" and not workdir:
         raise ExportError(f"--step {step}: {source} is not a train workdir (model.json + "
                           f"checkpoints/); --step picks one of a workdir's checkpoints")
-    model = load_pretrained(source, which=step)
+    origin = provenance(source, step)
+    if origin.get("step") == 0:
+        print(f"warning: {describe_provenance(origin)}: the selected checkpoint is step 0, the "
+              f"model before any training", file=sys.stderr)
+    model = load_pretrained(source, which=origin.get("step", step))
     if pooler is not None and pooler != model.pooler:
         if workdir:
             raise ExportError(f"{source} was trained and evaluated with pooler "
@@ -363,4 +369,5 @@ def export_source(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
     if post is not None:
         loaded = fit_calibration(model, post, fit_data, batch_size, max_length)
     return export_model(model, out, format, calibration=loaded, normalize=normalize,
-                        max_length=max_length, overwrite=overwrite, source=str(source))
+                        max_length=max_length, overwrite=overwrite, source=str(source),
+                        provenance=origin)

@@ -5,7 +5,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +12,7 @@ import jax
 
 from jaxsim.errors import JaxsimError
 from jaxsim.io.hf import hf_to_encoder_params
+from jaxsim.io.st_folder import head_of
 from jaxsim.model import SentenceModel
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder
@@ -83,21 +83,31 @@ def _read_record(path: Path) -> dict:
 def _declared_pooler(folder: Path) -> tuple[Optional[str], bool]:
     """(pooler, mlp_only_train) a folder declares: a jaxsim export's record, else a
     sentence-transformers Pooling module (mean -> avg, cls -> cls_before_pooler), else None."""
-    record_file = folder / "jaxsim_export.json"
-    if record_file.is_file():
-        record = _read_record(record_file)
-        if record.get("post"):
-            warnings.warn(f"{folder} was exported with a {record['post'].get('kind')} module "
-                          f"after pooling; jaxsim loads the encoder only, without it")
-        if record.get("pooler"):
-            return record["pooler"], bool(record.get("mlp_only_train"))
+    record = _export_record(folder)
+    if record is not None and record.get("pooler"):
+        return record["pooler"], bool(record.get("mlp_only_train"))
     for config_file in sorted(folder.glob("*_Pooling/config.json")):
         cfg = _read_record(config_file)
-        if cfg.get("pooling_mode_mean_tokens"):
+        if "pooling_mode" in cfg:  # sentence-transformers >= 5: 'mean', 'cls', or a list
+            mode = cfg["pooling_mode"]
+            modes = sorted(mode if isinstance(mode, list) else [mode])
+        else:  # one boolean per mode
+            modes = sorted(k[len("pooling_mode_"):].replace("_tokens", "").replace("_token", "")
+                           for k, v in cfg.items() if k.startswith("pooling_mode_") and v)
+        if modes == ["mean"]:
             return "avg", False
-        if cfg.get("pooling_mode_cls_token"):
+        if modes == ["cls"]:
             return "cls_before_pooler", False
+        raise ModelLoadError(f"{config_file}: pooling mode {' + '.join(map(str, modes)) or 'none'}"
+                             f" has no jaxsim pooler (jaxsim reproduces mean and cls); pass a "
+                             f"pooler to choose one")
     return None, False
+
+
+def _export_record(folder: Path) -> Optional[dict]:
+    """A jaxsim export's jaxsim_export.json, or None."""
+    record_file = folder / "jaxsim_export.json"
+    return _read_record(record_file) if record_file.is_file() else None
 
 
 def has_normalize_module(folder: Path) -> bool:
@@ -147,13 +157,19 @@ def load_hf_folder(path: Path, pooler: Optional[str] = None) -> SentenceModel:
     state_dict, weights_file = read_state_dict(path)
     params, report = hf_to_encoder_params(state_dict, config, source=str(weights_file))
     params = jax.device_put(params)  # once, not on every jitted call
-    declared, mlp_only_train = _declared_pooler(path)
+    try:
+        declared, mlp_only_train = _declared_pooler(path)
+    except ModelLoadError:
+        if pooler is None:
+            raise  # a pooling mode jaxsim lacks, and no pooler chosen instead
+        declared, mlp_only_train = None, False
     name = pooler or declared or "avg"
     get_pooler(name)
     model = SentenceModel(encoder=SentenceEncoder(config, pooler="avg"), params=params,
                           tokenizer=load_tokenizer(path), path=str(path),
                           max_seq_length=_sentence_transformers_max_length(path),
-                          ignored=report.ignored)
+                          ignored=report.ignored,
+                          head=head_of(path, read_state_dict, _export_record(path)))
     model = model.with_pooler(name)
     if mlp_only_train and name == declared:
         # A SimCSE model trained with mlp_only_train: its head is stored, evaluation skips it.

@@ -7,11 +7,11 @@ from typing import Optional, Union
 
 from jaxsim.io import store
 from jaxsim.io.hf_folder import bundled_model_path, load_hf_folder, resolve_model_path
-from jaxsim.io.checkpoint import CHECKPOINT_DIR
+from jaxsim.io.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jaxsim.io.workdir import MODEL_FILE, WorkdirError, is_train_workdir, load_workdir
 from jaxsim.model import SentenceModel
 
-__all__ = ["load_pretrained", "bundled_model_path"]
+__all__ = ["load_pretrained", "bundled_model_path", "provenance"]
 
 
 def load_pretrained(name_or_path: Union[str, os.PathLike], pooler: Optional[str] = None,
@@ -45,3 +45,36 @@ def load_pretrained(name_or_path: Union[str, os.PathLike], pooler: Optional[str]
         raise WorkdirError(f"{path / MODEL_FILE}: model record not found (a train workdir holds "
                            f"{MODEL_FILE} next to {CHECKPOINT_DIR}/)")
     return load_hf_folder(resolve_model_path(name_or_path), pooler)
+
+
+def provenance(name_or_path: Union[str, os.PathLike], which: Union[str, int] = "best") -> dict:
+    """Where a model source's weights come from, for records and tables.
+
+    For a train workdir: {'source', 'workdir', 'step', 'selected_by', 'metric', 'value'}; the
+    step is the checkpoint `which` resolves to, 'selected_by' says how ('best' by the metric,
+    'latest', or 'step'), 'metric'/'value' are the ranking metric and its value at that step
+    (None when the run recorded none). For any other source: {'source'}.
+    """
+    path = Path(name_or_path).expanduser()
+    if not (path.is_dir() and is_train_workdir(path)):
+        return {"source": str(name_or_path)}
+    with Checkpointer(path / CHECKPOINT_DIR, read_only=True) as ckpt:
+        step = ckpt.resolve_step(which)
+        metric = ckpt.options.best_metric
+        value = (ckpt.metrics(step) or {}).get(metric) if metric else None
+    selected_by = which if which in ("best", "latest") else "step"
+    if selected_by == "best" and (metric is None or value is None):
+        selected_by = "latest"  # no ranking metric: 'best' is the latest checkpoint
+    return {"source": str(name_or_path), "workdir": str(path.absolute()), "step": int(step),
+            "selected_by": selected_by, "metric": metric,
+            "value": None if value is None else float(value)}
+
+
+def describe_provenance(record: dict) -> str:
+    """One phrase for a provenance record, e.g. 'runs/sup step 60 (best stsb_dev 81.20)'."""
+    if "step" not in record:
+        return record["source"]
+    how = record["selected_by"]
+    if record.get("value") is not None:
+        how = f"{how} {record['metric']} {record['value']:.2f}"
+    return f"{record['source']} step {record['step']} ({how})"

@@ -1,7 +1,8 @@
 """Command lines `python -m jaxsim index` and `python -m jaxsim search`.
 
-    python -m jaxsim index --model M --input corpus.txt --out DIR
+    python -m jaxsim index --model M --input corpus.txt --out DIR [--overwrite]
     python -m jaxsim search --index DIR --query "A man plays guitar." [--top-k 5 --threshold 0.6]
+    python -m jaxsim search --index DIR --queries queries.txt
 
 `search` prints one result a line, `score<TAB>sentence`, best first (with a `query: ...` line
 before each group when several --query are given). Bad input is one `error: ...` line.
@@ -13,8 +14,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from jaxsim import cli_io
 from jaxsim.io.pretrained import bundled_model_path, load_pretrained
 from jaxsim.search.index import build_index, load_index
+from jaxsim.search.storage import check_replaceable_index
 from jaxsim.search.vectors import SearchError
 
 
@@ -29,8 +32,13 @@ def index_parser() -> argparse.ArgumentParser:
         description="Encode a corpus (one sentence a line) into a search index folder.")
     parser.add_argument("--model", default=None, help="HF folder, hub id or train workdir "
                                                        "(default: bundled all-MiniLM-L6-v2)")
-    parser.add_argument("--input", required=True, type=Path, help="corpus, one sentence a line")
-    parser.add_argument("--out", required=True, type=Path, help="index folder to write")
+    parser.add_argument("--input", required=True,
+                        help="corpus, one sentence a line; - reads standard input")
+    parser.add_argument("--out", required=True,
+                        help="index folder to write (absent or empty; an existing index only "
+                             "with --overwrite)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing index in --out")
     parser.add_argument("--pooler", default=None, help="pooler (default: the model's own)")
     parser.add_argument("--batch-size", type=int, default=64)
     return parser
@@ -38,9 +46,12 @@ def index_parser() -> argparse.ArgumentParser:
 
 def index_main(argv: Sequence[str]) -> int:
     args = index_parser().parse_args(argv)
+    # Cheap checks first: the input, then the output, before the model loads.
+    sentences, _, _ = cli_io.input_sentences(args.input)
+    cli_io.check_output_dir(args.out, args.overwrite, "--out", keep=check_replaceable_index)
     model = load_pretrained(args.model or bundled_model_path())
-    index = build_index(model, args.input, pooler=args.pooler, batch_size=args.batch_size)
-    index.save(args.out)
+    index = build_index(model, sentences, pooler=args.pooler, batch_size=args.batch_size)
+    index.save(args.out, overwrite=args.overwrite, what="--out")
     print(f"indexed {len(index)} sentences (dimension {index.dim}, pooler {index.info.pooler}) "
           f"into {args.out}", file=sys.stderr)
     return 0
@@ -51,8 +62,11 @@ def search_parser() -> argparse.ArgumentParser:
         prog="python -m jaxsim search",
         description="Print the indexed sentences most similar to each query, with cosines.")
     parser.add_argument("--index", required=True, type=Path, help="folder from `jaxsim index`")
-    parser.add_argument("--query", required=True, action="append",
+    parser.add_argument("--query", action="append", default=[],
                         help="query sentence (repeat for several)")
+    parser.add_argument("--queries", default=None,
+                        help="a file of queries, one a line (blank lines skipped); - reads "
+                             "standard input")
     parser.add_argument("--top-k", type=int, default=5, help="at most this many per query")
     parser.add_argument("--threshold", type=float, default=0.6,
                         help="keep cosines >= this (-1 keeps all)")
@@ -64,16 +78,21 @@ def search_parser() -> argparse.ArgumentParser:
 
 def search_main(argv: Sequence[str]) -> int:
     args = search_parser().parse_args(argv)
+    queries = list(args.query)
+    if args.queries is not None:
+        queries += cli_io.input_sentences(args.queries)[0]
+    if not queries:
+        raise SearchError("no query: pass --query TEXT (repeatable) or --queries FILE")
     index = load_index(args.index)  # a bad folder fails before a model is loaded
     model_path = args.model or index.info.model
     if model_path is None:
         raise SearchError(f"{args.index}: the index records no model (built from bare "
                           f"vectors): pass --model")
     model = load_pretrained(model_path)
-    results = index.search(model, args.query, threshold=args.threshold, top_k=args.top_k,
+    results = index.search(model, queries, threshold=args.threshold, top_k=args.top_k,
                            batch_size=args.batch_size)
-    for query, hits in zip(args.query, results):
-        if len(args.query) > 1:
+    for query, hits in zip(queries, results):
+        if len(queries) > 1:
             print(f"query: {_one_line(query)}")
         for sentence, score in hits:
             print(f"{score:.4f}\t{_one_line(sentence)}")

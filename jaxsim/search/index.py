@@ -292,11 +292,18 @@ class SearchIndex:
                    for scores, rows in zip(hits.scores, hits.rows)]
         return results[0] if single else results
 
-    def save(self, folder: Union[str, os.PathLike]) -> Path:
-        """Writes the index into `folder` (see `jaxsim.search.storage`)."""
+    def save(self, folder: Union[str, os.PathLike], overwrite: bool = False,
+             what: str = "index folder") -> Path:
+        """Writes the index into `folder` (see `jaxsim.search.storage`).
+
+        An existing non-empty folder is refused unless `overwrite` (and even then unless it
+        holds an index); the folder is swapped in whole, so an interrupted save leaves the
+        previous index or none.
+        """
         meta = {"count": self._size, "has_sentences": self._sentences is not None,
                 **dataclasses.asdict(self.info)}
-        return write_index(folder, meta, self._buffer[: self._size], self._sentences)
+        return write_index(folder, meta, self._buffer[: self._size], self._sentences,
+                           overwrite=overwrite, what=what)
 
     @classmethod
     def load(cls, folder: Union[str, os.PathLike], **options) -> "SearchIndex":

@@ -3,11 +3,17 @@
   vectors.npy      float32 [count, dim] (already unit-norm when the index normalizes)
   sentences.jsonl  one JSON string a line (sentences may hold newlines); absent for an index
                    of bare vectors
-  index.json       format, version, count, dim, normalize, has_sentences, model, pooler, probe;
-                   written last, so a half-written folder is refused rather than half-read
+  index.json       format, version, count, dim, normalize, has_sentences, model, pooler, probe,
+                   sha256 (of the rows of vectors.npy and of sentences.jsonl, in order)
+
+The folder is built beside its target and renamed into place (`jaxsim.io.store.replace_dir`),
+so an interrupted save leaves the previous index or none. The checksum is verified on load:
+rows reordered, replaced or edited after the save are refused instead of returning wrong
+sentences.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -15,6 +21,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from jaxsim.io import store
 from jaxsim.search.vectors import SearchError, as_matrix
 
 FORMAT = "jaxsim-search-index"
@@ -26,22 +33,46 @@ class IndexFileError(SearchError):
     """A saved index that cannot be read; the message names the file (and line)."""
 
 
+def rows_checksum(vectors: np.ndarray, sentence_lines: Optional[bytes]) -> str:
+    """sha256 of the float32 rows (in order) and of the sentences file's bytes."""
+    digest = hashlib.sha256()
+    rows = np.ascontiguousarray(vectors, np.float32)
+    digest.update(f"{rows.shape[0]}x{rows.shape[1] if rows.ndim == 2 else 0}\n".encode())
+    digest.update(memoryview(rows.reshape(-1)).cast("B"))
+    if sentence_lines is not None:
+        digest.update(sentence_lines)
+    return digest.hexdigest()
+
+
+def check_replaceable_index(folder) -> None:
+    """An existing folder that --overwrite may replace: a previous index, nothing else."""
+    if any(True for _ in folder.iterdir()) and not (folder / INDEX_FILE).exists():
+        raise IndexFileError(f"{folder} is not empty and holds no {INDEX_FILE}: not a previous "
+                             f"index, so it is not replaced even with overwrite")
+
+
 def write_index(folder: Union[str, os.PathLike], meta: dict, vectors: np.ndarray,
-                sentences: Optional[Sequence[str]]) -> Path:
-    """Writes the three files; `meta` holds every index.json field but format and version."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    np.save(folder / VECTORS_FILE, vectors)
-    sentences_file = folder / SENTENCES_FILE
-    if sentences is not None:
-        with sentences_file.open("w", encoding="utf-8") as f:
-            for s in sentences:
-                f.write(json.dumps(s, ensure_ascii=False) + "\n")
-    elif sentences_file.exists():
-        sentences_file.unlink()  # a stale file from an earlier index in this folder
-    meta = {"format": FORMAT, "version": VERSION, **meta}
-    (folder / INDEX_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-    return folder
+                sentences: Optional[Sequence[str]], overwrite: bool = False,
+                what: str = "index folder") -> Path:
+    """Writes the three files; `meta` holds every index.json field but format, version, sha256.
+
+    Args:
+      overwrite: replace an existing index in `folder` (a non-empty folder that is not an
+        index is refused even then).
+      what: how the caller names the folder in messages (e.g. '--out').
+    """
+    vectors = np.ascontiguousarray(vectors, np.float32)
+    lines = None if sentences is None else "".join(
+        json.dumps(s, ensure_ascii=False) + "\n" for s in sentences).encode("utf-8")
+    meta = {"format": FORMAT, "version": VERSION, **meta,
+            "sha256": rows_checksum(vectors, lines)}
+    with store.replace_dir(folder, overwrite, what, keep=check_replaceable_index) as tmp:
+        with (tmp / VECTORS_FILE).open("wb") as f:
+            np.save(f, vectors)
+        if lines is not None:
+            (tmp / SENTENCES_FILE).write_bytes(lines)
+        (tmp / INDEX_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+    return Path(folder)
 
 
 def read_index(folder: Union[str, os.PathLike]
@@ -56,6 +87,12 @@ def read_index(folder: Union[str, os.PathLike]
     vectors = _read_vectors(folder / VECTORS_FILE, meta["count"], meta["dim"])
     sentences = (_read_sentences(folder / SENTENCES_FILE, meta["count"])
                  if meta["has_sentences"] else None)
+    lines = (folder / SENTENCES_FILE).read_bytes() if meta["has_sentences"] else None
+    if meta.get("sha256") is not None and rows_checksum(vectors, lines) != meta["sha256"]:
+        changed = f"{VECTORS_FILE} or {SENTENCES_FILE}" if lines is not None else VECTORS_FILE
+        raise IndexFileError(f"{folder}: {changed} changed since the index was saved (rows "
+                             f"reordered, replaced or edited: checksum mismatch); rebuild it "
+                             f"with `python -m jaxsim index`")
     return meta, vectors, sentences
 
 

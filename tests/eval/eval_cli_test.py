@@ -97,13 +97,14 @@ def test_two_roots_sick_test_from_the_second(tmp_path, capsys):
 
 
 @pytest.mark.parametrize('args, message', [
-    (['--json', '{tmp}'], 'error: --json {tmp}: is a folder'),
+    (['--json', '{tmp}'], 'error: --json {tmp} is a folder'),
     (['--plots', '{tmp}/file.txt/plots'], 'error: --plots {tmp}/file.txt/plots: '
-                                          '{tmp}/file.txt is a file, not a folder'),
-    (['--plots', '{tmp}/file.txt'], 'error: --plots {tmp}/file.txt: is a file, not a folder'),
+                                          '{tmp}/file.txt is not a folder'),
+    (['--plots', '{tmp}/file.txt'], 'error: --plots {tmp}/file.txt is a file, not a folder'),
     (['--seeds', '1,x'], "error: --seeds '1,x': 'x' is not a non-negative integer"),
     (['--aggregate', 'median'], 'error: argument --aggregate: invalid choice'),
-    (['--fit-on', '{tmp}/none.txt'], 'error: {tmp}/none.txt: sentence file not found'),
+    (['--post', 'sn', '--fit-on', '{tmp}/none.txt'],
+     'error: {tmp}/none.txt: sentence file not found'),
     (['--tasks', 'stsb,subj'], 'error: SUBJ: no task folder found'),
     (['--tasks', 'stsb,sts99'], "error: unknown task 'sts99'"),
 ])

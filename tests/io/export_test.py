@@ -280,7 +280,7 @@ def test_bad_requests_are_one_line_errors(workdir, tiny, tmp_path, capsys):
     # export; a previous export is replaced with it.
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    _fails(capsys, ["export", "--checkpoint", src, "--out", out], "not empty; pass --overwrite")
+    _fails(capsys, ["export", "--checkpoint", src, "--out", out], "exists; pass --overwrite")
     _fails(capsys, ["export", "--checkpoint", src, "--out", out, "--overwrite"],
            "holds no jaxsim_export.json")
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
@@ -306,6 +306,34 @@ def test_bad_requests_are_one_line_errors(workdir, tiny, tmp_path, capsys):
     _fails(capsys, ["export", "--checkpoint", str(mismatched), "--out", str(tmp_path / "o3")],
            "intermediate/dense/kernel has shape (36, 37), expected (36, 40)")
     assert not (tmp_path / "o3").exists()
+
+
+def test_export_prints_and_records_its_checkpoint(workdir, tiny, tmp_path, capsys):
+    folder, _ = workdir
+    out = tmp_path / "best"
+    capsys.readouterr()
+    assert cli_main(["export", "--checkpoint", str(folder), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err == f"exported {folder} step 1 (best stsb_dev 0.90) -> {out} (hf)\n"
+    record = json.loads((out / "jaxsim_export.json").read_text())
+    assert record["provenance"] == {
+        "source": str(folder), "workdir": str(folder.absolute()), "step": 1,
+        "selected_by": "best", "metric": "stsb_dev", "value": 0.9}
+    # The best checkpoint is the untrained model: said so, in one warning line.
+    untrained = tmp_path / "untrained"
+    write_tiny_workdir(untrained, tiny["bert"].tokenizer, pooler="cls",
+                       steps=((0, 0.7), (5, 0.2)))
+    assert cli_main(["export", "--checkpoint", str(untrained), "--out",
+                     str(tmp_path / "u")]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == (f"warning: {untrained} step 0 (best stsb_dev 0.70): the selected "
+                        f"checkpoint is step 0, the model before any training")
+    assert lines[1].startswith(f"exported {untrained} step 0 (best stsb_dev 0.70) -> ")
+    # A folder source records just where it came from.
+    assert cli_main(["export", "--checkpoint", tiny["bert"].path, "--out",
+                     str(tmp_path / "f")]) == 0
+    record = json.loads((tmp_path / "f" / "jaxsim_export.json").read_text())
+    assert record["provenance"] == {"source": tiny["bert"].path}
 
 
 def test_corrupt_checkpoint_is_one_line(workdir, tmp_path):

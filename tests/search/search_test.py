@@ -20,6 +20,7 @@ from jaxsim.__main__ import main as cli_main
 from jaxsim.search import topk
 from jaxsim.search import (IndexFileError, IndexInfo, ModelMismatchError, SearchError,
                            SearchIndex, VectorError, build_index, load_index, similarity)
+from jaxsim.io.store import OutputExistsError
 from tests.conftest import run_on_cpu_devices
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,7 +166,9 @@ def test_save_load_round_trip(tmp_path):
     assert len(loaded) == 51 and loaded.search_vectors(corpus[0], 2).rows[0].tolist() == [0, 50]
 
     bare = SearchIndex.from_vectors(corpus, normalize=False)
-    bare.save(tmp_path / "ix")  # overwriting drops the old sentences file
+    with pytest.raises(OutputExistsError, match="ix exists; pass --overwrite"):
+        bare.save(tmp_path / "ix")
+    bare.save(tmp_path / "ix", overwrite=True)  # overwriting drops the old sentences file
     again = load_index(tmp_path / "ix")
     assert again.sentences is None and not again.info.normalize
     np.testing.assert_array_equal(again.vectors, corpus)

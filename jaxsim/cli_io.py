@@ -1,0 +1,77 @@
+"""What the command lines share: reading sentence inputs (a file or `-` for stdin), checking
+output targets before any work, and running a command with the one error / interrupt report.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+from jaxsim import interrupts
+from jaxsim.data.readers import DataError, decode_text, read_text
+from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS
+from jaxsim.io import store
+
+STDIN = "-"
+
+
+def read_input_text(path: Union[str, Path]) -> tuple[str, str]:
+    """(text, name for messages) of a sentence input: a file, or standard input for `-`."""
+    if str(path) == STDIN:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise DataError("--input -: reads sentences from standard input, but none is "
+                            "piped in (e.g. `cat sentences.txt | python -m jaxsim ...`)")
+        return decode_text(sys.stdin.buffer.read(), "<stdin>"), "<stdin>"
+    return read_text(path, "sentence file"), str(path)
+
+
+def input_sentences(path: Union[str, Path]) -> tuple[list[str], int, str]:
+    """(sentences, blank lines skipped, name) by the sentence-file rule of every command:
+    lines split at '\\n', stripped, blank ones skipped."""
+    text, name = read_input_text(path)
+    lines = [line.strip() for line in text.split("\n")]
+    if lines and lines[-1] == "":
+        lines.pop()  # a final newline ends the last line rather than starting one
+    sentences = [s for s in lines if s]
+    if not sentences:
+        raise DataError(f"{name}: no sentences (the input is empty or blank)")
+    return sentences, len(lines) - len(sentences), name
+
+
+def check_output_file(path, overwrite: bool, option: str):
+    """An output file the command writes at the end: not a folder, absent unless `overwrite`,
+    in a writable place; checked before a model loads. Returns its epath."""
+    target = store.as_path(path, option)
+    if str(path).endswith("/") or (target.exists() and target.is_dir()):
+        raise store.StorageError(f"{option} {path} is a folder; name a file, e.g. "
+                                 f"{target / 'out'}")
+    store.refuse_existing(target, overwrite, option)
+    # The file is written as a sibling and renamed: its folder must be writable.
+    store.check_reachable(target.parent if target.exists() else target, option)
+    return target
+
+
+def check_output_dir(path, overwrite: bool, option: str, keep: Optional[Callable] = None):
+    """An output folder written at the end: absent or empty unless `overwrite`, writable."""
+    target = store.as_path(path, option)
+    if target.exists() and not target.is_dir():
+        raise store.StorageError(f"{option} {path} is a file, not a folder")
+    store.refuse_existing(target, overwrite, option)
+    if target.exists() and keep is not None and any(True for _ in target.iterdir()):
+        keep(target)
+    store.check_reachable(target, option)
+    return target
+
+
+def run_command(command: Callable[[], int]) -> int:
+    """Runs a command: a user error is one `error:` line and exit 1, an interrupt one line
+    and 130 / 143; both without a traceback. Installs the signal handlers first, which
+    delivers a signal held back during start-up (`interrupts.block`)."""
+    try:
+        interrupts.install()
+        return command() or 0
+    except USER_ERRORS as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return USER_ERROR_EXIT
+    except KeyboardInterrupt as e:
+        return interrupts.report(e)

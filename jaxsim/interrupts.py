@@ -1,0 +1,123 @@
+"""SIGINT / SIGTERM in the command lines: one line, exit 130 / 143, no traceback, no partial file.
+
+`install()` turns both signals into an `Interrupted` exception (a KeyboardInterrupt, so the
+`finally` blocks of the output writers remove their temporary files on the way out) and the
+entry point reports it with `report()`. Two places where Python would lose it:
+
+  - Start-up. Before `install()` runs (while JAX and transformers import) a Ctrl-C would be a
+    KeyboardInterrupt traceback and SIGTERM would kill the process. Entry points call `block()`
+    first, before any heavy import; the signal then waits in the kernel and is delivered by
+    `install()`, which unblocks it.
+  - Garbage-collection callbacks. JAX registers one (`_xla_gc_callback`); an exception raised
+    inside it is printed as "Exception ignored in ..." and dropped, and the run went on. The
+    handler does not raise there: it has the signal sent again 10 ms later, from another
+    thread, and it is raised at an ordinary line then. An interrupt lost in another such place
+    (a `__del__`) reaches the unraisable-exception hook, which does the same.
+
+Nothing here imports JAX or the rest of jaxsim: entry points import it first.
+"""
+from __future__ import annotations
+
+import _thread
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Optional
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A command stopped by SIGINT or SIGTERM; `exit_code` is 128 + signum (130 / 143)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def block() -> None:
+    """Holds SIGINT/SIGTERM back (start-up); `install()` delivers any that arrived meanwhile."""
+    if threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+
+
+def running_module() -> Optional[str]:
+    """The module of `python -m MODULE`, else None."""
+    argv = list(getattr(sys, "orig_argv", ()))[1:]
+    while len(argv) >= 2 and argv[0].startswith("-"):
+        if argv[0] == "-m":
+            return argv[1]
+        argv = argv[2:] if argv[0] in ("-W", "-X") else argv[1:]  # options with a value
+    return None
+
+
+def _in_gc_callback(frame) -> bool:
+    """Whether `frame` runs inside a garbage-collection callback (an exception raised there
+    is printed as 'Exception ignored' and dropped)."""
+    codes = {getattr(cb, "__code__", None) for cb in gc.callbacks} - {None}
+    while frame is not None and codes:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _send_soon(signum: int) -> None:
+    # A bare thread (threading.Thread.start waits on its start, a wait the signal would
+    # interrupt again): 10 ms later the main thread is past the callback.
+    _thread.start_new_thread(lambda: (time.sleep(0.01), os.kill(os.getpid(), signum)), ())
+
+
+def _raise(signum, frame):
+    if _in_gc_callback(frame):
+        _send_soon(signum)  # raised where it cannot be lost
+        return
+    raise Interrupted(signum)
+
+
+def install() -> None:
+    """Signals raise `Interrupted` in the main thread from now on; unblocks held signals."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in SIGNALS:
+        signal.signal(signum, _raise)
+    unblock()
+
+
+def unblock() -> None:
+    """Delivers signals held back by `block()` to the handlers now installed (a command with
+    its own handlers, e.g. training, calls this once they are in place)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _install_redelivery()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+def _install_redelivery() -> None:
+    if getattr(sys.unraisablehook, "_jaxsim_redeliver", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        signum: Optional[int] = getattr(exc, "signum", None)
+        if isinstance(exc, BaseException) and signum in SIGNALS:
+            # Sent again from another thread: raise_signal() here would run the handler at
+            # once, inside this hook, and lose it the same way.
+            _send_soon(signum)
+        else:
+            previous(unraisable)
+
+    hook._jaxsim_redeliver = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def report(e: BaseException) -> int:
+    """Prints the one line for an interrupt and returns the exit status (130 / 143)."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    print(f"interrupted by {signal.Signals(signum).name}; no output file written", file=sys.stderr)
+    return 128 + signum

@@ -1,0 +1,106 @@
+"""A sentence-transformers folder's pipeline (`modules.json`): the modules after pooling.
+
+sentence-transformers runs Transformer -> Pooling -> any Dense / Normalize modules; jaxsim's
+encoder and pooler cover the first two, and `head_of` reads the rest into
+`SentenceModel.head` (`jaxsim.models.st_head`) so `jaxsim.encode` gives the vectors
+`SentenceTransformer(folder).encode` gives. In a jaxsim export the pooler's own modules (e.g.
+'cls': Pooling + the head's Dense(tanh)) are the pooler; its record says which modules follow
+(a calibration's Dense, Normalize).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from jaxsim.models.st_head import Dense, HeadError, Normalize
+
+MODULES_FILE = "modules.json"
+_PREFIX = "sentence_transformers.models."
+
+
+def read_modules(folder: Path) -> Optional[list[dict]]:
+    """modules.json's entries in pipeline order, or None for a folder without one."""
+    path = folder / MODULES_FILE
+    if not path.is_file():
+        return None
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise HeadError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("type"), str) for e in entries):
+        raise HeadError(f"{path}: expected a list of modules with a 'type' each")
+    return sorted(entries, key=lambda e: int(e.get("idx", 0)))
+
+
+def _kind(entry: dict) -> str:
+    return entry["type"].rsplit(".", 1)[-1]
+
+
+def _dense(folder: Path, entry: dict, read_state_dict: Callable) -> Dense:
+    module_dir = folder / entry.get("path", "")
+    config_file = module_dir / "config.json"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise HeadError(f"{config_file}: cannot read the Dense module's config ({e})") from None
+    tensors, source = read_state_dict(module_dir)
+    weight = np.asarray(tensors.get("linear.weight"), np.float32)
+    bias = tensors.get("linear.bias")
+    shape = (config.get("out_features"), config.get("in_features"))
+    if weight.ndim != 2 or tuple(weight.shape) != shape:
+        raise HeadError(f"{source}: linear.weight has shape {weight.shape}, the module's "
+                        f"config says {shape}")
+    return Dense(weight=weight, bias=None if bias is None else np.asarray(bias, np.float32),
+                 activation=str(config.get("activation_function",
+                                           "torch.nn.modules.activation.Tanh")))
+
+
+def head_of(folder: Path, read_state_dict: Callable,
+            record: Optional[dict] = None) -> tuple:
+    """The modules a sentence-transformers folder applies after pooling, as `st_head` modules.
+
+    Args:
+      folder: the model folder.
+      read_state_dict: `folder -> (tensors, file)` (the model loader's weight reader).
+      record: a jaxsim export's jaxsim_export.json, whose 'head_modules' says how many
+        modules follow the pooler's own.
+
+    Raises:
+      HeadError: a module jaxsim cannot reproduce (named with its folder), or a broken one.
+    """
+    entries = read_modules(folder)
+    if not entries:
+        return ()
+    if _kind(entries[0]) != "Transformer":
+        raise HeadError(f"{folder / MODULES_FILE}: the first module is {entries[0]['type']}, "
+                        f"not a Transformer")
+    after = entries[1:]
+    if record is not None:
+        count = record.get("head_modules")
+        if count is None:  # an export from before the record counted them
+            count = int(record.get("post") is not None) + int(bool(record.get("normalize")))
+        trailing = after[len(after) - count:] if count else []
+    else:
+        kinds = [_kind(e) for e in after]
+        if "Pooling" not in kinds:
+            raise HeadError(f"{folder / MODULES_FILE}: no Pooling module")
+        at = kinds.index("Pooling")
+        if at:
+            raise HeadError(f"{folder / MODULES_FILE}: module {after[0]['type']} before "
+                            f"Pooling is not supported by jaxsim")
+        trailing = after[at + 1:]
+    head = []
+    for entry in trailing:
+        kind = _kind(entry)
+        if kind == "Dense":
+            head.append(_dense(folder, entry, read_state_dict))
+        elif kind == "Normalize":
+            head.append(Normalize())
+        else:
+            raise HeadError(f"{folder / MODULES_FILE}: module {entry['type']} after pooling "
+                            f"is not supported by jaxsim (it reproduces Dense and Normalize)")
+    return tuple(head)

@@ -1,0 +1,223 @@
+"""The output rule and clean interrupts of every command line: an existing output is refused and
+left byte-identical, nothing is written half, SIGINT/SIGTERM at any moment end in one line with
+exit 130/143; plus the checks that run before any work."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import eval as eval_cli
+import jaxsim
+from jaxsim.__main__ import main as cli_main
+from jaxsim.encode import NonFiniteVectorsError
+from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.search import IndexFileError, SearchIndex, load_index
+from tests.data.tiny_senteval import write_tiny_senteval
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tree_digest(folder: Path) -> dict:
+    """Every file under `folder` (names, modes, bytes) as {relative path: (mode, sha256)}."""
+    return {str(p.relative_to(folder)): (p.stat().st_mode,
+                                         hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(folder.rglob('*')) if p.is_file()} | {
+        str(p.relative_to(folder)) + '/': (p.stat().st_mode, None)
+        for p in folder.rglob('*') if p.is_dir()}
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and err.startswith('error: '), err
+    return err
+
+
+# ------------------------------------------------------------------------- output rule
+def test_index_refuses_an_existing_folder_and_leaves_it_byte_identical(tmp_path, capsys):
+    """A user's folder (a 12 MB vectors.npy in the report) is never written into."""
+    corpus = tmp_path / 'a.txt'
+    corpus.write_text('a man plays a guitar .\na dog runs .\n')
+    user = tmp_path / 'mine'
+    user.mkdir()
+    np.save(user / 'vectors.npy', np.arange(12, dtype=np.float32))
+    (user / 'notes.txt').write_text('mine\n')
+    before = tree_digest(user)
+    code = cli_main(['index', '--input', str(corpus), '--out', str(user)])
+    assert code == 1
+    assert f'--out {user} exists; pass --overwrite' in one_error_line(capsys)
+    assert tree_digest(user) == before
+    # --overwrite does not delete a folder that is not an index either.
+    assert cli_main(['index', '--input', str(corpus), '--out', str(user), '--overwrite']) == 1
+    assert 'not a previous index' in one_error_line(capsys)
+    assert tree_digest(user) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['a.txt', 'mine']  # no temp left
+
+
+def test_index_over_an_index_needs_overwrite(tmp_path, capsys):
+    """An index of 6 sentences silently became one of 3: now refused, replaced only when asked."""
+    six, three = tmp_path / 'six.txt', tmp_path / 'three.txt'
+    six.write_text(''.join(f'sentence number {i} .\n' for i in range(6)))
+    three.write_text(''.join(f'other sentence {i} .\n' for i in range(3)))
+    out = tmp_path / 'ix'
+    assert cli_main(['index', '--input', str(six), '--out', str(out)]) == 0
+    capsys.readouterr()
+    before = tree_digest(out)
+    assert cli_main(['index', '--input', str(three), '--out', str(out)]) == 1
+    one_error_line(capsys)
+    assert tree_digest(out) == before and len(load_index(out)) == 6
+    assert cli_main(['index', '--input', str(three), '--out', str(out), '--overwrite']) == 0
+    assert len(load_index(out)) == 3
+
+
+def test_eval_json_refuses_an_existing_file_byte_identical(tmp_path, capsys, monkeypatch):
+    root = write_tiny_senteval(tmp_path / 'data')
+    existing = tmp_path / 'results.json'
+    existing.write_bytes(b'{"earlier": "results"}\n')
+    os.chmod(existing, 0o640)
+    before = (existing.read_bytes(), existing.stat().st_mode, existing.stat().st_mtime_ns)
+    monkeypatch.setattr(jaxsim, 'load_pretrained', lambda *a, **k: pytest.fail('model loaded'))
+    assert eval_cli.main(['--data', str(root), '--json', str(existing)]) == 1
+    assert f'--json {existing} exists; pass --overwrite' in one_error_line(capsys)
+    assert (existing.read_bytes(), existing.stat().st_mode, existing.stat().st_mtime_ns) == before
+    plots = tmp_path / 'plots'
+    plots.mkdir()
+    (plots / 'spectrum.png').write_bytes(b'earlier figure')
+    assert eval_cli.main(['--data', str(root), '--plots', str(plots)]) == 1
+    assert f'--plots {plots} exists; pass --overwrite' in one_error_line(capsys)
+    assert (plots / 'spectrum.png').read_bytes() == b'earlier figure'
+
+
+def test_eval_overwrite_replaces_json_and_plots_whole(tmp_path, capsys):
+    root = write_tiny_senteval(tmp_path / 'data')
+    out, plots = tmp_path / 'r.json', tmp_path / 'plots'
+    out.write_text('old')
+    plots.mkdir()
+    (plots / 'spectrum.png').write_bytes(b'old')
+    assert eval_cli.main(['--data', str(root), '--tasks', 'stsb', '--json', str(out),
+                          '--plots', str(plots), '--overwrite']) == 0
+    record = json.loads(out.read_text())
+    assert record['avg'] == pytest.approx(record['tasks']['STSBenchmark'])
+    assert (plots / 'spectrum.png').read_bytes()[:4] == b'\x89PNG'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['data', 'plots', 'r.json']
+
+
+def test_index_rows_reordered_after_saving_are_refused(tmp_path):
+    vectors = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    SearchIndex.from_vectors(vectors, [f's{i}' for i in range(5)]).save(tmp_path / 'ix')
+    lines = (tmp_path / 'ix' / 'sentences.jsonl').read_text().splitlines()
+    (tmp_path / 'ix' / 'sentences.jsonl').write_text('\n'.join(lines[::-1]) + '\n')
+    with pytest.raises(IndexFileError, match='changed since the index was saved'):
+        load_index(tmp_path / 'ix')
+    SearchIndex.from_vectors(vectors, [f's{i}' for i in range(5)]).save(tmp_path / 'iy')
+    stored = np.load(tmp_path / 'iy' / 'vectors.npy')
+    np.save(tmp_path / 'iy' / 'vectors.npy', stored[[1, 0, 2, 3, 4]])
+    with pytest.raises(IndexFileError, match='checksum mismatch'):
+        load_index(tmp_path / 'iy')
+
+
+# ------------------------------------------------------------------ checks before work
+@pytest.mark.parametrize('args, message', [
+    (['--seeds', '99999999999999999999'], 'is larger than 4294967295'),
+    (['--fit-on', 'task'], '--fit-on task has no effect'),
+    (['--post', 'whitening', '--seeds', '1,2'], '--seeds 1,2 has no effect'),
+    (['--flow-checkpoint', 'cal'], '--flow-checkpoint cal has no effect without --post flow'),
+])
+def test_eval_refuses_flags_without_effect_before_loading(tmp_path, capsys, monkeypatch, args,
+                                                          message):
+    root = write_tiny_senteval(tmp_path / 'data')
+    monkeypatch.setattr(jaxsim, 'load_pretrained', lambda *a, **k: pytest.fail('model loaded'))
+    assert eval_cli.main(['--data', str(root)] + args) == 1
+    assert message in one_error_line(capsys)
+
+
+def test_eval_refuses_a_calibration_wider_than_the_model_before_encoding(tmp_path, capsys,
+                                                                         monkeypatch):
+    root = write_tiny_senteval(tmp_path / 'data')
+    monkeypatch.setattr(jaxsim, 'encode', lambda *a, **k: pytest.fail('encoded'))
+    assert eval_cli.main(['--data', str(root), '--post', 'whitening:99999']) == 1
+    assert 'whitening:99999: 99999 is more than the 384 dimensions' in one_error_line(capsys)
+
+
+def test_nan_weights_are_an_error_naming_the_first_sentence(bundled, tmp_path, capsys):
+    params = jax.tree.map(np.asarray, bundled.params)
+    params['bert']['embeddings']['word_embeddings']['embedding'] = np.where(
+        np.arange(params['bert']['embeddings']['word_embeddings']['embedding'].shape[0])[:, None]
+        == bundled.tokenizer.convert_tokens_to_ids('dog'), np.nan,
+        params['bert']['embeddings']['word_embeddings']['embedding'])
+    broken = bundled.with_params(params)
+    with pytest.raises(NonFiniteVectorsError,
+                       match=r"for 2 of 3 sentences, the first for sentence 2: 'a dog runs \.'"):
+        jaxsim.encode(broken, ['a cat sleeps .', 'a dog runs .', 'the dog barks .'])
+    out = jaxsim.encode(broken, ['a cat sleeps .', 'a dog runs .'], finite=False)
+    assert np.isfinite(out[0]).all() and not np.isfinite(out[1]).all()
+
+
+# --------------------------------------------------------------------------- interrupts
+def _jax_loading(pid: int) -> bool:
+    """Whether the process has started loading JAX's native library (start-up under way)."""
+    try:
+        return 'libjax_common' in Path(f'/proc/{pid}/maps').read_text()
+    except OSError:
+        return False
+
+
+def _signalled(args, signum, after_s, tmp_path):
+    """Runs `python ARGS` in tmp_path and sends `signum` `after_s` seconds after the process
+    began loading JAX (0: during its imports, before any handler could be installed)."""
+    env = dict(os.environ, JAX_PLATFORMS='cpu',
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    proc = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not _jax_loading(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(after_s)
+    assert proc.poll() is None, 'finished before the signal'
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope='module')
+def long_input(tmp_path_factory):
+    """Enough sentences that encoding outlasts every signal below."""
+    path = tmp_path_factory.mktemp('long') / 'in.txt'
+    lines = (SENTEVAL_ROOT / 'SNLI' / 's1.test').read_text().splitlines()
+    path.write_text('\n'.join(lines * 4) + '\n')
+    return path
+
+
+# 0 s: JAX still importing; 3 s: the window where JAX's garbage-collection callback
+# swallowed the KeyboardInterrupt; 12 s: the model is loaded and encoding.
+@pytest.mark.parametrize('signum, after_s', [(signal.SIGINT, 0.0), (signal.SIGINT, 3.0),
+                                             (signal.SIGTERM, 3.0), (signal.SIGINT, 12.0)])
+def test_encode_interrupted_at_any_moment_is_one_line(long_input, tmp_path, signum, after_s):
+    code, out, err = _signalled(['-m', 'jaxsim', 'encode', '--input', str(long_input),
+                                 '--output', 'v.npy'], signum, after_s, tmp_path)
+    name = signal.Signals(signum).name
+    assert code == 128 + signum, err
+    assert err.strip().splitlines()[-1] == f'interrupted by {name}; no output file written'
+    assert 'Traceback' not in err and 'Exception ignored' not in err, err
+    assert list(tmp_path.iterdir()) == []  # neither the output nor a temporary file
+
+
+@pytest.mark.parametrize('signum, after_s', [(signal.SIGINT, 0.0), (signal.SIGINT, 5.0),
+                                             (signal.SIGTERM, 10.0)])
+def test_eval_interrupted_is_one_line_and_writes_nothing(tmp_path, signum, after_s):
+    code, out, err = _signalled([str(REPO / 'eval.py'), '--json', 'r.json', '--plots', 'p'],
+                                signum, after_s, tmp_path)
+    assert code == 128 + signum, err
+    assert err.strip().splitlines() == [
+        f'interrupted by {signal.Signals(signum).name}; no output file written'], err
+    assert list(tmp_path.iterdir()) == []
