@@ -7,7 +7,20 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+# Hermetic session, set before JAX or any library reads its environment: HOME is an empty
+# temporary folder (pytest_sessionfinish fails the run if anything wrote into it), and the
+# persistent XLA cache of the command lines is a per-session folder, so no run depends on an
+# earlier one (likewise the line-index cache). Subprocesses inherit them.
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="jaxsim-tests-"))
+SESSION_HOME = _SESSION_DIR / "home"
+SESSION_HOME.mkdir()
+os.environ["HOME"] = str(SESSION_HOME)
+os.environ["JAXSIM_CACHE_DIR"] = str(_SESSION_DIR / "xla-cache")
+os.environ["JAXSIM_INDEX_DIR"] = str(_SESSION_DIR / "line-index")
+os.environ["MPLCONFIGDIR"] = str(_SESSION_DIR / "matplotlib")
 
 import jax
 import jax.numpy as jnp
@@ -140,3 +153,17 @@ def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int =
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
     return json.loads(line[len("RESULT"):])
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fails the session if anything wrote under HOME (the temporary one set above)."""
+    written = files_under(SESSION_HOME)
+    if written:
+        sys.stderr.write(f"\nerror: the tests wrote {len(written)} file(s) under $HOME "
+                         f"({SESSION_HOME}): {', '.join(written[:10])}\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from jaxsim.io.hf_folder import bundled_model_path
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import step_profile as sp  # noqa: E402
@@ -117,15 +115,16 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
     out = tmp_path / "profile.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--batch", "4",
-         "--max-len", "8", "--steps", "2", "--threads", "1", "--json", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--tiny", "--batch", "8",
+         "--max-len", "32", "--steps", "2", "--threads", "1", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not the wall time" in proc.stdout
     record = json.loads(out.read_text())
-    arch = json.loads((bundled_model_path() / "config.json").read_text())
-    products = _products_flops(arch, tokens=4 * 2 * 8, length=8)
-    # XLA also counts the elementwise work and AdamW over all 22M parameters.
+    arch = sp.TINY
+    assert record["model"] == "tiny"
+    products = _products_flops(arch, tokens=8 * 2 * 32, length=32)
+    # XLA also counts the elementwise work and AdamW over all 2M parameters.
     assert products <= record["flops"] <= 2 * products, (record["flops"], products)
     assert record["bytes_accessed"] > 0 and record["temp_bytes"] > 0
     assert record["wall_ms_per_step"] > 0

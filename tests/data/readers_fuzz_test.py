@@ -43,10 +43,25 @@ def corrupt(data: bytes, kind: str, sep: bytes, rng: np.random.Generator):
     return data[:pos] + bad + data[pos:], _line_of(data, pos)
 
 
-def check(load, path, names, expect_line):
-    """Runs `load`; an error must be a JaxsimError naming a path in `names` (and the line)."""
+def items(result) -> list:
+    """A loader's result as a list of hashable records (an STS task: its scored pairs)."""
+    if isinstance(result, senteval.StsTask):
+        return [(name, a, b, float(g)) for name, pairs in result.subsets.items()
+                for a, b, g in zip(pairs.sent1, pairs.sent2, pairs.gold)]
+    return [tuple(x) if isinstance(x, (list, tuple)) else x for x in result]
+
+
+def check(load, path, names, expect_line, original, kind, expect=None):
+    """Runs `load`; an error must be a JaxsimError naming a path in `names` (and the line).
+
+    A recovered parse must be the documented one: `expect()` when given (an independent
+    parse of the corrupted file), and in any case the clean parse with only the records of
+    the damaged line changed: at most two records that the clean file does not have (a line
+    split in two) and at most two of its records gone (two lines joined; a truncation keeps
+    the records before the cut, in order).
+    """
     try:
-        load()
+        result = load()
     except JaxsimError as e:
         msg = str(e)
         assert any(msg.startswith(f'{n}:') or msg.startswith(f'{n} ') or f'{n}:' in msg
@@ -55,29 +70,43 @@ def check(load, path, names, expect_line):
             assert re.search(rf'{re.escape(str(path))}:{expect_line}: ', msg), (expect_line, msg)
         return 'error'
     assert expect_line is None, f'{path}: corruption at line {expect_line} was not detected'
+    got = items(result)
+    if expect is not None:
+        assert got == expect(), (path, kind)
+    new = [x for x in got if x not in set(original)]
+    assert len(new) <= 2, (path, kind, new[:3])
+    if kind == 'truncate':  # what survives is the records before the cut, in order
+        kept = [x for x in got if x in set(original)]
+        assert kept == original[:len(kept)], (path, kind)
+    else:
+        assert len([x for x in original if x not in set(got)]) <= 2, (path, kind)
     return 'recovered'
 
 
-def _fuzz(seed: int, files, load, sep: bytes, names=None):
+def _fuzz(seed: int, files, load, sep: bytes, names=None, expect=None):
     rng = np.random.default_rng(seed)
+    original = items(load())
     outcomes = []
     for kind in KINDS:
         for _ in range(CASES_PER_KIND):
             path = files[int(rng.integers(0, len(files)))]
-            original = path.read_bytes()
-            data, line = corrupt(original, kind, sep, rng)
+            clean = path.read_bytes()
+            data, line = corrupt(clean, kind, sep, rng)
             path.write_bytes(data)
             try:
-                outcomes.append(check(load, path, names or [str(path)], line))
+                outcomes.append(check(load, path, names or [str(path)], line, original, kind,
+                                      expect and (lambda: expect(data))))
             finally:
-                path.write_bytes(original)
+                path.write_bytes(clean)
     return outcomes
 
 
 def test_fuzz_sentence_file(tmp_path):
     path = tmp_path / 'sentences.txt'
     path.write_text('a man plays a guitar .\n\ncafé au lait\n  two  spaces \nthe end\n')
-    out = _fuzz(0, [path], lambda: readers.read_sentences(path), b'\n')
+    # Independently: the non-blank lines, stripped.
+    expect = lambda data: [x.strip() for x in data.decode().split('\n') if x.strip()]  # noqa: E731
+    out = _fuzz(0, [path], lambda: readers.read_sentences(path), b'\n', expect=expect)
     assert 'error' in out and 'recovered' in out
 
 

@@ -92,10 +92,33 @@ def test_snli_triplets_real_files():
         assert labels[(p, e)] == 'entailment' and labels[(p, c)] == 'contradiction'
 
 
+def _sts_sentences(root):
+    """Every sentence of the shipped STS12, STS-B and SICK files, read here."""
+    out = set()
+    for f in (root / 'STS' / 'STS12-en-test').glob('STS.input.*.txt'):
+        out.update(x.strip() for line in f.read_text().splitlines() for x in line.split('\t'))
+    for f in (root / 'STS' / 'STSBenchmark').glob('*.csv'):
+        out.update(x.strip() for line in f.read_text().splitlines()
+                   for x in line.split('\t')[5:7])
+    for f in (root / 'SICK').glob('SICK_*.txt'):
+        out.update(x.strip() for line in f.read_text().splitlines()[1:]
+                   for x in line.split('\t')[1:3])
+    return out
+
+
 def test_corpus_from_senteval_excludes_sts_and_dedups():
     sents = readers.collect_corpus(SENTEVAL_ROOT)
     assert len(sents) == len(set(sents)) > 20000
     assert all(len(s.split()) >= 3 for s in sents)
+    # No sentence that only the STS/SICK evaluation files hold (a few common ones, e.g.
+    # 'A man is running', are in SNLI too and may stay).
+    sources = set()
+    for rel in readers.CORPUS_FILES:
+        sources.update(x.strip() for x in (SENTEVAL_ROOT / rel).read_text().splitlines())
+    sts_only = _sts_sentences(SENTEVAL_ROOT) - sources
+    assert len(sts_only) > 10000
+    assert not sts_only & set(sents)
+    assert set(sents) <= sources
 
 
 _TFDS_BUILD = r"""

@@ -146,6 +146,18 @@ def test_pytorch_bin_checkpoint(tiny_model_dir):
     torch.save(torch_model.state_dict(), folder / "pytorch_model.bin")
     model = jaxsim.load_pretrained(folder)
     assert model.config.model_type == "roberta" and model.config.pad_token_id == 1
+    # The weights are the .bin's: vectors equal the PyTorch model's masked mean.
+    import transformers
+    sentences = ["a man plays a guitar .", "two dogs run across a wide green field together"]
+    batch = transformers.AutoTokenizer.from_pretrained(str(folder))(
+        sentences, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = torch_model(input_ids=batch["input_ids"],
+                             attention_mask=batch["attention_mask"]).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    want = ((hidden * mask).sum(1) / mask.sum(1)).numpy()
+    got = jaxsim.encode(model, sentences, pooler="avg")
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_config_round_trip():

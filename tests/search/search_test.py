@@ -134,13 +134,23 @@ def test_incremental_add_equals_building_at_once():
                                   whole.search_vectors(queries, 6).rows)
 
 
-def test_approximate_search_recall():
+def test_approximate_search_selects_with_the_recall_target(monkeypatch):
+    # XLA:CPU lowers approx_max_k to an exact top-k, so on CPU the approximate search must
+    # return the brute-force answer; the spy shows the recall target reaches the selection.
+    targets = []
+    real = jax.lax.approx_max_k
+
+    def spy(operand, k, *args, recall_target=0.95, **kwargs):
+        targets.append(recall_target)
+        return real(operand, k, *args, recall_target=recall_target, **kwargs)
+
+    monkeypatch.setattr(jax.lax, "approx_max_k", spy)
     corpus, queries = _gaussian(4000, 32, 9), _gaussian(64, 32, 10)
     index = SearchIndex.from_vectors(corpus, block_rows=512)
-    exact = index.search_vectors(queries, top_k=10)
-    approx = index.search_vectors(queries, top_k=10, approx_recall=0.95)
-    recall = np.mean([len(set(a) & set(e)) / 10 for a, e in zip(approx.rows, exact.rows)])
-    assert recall >= 0.9, recall
+    approx = index.search_vectors(queries, top_k=10, approx_recall=0.93)
+    assert targets and set(targets) == {0.93}
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(approx.rows, _brute_force(corpus, queries, 10)[1])
     found = approx.rows >= 0
     # Every returned score is the true cosine of the returned row.
     c = corpus / np.linalg.norm(corpus, axis=1, keepdims=True)

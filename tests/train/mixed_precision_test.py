@@ -61,9 +61,20 @@ def test_bf16_training_loss_keeps_fp32_master_params_and_grads():
              'token_type_ids': np.zeros_like(ids)}
     loss = get_objective('unsup').loss
     jit = functools.partial(jax.jit, compiler_options=compiler_options(True))
-    l32, _ = jit(make_loss_fn(f32, loss, 2))(params, batch, jax.random.key(1))
-    (l16, _), grads = jit(jax.value_and_grad(make_loss_fn(bf16, loss, 2), has_aux=True))(
-        params, batch, jax.random.key(1))
+    value_and_grad = lambda enc: jit(jax.value_and_grad(  # noqa: E731
+        make_loss_fn(enc, loss, 2), has_aux=True))
+    (l32, _), g32 = value_and_grad(f32)(params, batch, jax.random.key(1))
+    (l16, _), grads = value_and_grad(bf16)(params, batch, jax.random.key(1))
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
     assert l16.dtype == jnp.float32 and np.isfinite(float(l16))
-    np.testing.assert_allclose(float(l16), float(l32), rtol=0.05, atol=0.05)
+    # bf16 operands (8 bits of mantissa) move this loss of ~1 by ~1e-3, never by 1e-2; the
+    # gradient keeps its direction. Another model's loss is further away than the tolerance.
+    tol = 1e-2
+    assert abs(float(l16) - float(l32)) < tol
+    flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])  # noqa: E731
+    a, b = flat(grads), flat(g32)
+    assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.99
+    assert abs(np.linalg.norm(a) / np.linalg.norm(b) - 1) < 0.05
+    other = init_params(f32, jax.random.key(7))
+    (l_other, _), _ = value_and_grad(f32)(other, batch, jax.random.key(1))
+    assert abs(float(l_other) - float(l32)) > tol

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,9 +38,13 @@ from jaxsim.train import evaluate, loop
 
 mode, at, signame, delay = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 
-def fire():
+def fire(phase):
     time.sleep(delay)
+    phase_reached(phase)
     os.kill(os.getpid(), getattr(signal, signame))
+
+def phase_reached(phase):  # the parent checks that the signal landed where the plan says
+    print(f'\\nPHASE {phase}', file=sys.stderr, flush=True)  # own line: after a progress bar
 
 if mode == 'step':  # right after step `at` is dispatched: its computation is in flight
     real_make = loop.make_train_step
@@ -49,7 +54,7 @@ if mode == 'step':  # right after step `at` is dispatched: its computation is in
             before = int(state.step)
             out = step(state, batch)
             if before + 1 == at:
-                fire()
+                fire(f'step {at} dispatched')
             return out
         return wrapped
     loop.make_train_step = make
@@ -57,8 +62,13 @@ elif mode == 'save':  # checkpoint `at` handed to orbax's background writer
     real_save = checkpoint.Checkpointer.save
     def save(self, step, *args, **kwargs):
         started = real_save(self, step, *args, **kwargs)
-        if int(step) == at:
-            fire()
+        if int(step) == at:  # the delay ends early if the background write completes
+            end = time.monotonic() + delay
+            while time.monotonic() < end and self._manager.is_saving_in_progress():
+                time.sleep(0.001)
+            done = not self._manager.is_saving_in_progress()
+            phase_reached(f'save {step} ' + ('committed' if done else 'in progress'))
+            os.kill(os.getpid(), getattr(signal, signame))
         return started
     checkpoint.Checkpointer.save = save
 elif mode == 'eval':  # halfway through encoding the STS-B sentences of evaluation `at`
@@ -68,7 +78,7 @@ elif mode == 'eval':  # halfway through encoding the STS-B sentences of evaluati
         if len(calls) == at:
             half = len(sentences) // 2
             real_encode(model, sentences[:half], **kwargs)
-            fire()
+            fire(f'eval encode {at}')
         return real_encode(model, sentences, **kwargs)
     evaluate.encode = encode
 elif mode == 'final':  # halfway through encoding the STS-B test sentences at the end
@@ -79,7 +89,7 @@ elif mode == 'final':  # halfway through encoding the STS-B test sentences at th
     def encode(model, sentences, **kwargs):
         if phase == ['test']:
             real_encode(model, sentences[:len(sentences) // 2], **kwargs)
-            fire()
+            fire('test encode')
         return real_encode(model, sentences, **kwargs)
     evaluate.StsbEvaluator.score, evaluate.encode = score, encode
 sys.exit(train.main(sys.argv[5:]))
@@ -141,6 +151,19 @@ def _check_consistent(workdir: Path) -> None:
         assert np.isfinite(jaxsim.encode(model, ['a man plays a guitar .'])).all()
 
 
+def _snapshot(workdir: Path, copy: Path):
+    shutil.rmtree(copy, ignore_errors=True)
+    if workdir.exists():
+        shutil.copytree(workdir, copy, symlinks=True)
+    return copy
+
+
+def _restore(copy: Path, workdir: Path) -> None:
+    shutil.rmtree(workdir, ignore_errors=True)
+    if copy.exists():
+        shutil.copytree(copy, workdir, symlinks=True)
+
+
 def test_interrupted_runs_resume_bit_identical(setup, tmp_path):
     straight, work = tmp_path / 'straight', tmp_path / 'work'
     rng = np.random.default_rng(0)
@@ -150,10 +173,21 @@ def test_interrupted_runs_resume_bit_identical(setup, tmp_path):
             ('eval', 3, 'SIGKILL'),   # the 3rd encode: STS-B dev at step 16
             ('save', 16 + 4 * int(rng.integers(0, 2)), 'SIGTERM'),
             ('final', 0, 'SIGINT')]   # the STS-B test evaluation at the end
+    want_phase = {'step': 'step {at} dispatched', 'save': 'save {at} in progress',
+                  'eval': 'eval encode {at}', 'final': 'test encode'}
     uninterrupted = _start(setup, straight)  # alongside the first interrupted run
     for n, (mode, at, signame) in enumerate(plan):
         before = _latest(work)
-        rc, out, err = _run(setup, work, mode, at, signame, delay=float(rng.uniform(0, 0.05)))
+        delay = float(rng.uniform(0, 0.05))
+        saved = _snapshot(work, tmp_path / 'before-kill')
+        for attempt in range(3):  # a save may commit before the signal: retry from the copy
+            rc, out, err = _run(setup, work, mode, at, signame, delay=delay)
+            phases = [x[len('PHASE '):] for x in err.splitlines() if x.startswith('PHASE ')]
+            if phases != [f'save {at} committed'] or attempt == 2:
+                break
+            _restore(saved, work)
+            delay = 0.0
+        assert phases == [want_phase[mode].format(at=at)], (mode, at, phases, err[-3000:])
         if before is not None:
             assert f'resuming {work} from step {before} of {STEPS}' in err, err[-3000:]
         if signame == 'SIGKILL':

@@ -39,6 +39,7 @@ from jaxsim.sharding import make_mesh
 from jaxsim.train import build
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.config_files import load_config_file
+from jaxsim.train.loop import _grad_divisor as grad_divisor  # the divisor training uses
 from jaxsim.train.optim import decay_mask, make_optimizer, make_schedule
 from jaxsim.train.state import create_state
 from jaxsim.train.step import configure_jax, make_loss_fn, make_train_step
@@ -156,8 +157,68 @@ def one_torch_thread():
         torch.set_num_threads(before)
 
 
-def train_reference(model, cfg: TrainConfig, batches, views: int) -> tuple[dict, dict]:
-    """What the HF Trainer does per step: backward, clip, AdamW step, scheduler step.
+class SimulatedRanks:
+    """`torch.distributed` as `world` data-parallel ranks see it, for the reference's cl_forward
+    run once per rank in this process: a recording pass keeps what each rank's `all_gather`
+    would send (its vectors, detached); a replay pass hands every rank those of all ranks.
+    cl_forward then puts its own rows back with their gradient, as on real GPUs."""
+
+    def __init__(self, world: int):
+        self.world, self.rank, self.calls, self.sent, self.recording = world, 0, 0, {}, True
+
+    def is_initialized(self):
+        return True
+
+    def get_world_size(self):
+        return self.world
+
+    def get_rank(self):
+        return self.rank
+
+    def all_gather(self, tensor_list, tensor):
+        call, self.calls = self.calls, self.calls + 1
+        if self.recording:
+            self.sent.setdefault(call, [None] * self.world)[self.rank] = tensor.detach().clone()
+        else:
+            tensor_list[:] = [t.clone() for t in self.sent[call]]
+
+
+def reference_backward(model, batch: dict, views: int, world: int):
+    """The reference's loss.backward() on `batch` split over `world` DDP ranks (rank r takes
+    the r-th block of rows), gradients averaged over ranks as DDP does; returns the loss."""
+    inputs = reference_batch(batch, views)
+    if world == 1:
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss
+    import torch
+    ref = sys.modules['simcse.models']
+    rows = len(inputs['input_ids']) // world
+    shards = [{k: v[r * rows:(r + 1) * rows] for k, v in inputs.items()} for r in range(world)]
+    fake, real = SimulatedRanks(world), ref.dist
+    ref.dist = fake
+    try:
+        with torch.no_grad():
+            for fake.rank, shard in enumerate(shards):
+                fake.calls = 0
+                model(**shard)
+        fake.recording = False
+        for fake.rank, shard in enumerate(shards):
+            fake.calls = 0
+            loss = model(**shard).loss  # every rank's loss is the global batch's
+            loss.backward()
+    finally:
+        ref.dist = real
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad /= world
+    return loss
+
+
+def train_reference(model, cfg: TrainConfig, batches, views: int,
+                    world: int = 1) -> tuple[dict, dict]:
+    """What the HF Trainer does per step (on `world` simulated GPUs): backward, clip, AdamW
+    step, scheduler step.
 
     Returns:
       (per-step 'loss', 'grad_norm' (before clipping) and 'lr'; the first step's gradients
@@ -178,8 +239,7 @@ def train_reference(model, cfg: TrainConfig, batches, views: int) -> tuple[dict,
     with one_torch_thread():
         for batch in batches:
             record['lr'].append(scheduler.get_last_lr()[0])
-            loss = model(**reference_batch(batch, views)).loss
-            loss.backward()
+            loss = reference_backward(model, batch, views, world)
             if not record['loss']:
                 first_grads = {n: p.grad.numpy().copy() for n, p in named if p.grad is not None}
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -191,11 +251,11 @@ def train_reference(model, cfg: TrainConfig, batches, views: int) -> tuple[dict,
     return {k: np.asarray(v) for k, v in record.items()}, first_grads
 
 
-def float64_gradients(model, batch: dict, views: int) -> dict:
+def float64_gradients(model, batch: dict, views: int, world: int = 1) -> dict:
     """The reference's gradients on `batch` computed in float64 (on a copy of the model)."""
     exact = copy.deepcopy(model).double()
     with one_torch_thread():
-        exact(**reference_batch(batch, views)).loss.backward()
+        reference_backward(exact, batch, views, world)
     return {n: p.grad.numpy() for n, p in exact.named_parameters() if p.grad is not None}
 
 
@@ -241,7 +301,8 @@ def train_jaxsim(cfg: TrainConfig, encoder, params, batches):
     state, shardings = create_state(jax.tree.map(jax.numpy.asarray, params), tx,
                                     jax.random.fold_in(jax.random.key(cfg.seed), 2), mesh)
     step = make_train_step(encoder, loss, tx, views=objective.views, mesh=mesh,
-                           state_shardings=shardings, schedule=make_schedule(cfg, len(batches)))
+                           state_shardings=shardings, schedule=make_schedule(cfg, len(batches)),
+                           grad_divisor=grad_divisor(cfg, mesh))
     record = {'loss': [], 'grad_norm': [], 'lr': []}
     for batch in batches:
         state, metrics = step(state, batch)
@@ -341,8 +402,10 @@ def later_token_rows(batches: list[dict]) -> np.ndarray:
                         first)
 
 
-def compare_training(cfg: TrainConfig, model_type: str, rows, views: int) -> dict:
-    """Trains both from the same start on the same batches; checks every step and the end.
+def compare_training(cfg: TrainConfig, model_type: str, rows, views: int,
+                     world: int = 1) -> dict:
+    """Trains both from the same start on the same batches (the reference on `world`
+    simulated GPUs); checks every step and the end.
 
     Returns:
       The reference's per-step record.
@@ -351,9 +414,9 @@ def compare_training(cfg: TrainConfig, model_type: str, rows, views: int) -> dic
     batches = batches_of(base.tokenizer, rows)
     model = reference_model(cfg, base, model_type, params)
     check_decay_rule(model, params, model_type)
-    exact = float64_gradients(model, batches[0], views)
+    exact = float64_gradients(model, batches[0], views, world)
 
-    theirs, first_grads = train_reference(model, cfg, batches, views)
+    theirs, first_grads = train_reference(model, cfg, batches, views, world)
     final, ours = train_jaxsim(cfg, encoder, params, batches)
     check_steps(ours, theirs)
     to_tree = functools.partial(flat_tree, model_type=model_type, encoder_config=base.config)
@@ -378,16 +441,19 @@ def test_unsup_steps_match_reference():
 
 
 def test_sup_steps_match_reference(tmp_path):
-    """A tiny RoBERTa, supervised SimCSE on SNLI triplets, dropout off: the paper's optimizer,
-    plus what its settings leave unexercised: weight decay 0.1 (0 in the paper), clipping
-    that acts on some steps (gradient norms here are 0.08-0.12) and a hard-negative weight
-    of 1 (the reference adds it to the hard negative's logit)."""
+    """A tiny RoBERTa, supervised SimCSE on SNLI triplets, dropout off: the paper's optimizer
+    and its gradient divisor (the paper trained on 4 GPUs: grad_reduction='replica_mean',
+    grad_replicas=4; the reference runs on 4 simulated ranks), plus what its settings leave
+    unexercised: weight decay 0.1 (0 in the paper), clipping that acts on some steps
+    (gradient norms here are 0.02-0.03) and a hard-negative weight of 1 (the reference adds
+    it to the hard negative's logit)."""
     folder = tmp_path / 'tiny-roberta'
     write_tiny_model(folder, 'roberta', add_pooler=False)
     cfg = paper_config('sup_simcse_bert_base', model=str(folder), dropout=0.0, weight_decay=0.1,
-                       max_grad_norm=0.1,
+                       max_grad_norm=0.025,
                        objective_kwargs={'temp': 0.05, 'hard_negative_weight': 1.0})
-    theirs = compare_training(cfg, 'roberta', snli_triplets()[:BATCH * STEPS], views=3)
+    assert (cfg.grad_reduction, cfg.grad_replicas) == ('replica_mean', 4)
+    theirs = compare_training(cfg, 'roberta', snli_triplets()[:BATCH * STEPS], views=3, world=4)
     clipped = theirs['grad_norm'] > cfg.max_grad_norm
     assert clipped.any() and not clipped.all(), theirs['grad_norm']
 
