@@ -1,7 +1,7 @@
 """Memory and time of the train step for BERT-base shapes under each `remat` setting, and with
 cached-gradient micro-batches (`micro_batch_size`).
 
-    python benchmarks/remat_memory.py [--batch 512] [--time-batch 16] [--json PATH]
+    python benchmarks/remat_memory.py [--batch 512] [--time-batch 8] [--json PATH]
 
 For each setting the step is compiled for the global batch `--batch` (BERT-base: 12 layers,
 hidden 768, random init, unsupervised SimCSE: 2 views x max_len 32 tokens per example) and
@@ -36,13 +36,12 @@ from jaxsim.objectives import get_objective  # noqa: E402
 from jaxsim.train import build, optim, state as state_lib, step as step_lib  # noqa: E402
 from jaxsim.train.config import TrainConfig  # noqa: E402
 
-BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                 intermediate_size=3072, max_position_embeddings=512)
-SETTINGS = [('none', 0), ('full', 0), ('dots', 0), ('none', 64), ('full', 64)]
+SETTINGS = [('none', 0), ('full', 0), ('dots', 0), ('none', 64)]
 
 
-def _config(batch: int, max_len: int, remat: str, micro: int) -> TrainConfig:
-    return TrainConfig(random_init=True, model_overrides=BERT_BASE, dropout=0.1, objective='unsup',
+def _config(shape: str, batch: int, max_len: int, remat: str, micro: int) -> TrainConfig:
+    return TrainConfig(random_init=True, model_overrides=common.SHAPES[shape], dropout=0.1,
+                       objective='unsup',
                        train_file='unused', batch_size=batch, max_len=max_len, max_steps=10,
                        remat=remat, micro_batch_size=micro)
 
@@ -102,9 +101,12 @@ def step_time(cfg: TrainConfig, mesh, steps: int) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--batch', type=int, default=512, help='global batch for the memory figures')
-    p.add_argument('--time-batch', type=int, default=16, help='global batch for step times')
+    p.add_argument('--time-batch', type=int, default=8,
+                   help='global batch for step times (0: no timing)')
     p.add_argument('--max-len', type=int, default=32)
-    p.add_argument('--steps', type=int, default=2, help='timed steps per setting')
+    p.add_argument('--shape', choices=sorted(common.SHAPES), default='bert-base',
+                   help='encoder shapes (random init)')
+    p.add_argument('--steps', type=int, default=1, help='timed steps per setting')
     p.add_argument('--json', type=Path, default=None)
     args = p.parse_args()
     runtime.setup()
@@ -113,23 +115,26 @@ def main():
     rows = []
     for remat, micro in SETTINGS:
         row = {'remat': remat, 'micro_batch_size': micro,
-               **memory(_config(args.batch, args.max_len, remat, micro), mesh)}
+               **memory(_config(args.shape, args.batch, args.max_len, remat, micro), mesh)}
         time_micro = min(micro, args.time_batch // 2) if micro else 0
         row['time_batch'], row['time_micro_batch_size'] = args.time_batch, time_micro
-        row['step_s'] = round(step_time(_config(args.time_batch, args.max_len, remat,
-                                                time_micro), mesh, args.steps), 3)
+        row['step_s'] = None
+        if args.time_batch:
+            row['step_s'] = round(step_time(_config(args.shape, args.time_batch, args.max_len,
+                                                    remat, time_micro), mesh, args.steps), 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
     none = rows[0]['temp_mb']
     record = {'backend': jax.default_backend(), 'devices': jax.device_count(),
-              'batch': args.batch, 'max_len': args.max_len, 'model': 'BERT-base shapes',
+              'batch': args.batch, 'max_len': args.max_len, 'shape': args.shape,
               'rows': rows, 'ratio': round(min(r['temp_mb'] for r in rows) / none, 3),
               'note': ('measured under load on a shared CPU machine; XLA:CPU undoes remat '
                        '(optimization barriers expanded), so remat rows equal none on CPU'
                        if jax.default_backend() == 'cpu' else '')}
     print(f"{'remat':6s} {'micro':>5s} {'temp MB':>9s} {'step s':>7s}")
     for r in rows:
-        print(f"{r['remat']:6s} {r['micro_batch_size']:5d} {r['temp_mb']:9.1f} {r['step_s']:7.3f}")
+        step = '-' if r['step_s'] is None else f"{r['step_s']:.3f}"
+        print(f"{r['remat']:6s} {r['micro_batch_size']:5d} {r['temp_mb']:9.1f} {step:>7s}")
     print(f"ratio (smallest temp / remat none): {record['ratio']}")
     common.write_json(args.json, record)
 
