@@ -4,6 +4,7 @@ exit 130/143; plus the checks that run before any work."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import signal
@@ -221,3 +222,34 @@ def test_eval_interrupted_is_one_line_and_writes_nothing(tmp_path, signum, after
     assert err.strip().splitlines() == [
         f'interrupted by {signal.Signals(signum).name}; no output file written'], err
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------ more inputs
+class _Stdin:
+    def __init__(self, data: bytes):
+        self.buffer = io.BytesIO(data)
+
+    def isatty(self):
+        return False
+
+
+def test_encode_and_index_read_standard_input_and_search_reads_a_query_file(
+        bundled, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, 'stdin', _Stdin(b'a man plays a guitar .\n\n  \na dog runs .\n'))
+    assert cli_main(['encode', '--input', '-', '--output', str(tmp_path / 'v.npy')]) == 0
+    assert 'note: <stdin>: skipped 2 blank lines' in capsys.readouterr().err
+    want = jaxsim.encode(bundled, ['a man plays a guitar .', 'a dog runs .'])
+    np.testing.assert_allclose(np.load(tmp_path / 'v.npy'), want, atol=1e-5)
+
+    corpus = ['a man plays a guitar .', 'a dog runs in the park .', 'the stock market fell .']
+    monkeypatch.setattr(sys, 'stdin', _Stdin('\n'.join(corpus).encode()))
+    assert cli_main(['index', '--input', '-', '--out', str(tmp_path / 'ix')]) == 0
+    (tmp_path / 'q.txt').write_text('someone plays music\n\na puppy is running\n')
+    capsys.readouterr()
+    assert cli_main(['search', '--index', str(tmp_path / 'ix'), '--queries',
+                     str(tmp_path / 'q.txt'), '--top-k', '1', '--threshold', '-1']) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == 'query: someone plays music' and lines[1].endswith('\t' + corpus[0])
+    assert lines[2] == 'query: a puppy is running' and lines[3].endswith('\t' + corpus[1])
+    assert cli_main(['search', '--index', str(tmp_path / 'ix')]) == 1
+    assert 'no query: pass --query TEXT' in one_error_line(capsys)
