@@ -53,7 +53,8 @@ class StreamIterator:
       max_len: tokens per sentence (fixed padded length).
       global_batch, seed, shuffle, last_batch, granularity: as `batching.EpochOrder`.
       process_index / process_count: this process's rows (its block of each global batch),
-        unless `rows_fn` says which rows of a global batch of a given size it feeds.
+        unless `rows_fn` says which rows of a global batch of a given size it feeds (then
+        `granularity` alone decides how a kept last batch is rounded).
       workers: threads that read and tokenize.
       prefetch: batches prepared ahead.
     """
@@ -64,8 +65,10 @@ class StreamIterator:
                  rows_fn: Optional[RowsFn] = None, workers: Optional[int] = None,
                  prefetch: int = 4):
         self.source = source
+        # Rows from `rows_fn` follow the mesh, whose batch shards `granularity` already counts
+        # (processes that differ only along a tensor axis feed the same rows).
         self.order = EpochOrder(len(source), global_batch, seed, shuffle, last_batch,
-                                granularity, process_count)
+                                granularity, process_count if rows_fn is None else 1)
         self.rows_fn = rows_fn or (lambda size: process_rows(size, process_index, process_count))
         self.tokenize = _ThreadTokenizer(tokenizer, max_len, source.name)
         self.workers = workers or min(4, os.cpu_count() or 1)

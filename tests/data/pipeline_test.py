@@ -69,6 +69,19 @@ def test_processes_rows_tile_the_global_batches_of_one_process(corpus, tokenizer
         np.testing.assert_array_equal(np.concatenate(local), glob['input_ids'])
 
 
+def test_mesh_rows_keep_the_last_batch_of_one_process(corpus, tokenizer):
+    # Two processes holding the same rows (a tensor axis across them, one batch shard): the
+    # kept last batch is rounded to the batch shards only, as with one process (101 = 12 x 8 + 5).
+    whole = _stream(corpus, tokenizer, last_batch='keep')
+    both = [_stream(corpus, tokenizer, last_batch='keep', process_count=2,
+                    rows_fn=lambda size: np.arange(size)) for _ in range(2)]
+    assert whole.order.last_size == both[0].order.last_size == 5
+    last = whole.steps_per_epoch
+    want = _take(whole, last)[-1]['input_ids']
+    for it in both:
+        np.testing.assert_array_equal(_take(it, last)[-1]['input_ids'], want)
+
+
 def test_order_depends_on_seed_epoch_and_position_only():
     # Device counts change only the size of a kept last batch: the full batches never move.
     a = batching.EpochOrder(1000, 64, seed=3, granularity=1)
