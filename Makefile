@@ -33,4 +33,9 @@ demo: .venv/.demo
 test: .venv/.test
 	$(BIN)/python -m pytest tests
 
-.PHONY: demo test
+# Plants each fault of tests/faults/table.py in a temporary copy and runs the tests that must
+# catch it; fails if one survives or a fault's snippet no longer matches the source.
+faults: .venv/.test
+	$(BIN)/python tests/faults/run_faults.py
+
+.PHONY: demo test faults
