@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
-from tqdm.auto import tqdm
 
 from jaxsim import distributed, runtime, sharding as sharding_lib
 from jaxsim.data import pipeline
@@ -34,6 +33,7 @@ from jaxsim.model import SentenceModel
 from jaxsim.models.encoder import init_params
 from jaxsim.objectives import check_kwargs, get_objective
 from jaxsim.objectives.mlm import MlmSettings
+from jaxsim.progress import progress_bar
 from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.evaluate import DEV_METRIC, optional_evaluator
@@ -310,8 +310,8 @@ class _Loop:
             self._save(0, {DEV_METRIC: score})
         bar = None
         if self.show_bar and self.step < self.total:
-            bar = tqdm(total=self.total, initial=self.step, desc='train', dynamic_ncols=True,
-                       file=sys.stderr)
+            # A bar on a terminal, plain periodic lines in a log (no carriage returns).
+            bar = progress_bar(self.total, 'train', unit='step', initial=self.step)
         pending: deque = deque()
         try:
             with deferred_signals() as stop:
