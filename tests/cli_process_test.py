@@ -152,8 +152,10 @@ def test_train_seeds_then_an_allowed_change(tmp_path):
     data = write_run_data(tmp_path, "s1.dev", 48, 24)
     args = ["train.py", "--config", REPO / "configs" / "tiny_unsup_simcse.py",
             "--workdir", tmp_path / "runs", f"--config.train_file={data / 'corpus.txt'}",
-            "--config.max_steps=2", "--seeds", "0,1", "--noprogress"]
+            "--config.model=bundled", "--config.pooler=avg", "--config.max_steps=2",
+            "--seeds", "0,1", "--noprogress"]
     first = run(*args)
+    assert jaxsim.load_pretrained(tmp_path / "runs" / "seed_1").pooler == "avg"
     results = {s: json.loads((tmp_path / "runs" / f"seed_{s}" / "result.json").read_text())
                for s in (0, 1)}
     assert [r["steps"] for r in results.values()] == [2, 2]
@@ -172,3 +174,17 @@ def test_train_seeds_then_an_allowed_change(tmp_path):
         lines = (seed_dir / "metrics.jsonl").read_text().splitlines()
         steps = [json.loads(x)["step"] for x in lines]
         assert steps == [1, 2, 3]  # resumed at step 2, not trained again
+
+
+def test_prepare_indexes_the_snli_splits_asked_for(tmp_path):
+    from jaxsim.data.readers import build_snli_triplets
+
+    snli = tmp_path / "SNLI"
+    snli.mkdir()
+    (snli / "s1.dev").write_text("p1\np1\np1\np2\np2\n")
+    (snli / "s2.dev").write_text("e1\nc1\nn1\ne2\nc2\n")
+    (snli / "labels.dev").write_text("entailment\ncontradiction\nneutral\nentailment\n"
+                                     "contradiction\n")
+    proc = run("-m", "jaxsim", "prepare", snli, "--format", "snli", "--snli-splits", "dev")
+    want = len(build_snli_triplets(snli, ["dev"]))
+    assert want == 2 and proc.stdout.startswith(f"{snli}: {want} examples, ")

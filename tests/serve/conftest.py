@@ -74,7 +74,7 @@ class Server:
 @pytest.fixture(scope="session")
 def server(served_index, tmp_path_factory):
     index_dir, _, _ = served_index
-    srv = Server(index_dir, tmp_path_factory.mktemp("server"))
+    srv = Server(index_dir, tmp_path_factory.mktemp("server"), "--host", "127.0.0.1")
     yield srv
     srv.stop()
 
