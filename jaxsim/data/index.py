@@ -212,12 +212,17 @@ def file_key(path: Path, what: str = 'file') -> FileKey:
 
 
 def cache_stems(path: Path, suffix: str) -> list[Path]:
-    """Where a file's derived array may live: beside it, then in the cache folder."""
+    """Where a file's derived array may live: beside it, then in the cache folder.
+
+    A $JAXSIM_INDEX_DIR set explicitly is the only place: data folders are then never written
+    (shared read-only data, hermetic test sessions).
+    """
     name = f'{path.name}.{suffix}'
     if store.is_remote(path):  # read with os.pread: a local copy only
         return [index_dir() / f'{hashlib.sha256(str(path).encode()).hexdigest()[:16]}-{name}']
     tag = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-    return [path.parent / name, index_dir() / f'{tag}-{name}']
+    in_cache = index_dir() / f'{tag}-{name}'
+    return [in_cache] if os.environ.get('JAXSIM_INDEX_DIR') else [path.parent / name, in_cache]
 
 
 def cached(stems: Sequence[Path], key: dict, build: Callable[[], tuple[np.ndarray, dict]]

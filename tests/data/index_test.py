@@ -16,7 +16,9 @@ from jaxsim.paths import SENTEVAL_ROOT
 
 @pytest.fixture(autouse=True)
 def index_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv('JAXSIM_INDEX_DIR', str(tmp_path / 'index-cache'))
+    """The default placement (beside the file, else the home cache), with a private home."""
+    monkeypatch.delenv('JAXSIM_INDEX_DIR', raising=False)
+    monkeypatch.setenv('HOME', str(tmp_path / 'home'))
 
 
 def _random_text(rng, lines: int) -> bytes:
@@ -76,6 +78,25 @@ def test_index_is_reused_while_unchanged_and_rebuilt_when_changed(tmp_path, monk
     assert len(sources.TextSource(path)) == 4
 
 
+def test_an_explicit_index_folder_keeps_data_folders_untouched(tmp_path, monkeypatch):
+    monkeypatch.setenv('JAXSIM_INDEX_DIR', str(tmp_path / 'index-cache'))
+    path = tmp_path / 'data' / 'corpus.txt'
+    path.parent.mkdir()
+    path.write_text('a\nb\n')
+    assert len(sources.TextSource(path)) == 2
+    assert sorted(p.name for p in path.parent.iterdir()) == ['corpus.txt']
+    assert len(list((tmp_path / 'index-cache').glob('*-corpus.txt.text-index.npy'))) == 1
+
+
+def test_without_an_index_folder_the_index_lives_beside_a_writable_corpus(tmp_path):
+    path = tmp_path / 'data' / 'corpus.txt'
+    path.parent.mkdir()
+    path.write_text('a\nb\n')
+    assert len(sources.TextSource(path)) == 2
+    assert (path.parent / 'corpus.txt.text-index.npy').is_file()
+    assert not (tmp_path / 'home').exists()
+
+
 def test_unwritable_corpus_folder_caches_the_index_elsewhere(tmp_path, monkeypatch):
     path = tmp_path / 'data' / 'corpus.txt'
     path.parent.mkdir()
@@ -91,8 +112,8 @@ def test_unwritable_corpus_folder_caches_the_index_elsewhere(tmp_path, monkeypat
     src = sources.TextSource(path)
     assert [src[i] for i in range(2)] == [('a',), ('b',)]
     assert sorted(p.name for p in path.parent.iterdir()) == ['corpus.txt']
-    cached = list((tmp_path / 'index-cache').glob('*-corpus.txt.text-index.npy'))
-    assert len(cached) == 1
+    cache = tmp_path / 'home' / '.cache' / 'jaxsim' / 'index'
+    assert len(list(cache.glob('*-corpus.txt.text-index.npy'))) == 1
     assert sources.TextSource(path).build_s == 0.0  # found in the cache folder
 
 

@@ -90,8 +90,8 @@ def test_train_select_resume_and_use_the_workdir_as_a_model(corpus, senteval, tm
                for m in rows[1:])
     record = _strict_json(a / 'config.json')
     assert record['config']['pooler'] == 'cls' and record['derived']['data']['examples'] == 120
-    assert sorted(p.name for p in a.iterdir()) == [
-        'checkpoints', 'config.json', 'metrics.jsonl', 'model.json', 'result.json', 'tokenizer']
+    assert sorted(p.name for p in a.iterdir()) == [  # .lock: emptied when the run ended
+        '.lock', 'checkpoints', 'config.json', 'metrics.jsonl', 'model.json', 'result.json', 'tokenizer']
 
     # The workdir is a model: its best checkpoint, encoded by jaxsim.encode, gives the dev score.
     model = jaxsim.load_pretrained(a)
