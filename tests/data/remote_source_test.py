@@ -22,7 +22,9 @@ def test_remote_corpus_reads_as_its_local_copy(gcs, tmp_path, monkeypatch):  # n
     assert remote.build_s > 0 and len(remote) == len(want) == 300
     assert remote.getitems(list(range(300))) == [want[i] for i in range(300)]
     assert remote.fingerprint() == want.fingerprint()
-    assert len(list((tmp_path / 'index-cache').glob('*-corpus.txt.text-index.npy'))) == 1
+    # Both indexes (the remote file's, the local copy's) in the cache folder, none beside.
+    assert len(list((tmp_path / 'index-cache').glob('*-corpus.txt.text-index.npy'))) == 2
+    assert not (tmp_path / 'corpus.txt.text-index.npy').exists()
     assert not epath.Path(f'gs://{BUCKET}/data/corpus.txt.text-index.json').exists()
     assert sources.TextSource(url).build_s == 0.0  # the cached index is reused
     tokenizer = load_tokenizer(bundled_model_path())
