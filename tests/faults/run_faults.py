@@ -1,7 +1,7 @@
 """Plants each fault of `tests/faults/table.py` in a temporary copy of the repository, one at a
 time, runs the tests that should catch it and prints fault -> catching test.
 
-    python tests/faults/run_faults.py [--only SUBSTRING ...] [--keep]
+    python tests/faults/run_faults.py [--only SUBSTRING ...] [--jobs N] [--keep]
 
 Exits 1 if a fault survives its tests, if a planted fault breaks collection instead of
 failing a test, or if a fault's `old` snippet does not occur exactly once in its file.
@@ -9,7 +9,9 @@ failing a test, or if a fault's `old` snippet does not occur exactly once in its
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
+import queue
 import re
 import shutil
 import subprocess
@@ -78,12 +80,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--only', action='append', default=None,
                         help='run the faults whose name contains this (repeatable)')
-    parser.add_argument('--keep', action='store_true', help='keep the temporary copy')
+    parser.add_argument('--jobs', type=int, default=min(2, os.cpu_count() or 1),
+                        help='faults run at once, each in its own copy (default: 2 or the '
+                             'number of CPUs if fewer)')
+    parser.add_argument('--keep', action='store_true', help='keep the temporary copies')
     args = parser.parse_args(argv)
     faults = [f for f in FAULTS if args.only is None or any(o in f.name for o in args.only)]
     workdir = Path(tempfile.mkdtemp(prefix='jaxsim-faults-'))
     try:
-        root = copy_repository(workdir / 'repo')
+        jobs = max(1, min(args.jobs, len(faults)))
+        roots = [copy_repository(workdir / f'repo{i}') for i in range(jobs)]
+        root = roots[0]
         problems = snippet_problems(root)
         for p in problems:
             print(f'error: {p}')
@@ -95,13 +102,27 @@ def main(argv=None) -> int:
             return 1
         if problems:
             return 1
-        print(f'{len(faults)} faults, copy at {root}', flush=True)
-        rows, start = [], time.monotonic()
-        for n, fault in enumerate(faults, 1):
-            outcome, detail, seconds = run_fault(root, fault)
-            rows.append((fault, outcome, detail))
-            print(f'[{n:2d}/{len(faults)}] {outcome:8s} {seconds:6.1f} s  {fault.name} -> '
-                  f'{detail}', flush=True)
+        print(f'{len(faults)} faults, {jobs} at a time, copies under {workdir}', flush=True)
+        free: queue.Queue = queue.Queue()
+        for r in roots:
+            free.put(r)
+
+        def one(fault):  # each fault takes a copy no other fault is using
+            copy = free.get()
+            try:
+                return run_fault(copy, fault)
+            finally:
+                free.put(copy)
+
+        start, results = time.monotonic(), {}
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            futures = {pool.submit(one, f): f for f in faults}
+            for future in concurrent.futures.as_completed(futures):
+                fault = futures[future]
+                outcome, detail, seconds = results[fault.name] = future.result()
+                print(f'[{len(results):2d}/{len(faults)}] {outcome:8s} {seconds:6.1f} s  '
+                      f'{fault.name} -> {detail}', flush=True)
+        rows = [(f, *results[f.name][:2]) for f in faults]
         width = max(len(f.name) for f, _, _ in rows)
         print(f'\n{"fault":{width}s}  {"file":28s}  result    caught by')
         for fault, outcome, detail in rows:
