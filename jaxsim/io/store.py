@@ -24,8 +24,10 @@ import logging
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 import uuid
 from typing import IO, Iterator, Optional, Union
 
@@ -214,15 +216,29 @@ def replace_dir(path: PathLike, overwrite: bool = False, what: str = "output",
     old = None
     try:
         yield tmp
-        if p.exists():
-            old = _temp_sibling(p, "old")
-            os.replace(p, old)
-        os.replace(tmp, p)
+        with _signals_held():  # between the two renames an interrupt would lose both folders
+            if p.exists():
+                old = _temp_sibling(p, "old")
+                os.replace(p, old)
+            os.replace(tmp, p)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and old.exists():
             shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT/SIGTERM wait (in the kernel) until the block ends; main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _umask() -> int:
