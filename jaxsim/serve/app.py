@@ -96,12 +96,22 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 
 class _BodyLimit:
     """ASGI middleware: refuses a request body over `max_bytes` (declared or streamed) with 413
-    before the app reads it, so a huge upload costs neither memory nor parsing."""
+    before the app sees it, so a huge upload costs neither memory nor parsing. The rest of the
+    body is read and dropped (up to DRAIN_FACTOR times the limit) before answering: closing on
+    unread data would reset the connection, and the client would never see the 413."""
+
+    DRAIN_FACTOR = 16
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
-    async def _refuse(self, send) -> None:
+    async def _refuse(self, receive, send, size: int, more: bool) -> None:
+        while more and size <= self.DRAIN_FACTOR * self.max_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            size += len(message.get("body", b""))
+            more = message.get("more_body", False)
         response = _error(413, f"body: over the {self.max_bytes}-byte limit", "body")
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
@@ -113,7 +123,7 @@ class _BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(send)
+            return await self._refuse(receive, send, 0, True)
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -121,9 +131,9 @@ class _BodyLimit:
                 return  # the client went away
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self._refuse(send)
             more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._refuse(receive, send, size, more)
         body, replayed = b"".join(chunks), False
 
         async def replay():

@@ -108,7 +108,8 @@ class Batcher:
             self._queue.clear()
             self._cond.notify_all()
         for request in waiting:
-            request.future.set_exception(BatcherClosed("the server is shutting down"))
+            if request.future.set_running_or_notify_cancel():  # False: its caller gave up
+                request.future.set_exception(BatcherClosed("the server is shutting down"))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 

@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+import uvicorn
+
 from jaxsim.errors import JaxsimError
 from jaxsim.io.store import write_atomic
 from jaxsim.serve.app import create_app
-from jaxsim.serve.service import ServeLimits, open_service
+from jaxsim.serve.service import SearchService, ServeLimits, open_service
 
 
 class ServeUsageError(JaxsimError):
@@ -51,6 +53,9 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sentences", type=int, default=defaults.max_sentences,
                    help="sentences in one request")
     p.add_argument("--max-top-k", type=int, default=defaults.max_top_k)
+    p.add_argument("--warm-up-tokens", type=int, default=64,
+                   help="compile the encode shapes for sentences up to this many tokens "
+                        "before serving (0: only the one-query shape)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
     return p
@@ -70,6 +75,19 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, but on a stop request the requests still queued are answered 503 at once
+    (the batch being computed finishes) instead of waiting out the graceful-shutdown time."""
+
+    def __init__(self, config: uvicorn.Config, service: SearchService):
+        super().__init__(config)
+        self.service = service
+
+    async def shutdown(self, sockets=None) -> None:
+        self.service.batcher.close(timeout=0)
+        await super().shutdown(sockets)
+
+
 def serve_main(argv: Sequence[str]) -> int:
     args = serve_parser().parse_args(argv)
     if not 0 <= args.port <= 65535:
@@ -80,9 +98,8 @@ def serve_main(argv: Sequence[str]) -> int:
                              window_ms=args.batch_window_ms)
     except ValueError as e:
         raise ServeUsageError(str(e)) from None
-    import uvicorn  # the server library only where a server runs
-
     service = open_service(args.index, args.model, limits=limits, batching=args.batching)
+    service.warm_up(args.warm_up_tokens)
     app = create_app(service)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -100,7 +117,7 @@ def serve_main(argv: Sequence[str]) -> int:
     received = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: received.append(signum))
-    uvicorn.Server(config).run(sockets=[sock])
+    _Server(config, service).run(sockets=[sock])
     stats = service.batcher.stats
     reason = signal.Signals(received[0]).name if received else "server exited"
     print(f"stopped ({reason}) after {stats.requests} requests in {stats.batches} batches",

@@ -139,7 +139,7 @@ def test_bad_bodies_get_json_errors(server):
     assert call(server.url, "/search") == (405, {"error": "Method Not Allowed"})
 
 
-def test_bodies_over_the_limit_are_refused_unread(server):
+def test_bodies_over_the_limit_are_refused_unparsed(server):
     big = json.dumps({"queries": ["a" * 1_100_000]}).encode()
     status, answer = call(server.url, "/search", raw=big)
     assert status == 413 and answer["field"] == "body"

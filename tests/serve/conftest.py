@@ -50,7 +50,8 @@ class Server:
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "jaxsim", "serve", "--index", str(index_dir),
-                 "--port", "0", "--port-file", str(port_file), *extra],
+                 "--port", "0", "--port-file", str(port_file), "--warm-up-tokens", "12",
+                 *extra],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while not port_file.exists():
