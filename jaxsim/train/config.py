@@ -111,6 +111,7 @@ class TrainConfig:
       the end only).
     fast_compile: the cheapest XLA:CPU compile (-O0, classic emitters; see
       jaxsim.compile_options): for tiny test models, faster compiles, slower steps.
+    tensorboard: also write the metrics as TensorBoard event files in WORKDIR/tb/.
     """
 
     model: str = 'bundled'
@@ -168,6 +169,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     checkpoint_every: int = 0
     fast_compile: bool = False
+    tensorboard: bool = True
     mlm_weight: float = 0.0
     mlm_probability: float = 0.15
 

@@ -203,7 +203,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             mlm=(MlmSettings.from_tokenizer(base.tokenizer, cfg.mlm_weight, cfg.mlm_probability,
                                             base.config.vocab_size) if encoder.mlm else None),
             prng_impl=cfg.prng_impl, micro_batch_size=cfg.micro_batch_size)
-        log = records.MetricsLog(workdir, keep_upto=latest, enabled=main)
+        log = records.MetricsLog(workdir, keep_upto=latest, enabled=main,
+                                 tensorboard=cfg.tensorboard)
         loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
                      progress and main)
         try:

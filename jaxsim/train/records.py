@@ -16,6 +16,8 @@ import json
 import math
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from tensorboardX import SummaryWriter
+
 from jaxsim.errors import JaxsimError
 from jaxsim.io import store
 from jaxsim.io.checkpoint import CHECKPOINT_DIR
@@ -24,6 +26,7 @@ from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.fingerprint import OPERATIONAL_KEYS, differences, fingerprint, run_defining
 
 METRICS_FILE = 'metrics.jsonl'
+TENSORBOARD_DIR = 'tb'
 RESULT_FILE = 'result.json'
 RECORD_FORMAT = 'jaxsim-train-run'
 # Run-defining values that are not config keys: allowed like keys (--allow-change=data).
@@ -204,22 +207,30 @@ class TrainResult:
 
 
 class MetricsLog:
-    """WORKDIR/metrics.jsonl: one JSON row per logged step, steps strictly increasing.
+    """WORKDIR/metrics.jsonl: one JSON row per logged step, steps strictly increasing; with
+    `tensorboard`, the same scalars as TensorBoard event files in WORKDIR/tb/ (tensorboardX:
+    no TensorFlow needed).
 
     Opening it for a run resumed at step S drops the rows after S (written after the last
-    checkpoint by a run that did not survive), so the log continues without duplicates.
+    checkpoint by a run that did not survive), so the log continues without duplicates; the
+    event files get a purge marker at S + 1, so TensorBoard drops those steps too and the
+    curves continue.
     """
 
-    def __init__(self, workdir: store.Path, keep_upto: Optional[int], enabled: bool = True):
+    def __init__(self, workdir: store.Path, keep_upto: Optional[int], enabled: bool = True,
+                 tensorboard: bool = False):
         self.path = workdir / METRICS_FILE
         self.enabled = enabled
         self.rows = [r for r in read_rows(self.path)
                      if keep_upto is not None and r['step'] <= keep_upto]
-        self._file = None
+        self._file = self._tb = None
         if enabled:
             self._rewrite()
             if not store.is_remote(self.path):
                 self._file = open(self.path, 'a', encoding='utf-8')
+            if tensorboard and not store.is_remote(self.path):  # event files: local only
+                self._tb = SummaryWriter(str(workdir / TENSORBOARD_DIR),
+                                         purge_step=0 if keep_upto is None else keep_upto + 1)
 
     def _rewrite(self) -> None:
         # Object stores cannot append: there every row rewrites the (small) log in one PUT.
@@ -235,11 +246,19 @@ class MetricsLog:
             self._file.flush()
         elif self.enabled:
             self._rewrite()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != 'step' and value is not None:
+                    self._tb.add_scalar(key, value, row['step'])
+            self._tb.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
 
 
 def _row_text(row: Mapping[str, Any]) -> str:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
 
 import jaxsim
 from configs.tiny_unsup_simcse import get_config
@@ -70,6 +71,20 @@ def _strict_json(path: Path):
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
+def _tensorboard(workdir: Path) -> dict:
+    """tag -> [(step, value)] as TensorBoard shows them (orphaned steps purged)."""
+    acc = event_accumulator.EventAccumulator(str(workdir / 'tb'), purge_orphaned_data=True)
+    acc.Reload()
+    return {tag: [(e.step, pytest.approx(e.value, rel=1e-6)) for e in acc.Scalars(tag)]
+            for tag in acc.Tags()['scalars']}
+
+
+def _jsonl_curves(rows: list) -> dict:
+    tags = sorted({k for row in rows for k in row if k != 'step'})
+    return {tag: [(row['step'], row[tag]) for row in rows if row.get(tag) is not None]
+            for tag in tags}
+
+
 def _params(workdir, step):
     with Checkpointer(Path(workdir) / 'checkpoints', read_only=True) as ck:
         return jax.tree.map(np.asarray, ck.restore(step).state['params'])
@@ -91,7 +106,10 @@ def test_train_select_resume_and_use_the_workdir_as_a_model(corpus, senteval, tm
     record = _strict_json(a / 'config.json')
     assert record['config']['pooler'] == 'cls' and record['derived']['data']['examples'] == 120
     assert sorted(p.name for p in a.iterdir()) == [  # .lock: emptied when the run ended
-        '.lock', 'checkpoints', 'config.json', 'metrics.jsonl', 'model.json', 'result.json', 'tokenizer']
+        '.lock', 'checkpoints', 'config.json', 'metrics.jsonl', 'model.json', 'result.json', 'tb',
+        'tokenizer']
+    # TensorBoard's own reader finds every metrics.jsonl value at its step.
+    assert _tensorboard(a) == _jsonl_curves(rows)
 
     # The workdir is a model: its best checkpoint, encoded by jaxsim.encode, gives the dev score.
     model = jaxsim.load_pretrained(a)
@@ -124,6 +142,8 @@ def test_train_select_resume_and_use_the_workdir_as_a_model(corpus, senteval, tm
     (b / 'result.json').unlink()
     rb = loop.train_and_evaluate(cfg, b, progress=False)
     assert (b / 'metrics.jsonl').read_text() == (a / 'metrics.jsonl').read_text()
+    # The resumed curves continue: steps past the checkpoint were purged, none twice.
+    assert _tensorboard(b) == _jsonl_curves(rows)
     assert {**rb.to_json(), 'wall_s': 0} == {**r.to_json(), 'wall_s': 0}
     for x, y in zip(jax.tree.leaves(_params(a, 4)), jax.tree.leaves(_params(b, 4))):
         np.testing.assert_array_equal(x, y)
