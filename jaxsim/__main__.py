@@ -1,4 +1,4 @@
-"""Command line: `python -m jaxsim {encode,export,index,search,serve,prepare} [options]`.
+"""Command line: `python -m jaxsim {encode,export,index,search,serve,prepare,analyze} [options]`.
 
     python -m jaxsim encode --input sentences.txt --output vectors.npy [--model M]
     python -m jaxsim export --checkpoint WORKDIR_OR_FOLDER --out DIR
@@ -6,6 +6,7 @@
     python -m jaxsim index / search   (see jaxsim/search/cli.py)
     python -m jaxsim serve --index DIR  (see docs/serve.md)
     python -m jaxsim prepare FILE... [--format text|csv|snli]  (index training data; docs/pod.md)
+    python -m jaxsim analyze --corpus FILE --out DIR  (jaxsim/eval/frequency_cli.py)
 
 Every command reports a user error (bad file, bad option, unreadable model) as one line
 `error: <message>` on stderr and exits 1, and SIGINT / SIGTERM as one line with exit 130 / 143
@@ -36,6 +37,7 @@ from jaxsim.io.pretrained import bundled_model_path, describe_provenance, load_p
 from jaxsim.models.poolers import POOLERS
 from jaxsim.search.cli import index_main, search_main
 from jaxsim.serve.cli import serve_main
+from jaxsim.eval.frequency_cli import analyze_main
 
 
 class UsageError(JaxsimError):
@@ -174,6 +176,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "search": search_main,
     "serve": serve_main,
     "prepare": prepare_main,
+    "analyze": analyze_main,
 }
 
 
