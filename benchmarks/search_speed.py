@@ -18,6 +18,11 @@ the same process (`peak.py`).
 "ratio" (top level) = geometric mean over the configurations of jaxsim_qps / faiss_qps
 (> 1: jaxsim faster).
 
+Approximate indexes (`--ann ivf,hnsw`, jaxsim's `method="ivf"|"hnsw"` through faiss, default
+options) are timed on the same queries: q/s, recall@k against the exact search, speed-up over
+the exact search, build time. `--data clustered` draws the corpus around 1000 centres (as
+sentence vectors cluster; uniform random vectors are the hardest case for IVF and HNSW).
+
     pip install faiss-cpu        # or: pip install -e .[bench]
     python benchmarks/search_speed.py --json /tmp/search_speed.json
         [--rows 100000,1000000] [--dims 384,768] [--queries 256] [--top-k 10] [--repeats 3]
@@ -41,9 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peak import describe, fraction_of_peak, measure_peaks  # noqa: E402
 
 
-def unit_rows(n: int, dim: int, rng: np.random.Generator) -> np.ndarray:
-    """[n, dim] float32 rows of unit norm, normalized in chunks (no [n, dim] temporaries)."""
+def unit_rows(n: int, dim: int, rng: np.random.Generator,
+              centres: np.ndarray | None = None) -> np.ndarray:
+    """[n, dim] float32 rows of unit norm, normalized in chunks (no [n, dim] temporaries);
+    around `centres` (noise of the same scale as the centres' spread) when given."""
     x = rng.standard_normal((n, dim), dtype=np.float32)
+    if centres is not None:
+        for s in range(0, n, 65536):
+            part = x[s: s + 65536]
+            part += 1.5 * centres[rng.integers(len(centres), size=len(part))]
     for s in range(0, n, 65536):
         x[s: s + 65536] /= np.linalg.norm(x[s: s + 65536], axis=1, keepdims=True)
     return x
@@ -57,8 +68,10 @@ def overlap(a: np.ndarray, b: np.ndarray) -> float:
 def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
     rng = np.random.default_rng(rows * 1000 + dim)
     start = time.perf_counter()
-    corpus = unit_rows(rows, dim, rng)
-    queries = unit_rows(args.queries, dim, rng)
+    centres = (rng.standard_normal((1000, dim), dtype=np.float32)
+               if args.data == "clustered" else None)
+    corpus = unit_rows(rows, dim, rng, centres)
+    queries = unit_rows(args.queries, dim, rng, centres)
     make_s = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -107,11 +120,30 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
         "approx_qps": args.queries / approx_s, "approx_recall_target": args.approx_recall,
         "approx_recall": overlap(approx.rows, ours.rows),
         "data_s": make_s, "build_s": build_s, "load_average_1min": os.getloadavg()[0],
+        "data": args.data,
     }
     row["flops"] = 2.0 * args.queries * rows * dim
     row["peak_gflops"] = args.peaks["jax"]["float32"]
     row["fraction_of_peak"] = fraction_of_peak(row["flops"], 1.0 / jax_s, row["peak_gflops"])
+    faiss.omp_set_num_threads(max(args.faiss_threads))
+    for method in args.ann:
+        start = time.perf_counter()
+        approximate = SearchIndex.from_vectors(index.vectors, method=method)
+        found = approximate.search_vectors(queries, args.top_k)  # builds the structure
+        build = time.perf_counter() - start
+        took = min(seconds(lambda: approximate.search_vectors(queries, args.top_k))
+                   for _ in range(args.repeats))
+        row[method] = {"qps": args.queries / took, "recall": overlap(found.rows, ours.rows),
+                       "speedup_vs_exact": jax_s / took, "build_s": build}
+        del approximate
+        gc.collect()
     return row
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main():
@@ -131,6 +163,9 @@ def main():
     parser.add_argument("--approx-recall", type=float, default=0.95)
     parser.add_argument("--peak-size", type=int, default=2048, help="peak product size")
     parser.add_argument("--peak-repeats", type=int, default=10)
+    parser.add_argument("--ann", default="ivf,hnsw",
+                        help="approximate methods to time too (comma-separated; '' for none)")
+    parser.add_argument("--data", choices=("random", "clustered"), default="random")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
 
@@ -146,6 +181,7 @@ def main():
     args.block_rows = args.block_rows or DEFAULT_BLOCK_ROWS
     args.query_batch = args.query_batch or DEFAULT_QUERY_BATCH
     args.faiss_threads = sorted({int(t) for t in args.faiss_threads.split(",")})
+    args.ann = [m for m in args.ann.split(",") if m]
     # faiss sends a batch to BLAS only when queries * dim >= this threshold (128000 by
     # default), else to a per-pair loop about 10x slower: 256 queries of dimension 384 would
     # take that loop. 0 gives faiss its BLAS path for every batch here.
@@ -170,6 +206,11 @@ def main():
             print(f"{rows:>9} {dim:>4} {r['jaxsim_qps']:>11.0f} {r['faiss_qps']:>10.0f} "
                   f"{r['ratio']:>6.2f} {r['overlap_with_faiss']:>8.4f} {r['approx_qps']:>11.0f} "
                   f"{r['approx_recall']:>7.4f} {r['jaxsim_first_call_s']:>10.1f}", flush=True)
+            for method in args.ann:
+                a = r[method]
+                print(f"{'':>9} {'':>4} {method}: {a['qps']:.0f} q/s, recall@{args.top_k} "
+                      f"{a['recall']:.4f}, {a['speedup_vs_exact']:.1f}x exact, built in "
+                      f"{a['build_s']:.1f} s", flush=True)
     load_after = os.getloadavg()
     ratio = math.exp(np.mean([math.log(r["ratio"]) for r in results]))
     print(f"ratio (geometric mean of jaxsim/faiss queries/s): {ratio:.2f}")
@@ -177,6 +218,7 @@ def main():
         out = {"ratio": ratio,
                "ratio_definition": "geometric mean over configs of jaxsim_qps / faiss_qps",
                "configs": results, "faiss_threads": args.faiss_threads, "cpus": os.cpu_count(),
+               "data": args.data, "ann": args.ann,
                "faiss_blas_threshold": args.faiss_blas_threshold,
                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                "faiss_default_blas_threshold": default_blas_threshold,

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from jaxsim import cli_io
 from jaxsim.io.pretrained import bundled_model_path, load_pretrained
+from jaxsim.search.ann import METHODS
 from jaxsim.search.index import build_index, load_index
 from jaxsim.search.storage import check_replaceable_index
 from jaxsim.search.vectors import SearchError
@@ -41,6 +42,9 @@ def index_parser() -> argparse.ArgumentParser:
                         help="replace an existing index in --out")
     parser.add_argument("--pooler", default=None, help="pooler (default: the model's own)")
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--method", choices=METHODS, default="exact",
+                        help="exact (default; sharded device search) or approximate through "
+                             "faiss: ivf | hnsw (pip install 'jaxsim[ann]')")
     return parser
 
 
@@ -50,7 +54,8 @@ def index_main(argv: Sequence[str]) -> int:
     sentences, _, _ = cli_io.input_sentences(args.input)
     cli_io.check_output_dir(args.out, args.overwrite, "--out", keep=check_replaceable_index)
     model = load_pretrained(args.model or bundled_model_path())
-    index = build_index(model, sentences, pooler=args.pooler, batch_size=args.batch_size)
+    index = build_index(model, sentences, pooler=args.pooler, batch_size=args.batch_size,
+                        method=args.method)
     index.save(args.out, overwrite=args.overwrite, what="--out")
     print(f"indexed {len(index)} sentences (dimension {index.dim}, pooler {index.info.pooler}) "
           f"into {args.out}", file=sys.stderr)

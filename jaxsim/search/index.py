@@ -10,6 +10,9 @@ fixed probe sentence. Every query is encoded together with the probe, and a mode
 vector differs (another checkpoint, another pooler, another width) is refused with an error
 naming both models, instead of returning meaningless neighbours.
 
+`method="ivf"|"hnsw"` searches approximately through faiss instead (`jaxsim.search.ann`), for
+large corpora on CPU; everything else (sentences, threshold, model check, save/load) is the same.
+
 `save` / `load` use the folder format of `jaxsim.search.storage`.
 """
 from __future__ import annotations
@@ -23,7 +26,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxsim.data.readers import read_sentences
-from jaxsim.search.storage import read_index, write_index
+from jaxsim.search import ann
+from jaxsim.search.storage import IndexFileError, read_ann, read_index, write_index
 from jaxsim.search.topk import (DEFAULT_BLOCK_ROWS, DEFAULT_QUERY_BATCH, Layout, place_corpus,
                                 plan_layout, top_k_search)
 from jaxsim.search.vectors import SearchError, as_matrix, embed, model_ref, normalize_rows
@@ -48,6 +52,8 @@ class IndexInfo:
     model: Optional[str] = None
     pooler: Optional[str] = None
     probe: Optional[tuple[float, ...]] = None
+    method: str = "exact"  # or "ivf" / "hnsw": approximate, through faiss
+    ann: Optional[dict] = None  # AnnOptions fields given at build time
 
 
 class TopK(NamedTuple):
@@ -109,13 +115,18 @@ class SearchIndex:
         self._size = 0
         self._sentences: Optional[list[str]] = [] if with_sentences else None
         self._placed = None  # (layout, corpus on the mesh) for the current rows
+        ann.check_method(info.method)
+        self._ann_options = ann.AnnOptions.from_dict(info.ann)
+        self._ann = None  # the faiss structure over the current rows (approximate methods)
 
     @classmethod
     def from_vectors(cls, vectors: Any, sentences: Optional[Sequence[str]] = None, *,
-                     normalize: bool = True, **options) -> "SearchIndex":
+                     normalize: bool = True, method: str = "exact",
+                     ann_options: Optional[dict] = None, **options) -> "SearchIndex":
         """An index over precomputed vectors [n, dim] (with one sentence per row, or none)."""
         arr = as_matrix(vectors, "vectors")
-        index = cls(IndexInfo(dim=arr.shape[1], normalize=normalize),
+        index = cls(IndexInfo(dim=arr.shape[1], normalize=normalize, method=method,
+                              ann=ann_options),
                     with_sentences=sentences is not None, **options)
         index.add_vectors(arr, sentences)
         return index
@@ -165,7 +176,7 @@ class SearchIndex:
         self._size = need
         if sentences is not None:
             self._sentences.extend(sentences)
-        self._placed = None
+        self._placed = self._ann = None
 
     def _layout(self, rows: int) -> Layout:
         return plan_layout(rows, self.dim, self.mesh.size, self.block_rows)
@@ -240,10 +251,28 @@ class SearchIndex:
         q = as_matrix(queries, "query vectors", self.dim)
         k = min(_check_top_k(top_k), self._size)
         recall = _check_recall(approx_recall)
+        if recall is not None and self.info.method != "exact":
+            raise SearchError(f"approx_recall applies to the exact method's device search; "
+                              f"this index searches by {self.info.method}")
         if k == 0 or len(q) == 0:
             return TopK(np.zeros((len(q), k), np.float32), np.zeros((len(q), k), np.int64))
         if self.info.normalize:
             q = normalize_rows(q)
+        if self.info.method != "exact":
+            scores, rows = ann.search(self._ann_structure(), self.info.method,
+                                      self._ann_options, q, k)
+        else:
+            scores, rows = self._exact_top_k(q, k, recall)
+        invalid = (rows < 0) | (rows >= self._size)  # only an approximate search leaves these
+        scores[invalid], rows[invalid] = -np.inf, -1
+        return TopK(scores, rows)
+
+    def _ann_structure(self):
+        if self._ann is None:
+            self._ann = ann.build(self.info.method, self.vectors, self._ann_options)
+        return self._ann
+
+    def _exact_top_k(self, q: np.ndarray, k: int, recall: Optional[float]):
         if self._placed is None:
             layout = self._layout(self._size)
             self._reserve(self._size)
@@ -251,11 +280,8 @@ class SearchIndex:
             self._placed = (layout, place_corpus(self._buffer[: layout.capacity], self.mesh,
                                                  layout))
         layout, corpus = self._placed
-        scores, rows = top_k_search(corpus, layout, self.mesh, self._size, q, k,
-                                    query_batch=self.query_batch, recall_target=recall)
-        invalid = (rows < 0) | (rows >= self._size)  # only an approximate search leaves these
-        scores[invalid], rows[invalid] = -np.inf, -1
-        return TopK(scores, rows)
+        return top_k_search(corpus, layout, self.mesh, self._size, q, k,
+                            query_batch=self.query_batch, recall_target=recall)
 
     def search(self, model: Any, queries: Union[str, Sequence[str]], *,
                threshold: Optional[float] = 0.6, top_k: int = 5, pooler: Optional[str] = None,
@@ -302,8 +328,10 @@ class SearchIndex:
         """
         meta = {"count": self._size, "has_sentences": self._sentences is not None,
                 **dataclasses.asdict(self.info)}
+        structure = (ann.to_bytes(self._ann_structure())
+                     if self.info.method != "exact" and self._size else None)
         return write_index(folder, meta, self._buffer[: self._size], self._sentences,
-                           overwrite=overwrite, what=what)
+                           overwrite=overwrite, what=what, ann=structure)
 
     @classmethod
     def load(cls, folder: Union[str, os.PathLike], **options) -> "SearchIndex":
@@ -315,22 +343,35 @@ class SearchIndex:
         meta, vectors, sentences = read_index(folder)
         info = IndexInfo(dim=meta["dim"], normalize=meta["normalize"], model=meta["model"],
                          pooler=meta["pooler"],
-                         probe=None if meta["probe"] is None else tuple(meta["probe"]))
+                         probe=None if meta["probe"] is None else tuple(meta["probe"]),
+                         method=meta["method"], ann=meta["ann"])
         index = cls(info, with_sentences=sentences is not None, **options)
         index._reserve(len(vectors))
         index._buffer[: len(vectors)] = vectors
         index._size, index._sentences = len(vectors), sentences
+        structure = read_ann(folder) if info.method != "exact" else None
+        if structure is not None:
+            index._ann = ann.from_bytes(structure)
+            if index._ann.ntotal != len(vectors) or index._ann.d != info.dim:
+                raise IndexFileError(f"{folder}/ann.faiss: holds {index._ann.ntotal} rows of "
+                                     f"dimension {index._ann.d}, index.json says {len(vectors)} "
+                                     f"of dimension {info.dim}")
         return index
 
 
 def build_index(model: Any, sentences_or_file: Union[str, os.PathLike, Sequence[str]], *,
                 pooler: Optional[str] = None, batch_size: int = 64, normalize: bool = True,
+                method: str = "exact", ann_options: Optional[dict] = None,
                 **options) -> SearchIndex:
     """Encodes sentences (a list, or a file path with one sentence a line) into an index.
 
-    Like the official SimCSE tool, a string is a file path. `options` go to `SearchIndex`
-    (mesh, block_rows, query_batch).
+    Like the official SimCSE tool, a string is a file path. `method`: "exact" (the sharded
+    device search), or "ivf" / "hnsw" (approximate, through faiss; `ann_options` are
+    `jaxsim.search.ann.AnnOptions` fields). `options` go to `SearchIndex` (mesh, block_rows,
+    query_batch).
     """
+    ann.check_method(method)
+    ann.AnnOptions.from_dict(ann_options)  # bad options fail before the encoding
     if isinstance(sentences_or_file, (str, os.PathLike)):
         sentences = read_sentences(sentences_or_file)
     else:
@@ -340,7 +381,8 @@ def build_index(model: Any, sentences_or_file: Union[str, os.PathLike, Sequence[
     # A local folder is recorded absolute, so a command line run elsewhere can reload it.
     path = os.path.abspath(ref.path) if os.path.exists(ref.path) else ref.path
     info = IndexInfo(dim=vecs.shape[1], normalize=normalize, model=path, pooler=ref.pooler,
-                     probe=tuple(float(f"{x:.7g}") for x in vecs[0]))
+                     probe=tuple(float(f"{x:.7g}") for x in vecs[0]), method=method,
+                     ann=ann_options)
     index = SearchIndex(info, **options)
     index.add_vectors(vecs[1:], sentences)
     return index

@@ -3,7 +3,9 @@
   vectors.npy      float32 [count, dim] (already unit-norm when the index normalizes)
   sentences.jsonl  one JSON string a line (sentences may hold newlines); absent for an index
                    of bare vectors
+  ann.faiss        the approximate structure (faiss) of an index built with method ivf/hnsw
   index.json       format, version, count, dim, normalize, has_sentences, model, pooler, probe,
+                   method, ann (options; absent: an exact index),
                    sha256 (of the rows of vectors.npy and of sentences.jsonl, in order)
 
 The folder is built beside its target and renamed into place (`jaxsim.io.store.replace_dir`),
@@ -22,11 +24,13 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from jaxsim.io import store
+from jaxsim.search.ann import METHODS
 from jaxsim.search.vectors import SearchError, as_matrix
 
 FORMAT = "jaxsim-search-index"
 VERSION = 1
 INDEX_FILE, VECTORS_FILE, SENTENCES_FILE = "index.json", "vectors.npy", "sentences.jsonl"
+ANN_FILE = "ann.faiss"
 
 
 class IndexFileError(SearchError):
@@ -53,13 +57,14 @@ def check_replaceable_index(folder) -> None:
 
 def write_index(folder: Union[str, os.PathLike], meta: dict, vectors: np.ndarray,
                 sentences: Optional[Sequence[str]], overwrite: bool = False,
-                what: str = "index folder") -> Path:
+                what: str = "index folder", ann: Optional[bytes] = None) -> Path:
     """Writes the three files; `meta` holds every index.json field but format, version, sha256.
 
     Args:
       overwrite: replace an existing index in `folder` (a non-empty folder that is not an
         index is refused even then).
       what: how the caller names the folder in messages (e.g. '--out').
+      ann: the serialized approximate structure (ann.faiss), if any.
     """
     vectors = np.ascontiguousarray(vectors, np.float32)
     lines = None if sentences is None else "".join(
@@ -71,6 +76,8 @@ def write_index(folder: Union[str, os.PathLike], meta: dict, vectors: np.ndarray
             np.save(f, vectors)
         if lines is not None:
             (tmp / SENTENCES_FILE).write_bytes(lines)
+        if ann is not None:
+            (tmp / ANN_FILE).write_bytes(ann)
         (tmp / INDEX_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     return Path(folder)
 
@@ -94,6 +101,12 @@ def read_index(folder: Union[str, os.PathLike]
                              f"reordered, replaced or edited: checksum mismatch); rebuild it "
                              f"with `python -m jaxsim index`")
     return meta, vectors, sentences
+
+
+def read_ann(folder: Union[str, os.PathLike]) -> Optional[bytes]:
+    """The saved approximate structure, or None when the folder has none."""
+    path = Path(folder) / ANN_FILE
+    return path.read_bytes() if path.is_file() else None
 
 
 def _read_meta(folder: Path) -> dict:
@@ -120,6 +133,12 @@ def _read_meta(folder: Path) -> dict:
         if value is KeyError or not isinstance(value, kind) or (
                 kind is int and (isinstance(value, bool) or value < 0)):
             raise IndexFileError(f"{path}: field {key!r} is missing or invalid: {value!r:.60}")
+    meta.setdefault("method", "exact")  # written before approximate indexes existed
+    meta.setdefault("ann", None)
+    if meta["method"] not in METHODS or not isinstance(meta["ann"], (dict, type(None))):
+        raise IndexFileError(f"{path}: field 'method' must be one of {', '.join(METHODS)} and "
+                             f"'ann' an object or null; got {meta['method']!r}, "
+                             f"{meta['ann']!r:.40}")
     if meta["dim"] < 1:
         raise IndexFileError(f"{path}: field 'dim' must be positive, got {meta['dim']}")
     if meta["probe"] is not None and (len(meta["probe"]) != meta["dim"] or not all(
