@@ -16,6 +16,7 @@ from jaxsim.data import sources
 from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.search import cli as search_cli
 from jaxsim.serve import cli as serve_cli
+from jaxsim.eval import frequency_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
@@ -90,7 +91,8 @@ def _parsers():
         name, rest = args[0], args[1:]
         parser = {'encode': jaxsim_cli.encode_parser, 'export': jaxsim_cli.export_parser,
                   'index': search_cli.index_parser, 'search': search_cli.search_parser,
-                  'serve': serve_cli.serve_parser, 'prepare': sources.prepare_parser}[name]()
+                  'serve': serve_cli.serve_parser, 'prepare': sources.prepare_parser,
+                  'analyze': frequency_cli.analyze_parser}[name]()
         with jaxsim_cli._usage_errors_as_exceptions():
             parser.parse_args(rest)
 
