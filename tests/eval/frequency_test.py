@@ -74,10 +74,11 @@ def test_command_writes_json_and_png_and_refuses_to_overwrite(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("A man plays a guitar.\nA dog runs in the park.\nTwo men talk.\n" * 3)
     out = tmp_path / "out"
-    argv = ["analyze", "--corpus", str(corpus), "--out", str(out), "--buckets", "0,5,1000"]
+    argv = ["analyze", "--corpus", str(corpus), "--out", str(out), "--k", "2",
+            "--buckets", "0,5,1000"]
     assert jaxsim_main(argv) == 0
     result = json.loads((out / "frequency.json").read_text())
-    assert [b["lo"] for b in result["buckets"]] == [0, 5] and result["k"] == 3
+    assert [b["lo"] for b in result["buckets"]] == [0, 5] and result["k"] == 2
     assert (out / "frequency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "mean norm" in capsys.readouterr().out
     assert jaxsim_main(argv) == 1
