@@ -129,12 +129,19 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
     for method in args.ann:
         start = time.perf_counter()
         approximate = SearchIndex.from_vectors(index.vectors, method=method)
-        found = approximate.search_vectors(queries, args.top_k)  # builds the structure
+        approximate.search_vectors(queries[:1], args.top_k)  # builds the structure
         build = time.perf_counter() - start
-        took = min(seconds(lambda: approximate.search_vectors(queries, args.top_k))
-                   for _ in range(args.repeats))
-        row[method] = {"qps": args.queries / took, "recall": overlap(found.rows, ours.rows),
-                       "speedup_vs_exact": jax_s / took, "build_s": build}
+        # Each search-time setting (cells probed / search beam) on the same structure.
+        key = "nprobe" if method == "ivf" else "ef_search"
+        row[method] = {"build_s": build, "by_" + key: {}}
+        for value in args.nprobe if method == "ivf" else args.ef_search:
+            approximate.tune(**{key: value})
+            found = approximate.search_vectors(queries, args.top_k)
+            took = min(seconds(lambda: approximate.search_vectors(queries, args.top_k))
+                       for _ in range(args.repeats))
+            row[method]["by_" + key][value] = {
+                "qps": args.queries / took, "recall": overlap(found.rows, ours.rows),
+                "speedup_vs_exact": jax_s / took}
         del approximate
         gc.collect()
     return row
@@ -166,6 +173,8 @@ def main():
     parser.add_argument("--ann", default="ivf,hnsw",
                         help="approximate methods to time too (comma-separated; '' for none)")
     parser.add_argument("--data", choices=("random", "clustered"), default="random")
+    parser.add_argument("--nprobe", default="4,8,16,32,64", help="ivf cells probed, swept")
+    parser.add_argument("--ef-search", default="16,32,64,128", help="hnsw beams, swept")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
 
@@ -182,6 +191,8 @@ def main():
     args.query_batch = args.query_batch or DEFAULT_QUERY_BATCH
     args.faiss_threads = sorted({int(t) for t in args.faiss_threads.split(",")})
     args.ann = [m for m in args.ann.split(",") if m]
+    args.nprobe = [int(v) for v in args.nprobe.split(",")]
+    args.ef_search = [int(v) for v in args.ef_search.split(",")]
     # faiss sends a batch to BLAS only when queries * dim >= this threshold (128000 by
     # default), else to a per-pair loop about 10x slower: 256 queries of dimension 384 would
     # take that loop. 0 gives faiss its BLAS path for every batch here.
@@ -207,10 +218,12 @@ def main():
                   f"{r['ratio']:>6.2f} {r['overlap_with_faiss']:>8.4f} {r['approx_qps']:>11.0f} "
                   f"{r['approx_recall']:>7.4f} {r['jaxsim_first_call_s']:>10.1f}", flush=True)
             for method in args.ann:
-                a = r[method]
-                print(f"{'':>9} {'':>4} {method}: {a['qps']:.0f} q/s, recall@{args.top_k} "
-                      f"{a['recall']:.4f}, {a['speedup_vs_exact']:.1f}x exact, built in "
-                      f"{a['build_s']:.1f} s", flush=True)
+                (key, sweep), = ((k, v) for k, v in r[method].items() if k.startswith("by_"))
+                for value, a in sweep.items():
+                    print(f"{'':>9} {'':>4} {method} {key[3:]}={value}: {a['qps']:.0f} q/s, "
+                          f"recall@{args.top_k} {a['recall']:.4f}, "
+                          f"{a['speedup_vs_exact']:.1f}x exact (built in "
+                          f"{r[method]['build_s']:.1f} s)", flush=True)
     load_after = os.getloadavg()
     ratio = math.exp(np.mean([math.log(r["ratio"]) for r in results]))
     print(f"ratio (geometric mean of jaxsim/faiss queries/s): {ratio:.2f}")

@@ -267,6 +267,17 @@ class SearchIndex:
         scores[invalid], rows[invalid] = -np.inf, -1
         return TopK(scores, rows)
 
+    def tune(self, **search_options) -> None:
+        """Sets an approximate index's search-time options (nprobe for ivf, ef_search for
+        hnsw) without rebuilding it; saved with the index."""
+        unknown = sorted(set(search_options) - {"nprobe", "ef_search"})
+        if self.info.method == "exact" or unknown:
+            raise SearchError(f"tune takes nprobe / ef_search of an approximate index; got "
+                              f"{unknown or sorted(search_options)} for method {self.info.method}")
+        options = {**(self.info.ann or {}), **search_options}
+        self._ann_options = ann.AnnOptions.from_dict(options)
+        self.info = dataclasses.replace(self.info, ann=options)
+
     def _ann_structure(self):
         if self._ann is None:
             self._ann = ann.build(self.info.method, self.vectors, self._ann_options)

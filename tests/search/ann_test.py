@@ -41,13 +41,17 @@ def test_recall_and_scores_against_brute_force(data, method):
     assert (np.diff(found.scores, axis=1) <= 1e-6).all()
 
 
-def test_few_probes_lose_recall_and_more_probes_restore_it(data):
+def test_few_probes_lose_recall_and_more_probes_restore_it(data, tmp_path):
     corpus, queries = data
     exact = np.argsort(-(queries @ corpus.T), axis=1, kind="stable")[:, :10]
-    low = SearchIndex.from_vectors(corpus, method="ivf", ann_options={"nlist": 64, "nprobe": 1})
-    high = SearchIndex.from_vectors(corpus, method="ivf", ann_options={"nlist": 64, "nprobe": 64})
-    assert recall_at(low.search_vectors(queries, 10).rows, exact) < 0.9  # really approximate
-    assert recall_at(high.search_vectors(queries, 10).rows, exact) == 1.0  # every cell: exact
+    index = SearchIndex.from_vectors(corpus, method="ivf", ann_options={"nlist": 64, "nprobe": 1})
+    assert recall_at(index.search_vectors(queries, 10).rows, exact) < 0.9  # really approximate
+    index.tune(nprobe=64)  # every cell: exact, same structure
+    assert recall_at(index.search_vectors(queries, 10).rows, exact) == 1.0
+    index.save(tmp_path / "ix")
+    assert load_index(tmp_path / "ix")._ann_options.nprobe == 64
+    with pytest.raises(SearchError, match="tune takes nprobe / ef_search"):
+        index.tune(nlist=8)
 
 
 @pytest.mark.parametrize("method", ["ivf", "hnsw"])
