@@ -36,5 +36,10 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
         assert config["peak_gflops"] == peak
         assert config["fraction_of_peak"] == pytest.approx(
             config["flops"] / config["jaxsim_s"] / 1e9 / peak)
+        # Approximate indexes: more probed cells see a superset of rows, so recall never falls.
+        recalls = [v["recall"] for v in config["ivf"]["by_nprobe"].values()]
+        assert recalls == sorted(recalls) and 0 <= recalls[0] and recalls[-1] <= 1
+        for v in [*config["ivf"]["by_nprobe"].values(), *config["hnsw"]["by_ef_search"].values()]:
+            assert v["speedup_vs_exact"] == pytest.approx(v["qps"] / config["jaxsim_qps"])
     assert record["ratio"] == pytest.approx(
         math.exp(sum(math.log(c["ratio"]) for c in record["configs"]) / 2))
