@@ -61,3 +61,12 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
         "bfloat16_vs_st_bfloat16"]["ratio"]
     assert "load_average_1min" in record
     assert "vs ST bfloat16" in proc.stdout
+
+
+def test_refuses_an_unknown_set():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "encode_speed.py"), "--sets", "stsb_test,news",
+         "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "--sets: unknown news; known: stsb_test, long_64_128" in proc.stderr
+    assert "Traceback" not in proc.stderr
