@@ -24,7 +24,7 @@ os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')
 os.environ.setdefault('TRANSFORMERS_NO_ADVISORY_WARNINGS', '1')
 
-from jaxsim import cli_io  # noqa: E402
+from jaxsim import cli_io, distributed  # noqa: E402
 from jaxsim.errors import USER_ERROR_EXIT  # noqa: E402
 from jaxsim.eval import cli_checks, plots, report, runner  # noqa: E402
 from jaxsim.runtime import enable_compilation_cache  # noqa: E402
@@ -95,6 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help='replace an existing --json file / --plots folder')
     p.add_argument('--no-diagnostics', action='store_true',
                    help='skip alignment/uniformity/anisotropy/spectrum')
+    distributed.add_launch_flags(p)
     return p.parse_args(argv)
 
 
@@ -116,6 +117,13 @@ def evaluate(args: argparse.Namespace) -> int:
     roots = args.data or [runner.DEFAULT_DATA]
     runner.check_transfer_data(transfer_tasks, roots)
     models = args.model or [None]
+    # Several processes: each encodes its devices' rows of every batch (vectors gathered on
+    # all, scores computed alike); process 0 prints and writes.
+    distributed.initialize_from_flags(args)
+    say = print if distributed.is_main_process() else (lambda *a, **k: None)
+    launch = ('coordinator', 'num_processes', 'process_id', 'distributed')
+    distributed.check_same_inputs({'arguments': {k: v for k, v in vars(args).items()
+                                                 if k not in launch}})
     cli_checks.quiet_library_logs()
     enable_compilation_cache()
     rows, transfer_rows = [], []
@@ -128,9 +136,9 @@ def evaluate(args: argparse.Namespace) -> int:
             flow_checkpoint=args.flow_checkpoint, flow_config=args.flow_config,
             eps=args.eps, diagnostics=not args.no_diagnostics or bool(args.plots),
             dtype=args.dtype)
-        print(report.markdown_table(rows, args.aggregate))
+        say(report.markdown_table(rows, args.aggregate))
         t = rows[-1].details['timing']
-        print(f"\ntime: {t['total_s']:.1f} s evaluating ({t['encode_s']:.1f} s encoding "
+        say(f"\ntime: {t['total_s']:.1f} s evaluating ({t['encode_s']:.1f} s encoding "
               f"{t['sentences_encoded']} sentences, {t['rest_s']:.1f} s the rest)",
               file=sys.stderr)
     if transfer_tasks:
@@ -138,7 +146,9 @@ def evaluate(args: argparse.Namespace) -> int:
             models, roots, transfer_tasks, pooler=args.pooler, max_length=args.max_length,
             batch_size=args.batch_size, seeds=seeds or [runner.SENTEVAL_SEED],
             dtype=args.dtype)
-        print(('\n' if rows else '') + report.transfer_table(transfer_rows))
+        say(('\n' if rows else '') + report.transfer_table(transfer_rows))
+    if not distributed.is_main_process():
+        return 0
     if args.json:
         report.write_json(args.json, rows, transfer_rows, overwrite=args.overwrite)
     if args.plots and rows:

@@ -48,12 +48,7 @@ def parse_args(argv):
     p.add_argument('--allow-change', default='', metavar='KEYS',
                    help='comma-separated run-defining keys allowed to differ on a rerun')
     p.add_argument('--seeds', default='', help='comma-separated seeds')
-    p.add_argument('--coordinator', default=None, help='jax.distributed coordinator host:port')
-    p.add_argument('--num_processes', type=int, default=None)
-    p.add_argument('--process_id', type=int, default=None)
-    p.add_argument('--distributed', choices=('auto',), default=None,
-                   help="'auto': jax.distributed.initialize() detects the cluster (TPU pod "
-                        'slice, SLURM, Open MPI); start the same command on every host')
+    distributed.add_launch_flags(p)
     p.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True)
     p.add_argument('--noprogress', dest='progress', action='store_false', help=argparse.SUPPRESS)
     args, rest = p.parse_known_args(argv)
@@ -87,8 +82,7 @@ def run(args, overrides) -> int:
     main_process = True
     try:
         interrupts.unblock()  # a signal held back during start-up is raised here
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                               auto=args.distributed == 'auto')
+        distributed.initialize_from_flags(args)
         main_process = distributed.is_main_process()
         configure_jax()
         runtime.setup()  # quiet libraries; compilation cache: the step compiles for seconds

@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsim import cli_io, runtime
+from jaxsim import cli_io, distributed, runtime
 from jaxsim.data.sources import prepare_main
 from jaxsim.data.tokenize import token_ids
 from jaxsim.encode import encode
@@ -89,6 +89,7 @@ def encode_parser() -> argparse.ArgumentParser:
                    help="token limit, special tokens included (default: the model's); longer "
                         "sentences are truncated, with a warning")
     p.add_argument("--normalize", action="store_true", help="L2-normalize the vectors")
+    distributed.add_launch_flags(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="compute dtype (the output is float32 either way)")
     return p
@@ -99,7 +100,12 @@ def encode_main(argv: Sequence[str]) -> int:
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be positive, got {args.batch_size}")
     output = cli_io.check_output_file(args.output, args.overwrite, "--output")
+    # Every process of a multi-process run encodes its devices' rows of each batch; the
+    # vectors are gathered on all, and process 0 writes them.
+    distributed.initialize_from_flags(args)
+    main_process = distributed.is_main_process()
     sentences, skipped, name = cli_io.input_sentences(args.input)
+    distributed.check_same_inputs({"sentences": sentences})
     if skipped:
         print(f"note: {name}: skipped {skipped} blank line{'s' * (skipped > 1)}; row i "
               f"of the output is the i-th non-blank line", file=sys.stderr)
@@ -114,6 +120,8 @@ def encode_main(argv: Sequence[str]) -> int:
               f"and are truncated to {limit}", file=sys.stderr)
     vectors = encode(model, sentences, batch_size=args.batch_size, max_length=limit,
                      normalize=args.normalize, dtype=getattr(jnp, args.dtype))
+    if not main_process:
+        return 0
     # Exactly this name (np.save on a name would append '.npy'), whole or not at all.
     with store.open_atomic(output, "wb", overwrite=args.overwrite, what="--output") as f:
         np.save(f, vectors)

@@ -74,6 +74,23 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     return jax.process_count() > 1
 
 
+def add_launch_flags(parser) -> None:
+    """The multi-process launch flags every command takes (train.py, eval.py, encode)."""
+    parser.add_argument('--coordinator', default=None,
+                        help='jax.distributed coordinator host:port (multi-process launch)')
+    parser.add_argument('--num_processes', type=int, default=None)
+    parser.add_argument('--process_id', type=int, default=None)
+    parser.add_argument('--distributed', choices=('auto',), default=None,
+                        help="'auto': jax.distributed.initialize() detects the cluster (TPU pod "
+                             'slice, SLURM, Open MPI); start the same command on every host')
+
+
+def initialize_from_flags(args) -> bool:
+    """`initialize` with the flags of `add_launch_flags`; True when multi-process."""
+    return initialize(args.coordinator, args.num_processes, args.process_id,
+                      auto=args.distributed == 'auto')
+
+
 def is_main_process() -> bool:
     """Process 0 writes logs, metrics and the summary (orbax coordinates its own writes)."""
     return jax.process_index() == 0
