@@ -32,10 +32,10 @@ class AnnOptions:
     """Settings of an approximate index (None: chosen from the row count when built)."""
 
     nlist: Optional[int] = None
-    nprobe: int = 32
+    nprobe: int = 16
     m: int = 32
     ef_construction: int = 80
-    ef_search: int = 128
+    ef_search: int = 64
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

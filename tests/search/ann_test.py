@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from jaxsim.__main__ import main as jaxsim_main
 from jaxsim.search import IndexFileError, ModelMismatchError, SearchError, build_index, load_index
 from jaxsim.search.index import SearchIndex
 
@@ -116,3 +117,14 @@ def test_sentences_model_check_and_errors(bundled, tmp_path):
         build_index(bundled, sentences, method="ivf", ann_options={"probes": 3})
     with pytest.raises(SearchError, match="nprobe must be a positive integer"):
         SearchIndex.from_vectors(np.eye(4), method="ivf", ann_options={"nprobe": 0})
+
+
+def test_index_command_builds_an_approximate_index(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"Sentence {i} is about {w}.\n" for i, w in
+                              enumerate(["cats", "dogs", "music", "rain"] * 10)))
+    assert jaxsim_main(["index", "--input", str(corpus), "--out", str(tmp_path / "ix"),
+                        "--method", "hnsw"]) == 0
+    loaded = load_index(tmp_path / "ix")
+    assert loaded.info.method == "hnsw" and (tmp_path / "ix" / "ann.faiss").is_file()
+    assert len(loaded) == 40
