@@ -3,6 +3,7 @@ query, press Enter, read the results the page's script fetched and drew; a scree
 page is written beside the test's files."""
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -16,16 +17,20 @@ from tests.serve.conftest import CORPUS_SIZE, call
 
 
 @pytest.fixture
-def browser():
+def browser(tmp_path):
     driver_path, chromium = shutil.which("chromedriver"), shutil.which("chromium")
     # `make test` installs both (Makefile); a machine without them fails here, by name.
     assert driver_path and chromium, "install Debian's chromium and chromium-driver packages"
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                 "--window-size=1200,900"):
+                 "--window-size=1200,900", "--disable-breakpad",
+                 f"--user-data-dir={tmp_path / 'profile'}"):
         options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    # The browser's profile, caches and settings stay in the test's folder, not in $HOME.
+    env = dict(os.environ, HOME=str(tmp_path), XDG_CONFIG_HOME=str(tmp_path / "config"),
+               XDG_CACHE_HOME=str(tmp_path / "cache"))
+    driver = webdriver.Chrome(service=Service(driver_path, env=env), options=options)
     yield driver
     driver.quit()
 
