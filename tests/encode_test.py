@@ -237,8 +237,10 @@ def test_cli_bad_input_files(tmp_path, capsys):
 # `python -m jaxsim` as in the JAX-only install (`make demo`), where transformers finds no
 # PyTorch and would say so on every run.
 _WITHOUT_TORCH = """
-import runpy, sys
-sys.modules["torch"] = None  # importlib.util.find_spec("torch") is then None
+import importlib.util, runpy, sys
+find_spec = importlib.util.find_spec  # how transformers looks for torch
+importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] == "torch" else (
+    find_spec(name, *a))
 sys.argv = ["jaxsim"] + sys.argv[1:]
 runpy.run_module("jaxsim", run_name="__main__", alter_sys=True)
 """
