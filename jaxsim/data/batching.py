@@ -12,8 +12,9 @@ serves arrays already in memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -151,24 +152,36 @@ class EpochOrder:
                          for p in positions], np.int64)
 
 
-class BatchIterator:
-    """Yields this process's block of each global batch of in-memory arrays (`EpochOrder`).
+class OrderedIterator:
+    """This process's rows of each global batch, in `EpochOrder`, and its position.
+
+    The one implementation of what every training input shares: the order, the rows a process
+    feeds, the position (epoch, step) a checkpoint saves, and the wrap into the next epoch.
+    A subclass says how the examples at given indices are read (`read`).
 
     Args:
-      arrays: numpy arrays with a leading example dimension N.
+      num_examples: examples in the data.
       global_batch, seed, shuffle, last_batch, granularity: as `EpochOrder`.
-      process_index / process_count: this process's block of each global batch.
+      process_index / process_count: this process's rows (its block of each global batch),
+        unless `rows_fn` says which rows of a global batch of a given size it feeds (then
+        `granularity` alone decides how a kept last batch is rounded).
     """
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], global_batch: int, seed: int = 0,
+    def __init__(self, num_examples: int, global_batch: int, seed: int = 0,
                  process_index: int = 0, process_count: int = 1, shuffle: bool = True,
-                 last_batch: str = 'drop', granularity: int = 1):
-        self.arrays = dict(arrays)
-        self.num_examples = len(next(iter(self.arrays.values())))
-        self.order = EpochOrder(self.num_examples, global_batch, seed, shuffle, last_batch,
-                                granularity, process_count)
-        self.process_index, self.process_count = process_index, process_count
+                 last_batch: str = 'drop', granularity: int = 1,
+                 rows_fn: Optional[Callable[[int], np.ndarray]] = None):
+        # Rows from `rows_fn` follow the mesh, whose batch shards `granularity` already counts
+        # (processes that differ only along a tensor axis feed the same rows).
+        self.order = EpochOrder(num_examples, global_batch, seed, shuffle, last_batch,
+                                granularity, process_count if rows_fn is None else 1)
+        self.rows_fn = rows_fn or functools.partial(process_rows, process_index=process_index,
+                                                    process_count=process_count)
         self.state = IteratorState()
+
+    @property
+    def num_examples(self) -> int:
+        return self.order.num_examples
 
     @property
     def steps_per_epoch(self) -> int:
@@ -182,11 +195,28 @@ class BatchIterator:
     def last_size(self) -> int:
         return self.order.last_size
 
+    def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """The examples at `indices`, as arrays with a leading row dimension."""
+        raise NotImplementedError
+
+    def batch(self, epoch: int, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of global batch `step` of `epoch`."""
+        rows = self.rows_fn(self.order.batch_size(step))
+        return self.read(self.order.examples(epoch, step, rows))
+
+    def _next_batch(self) -> dict[str, np.ndarray]:
+        """The batch at the current position (a subclass may have prepared it ahead)."""
+        return self.batch(self.state.epoch, self.state.step)
+
     def get_state(self) -> dict[str, int]:
         return dataclasses.asdict(self.state)
 
     def set_state(self, state: Mapping[str, Any]) -> None:
+        self.close()
         self.state = IteratorState(epoch=int(state['epoch']), step=int(state['step']))
+
+    def close(self) -> None:
+        """Releases what reads ahead (nothing here)."""
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
@@ -194,11 +224,25 @@ class BatchIterator:
     def __next__(self) -> dict[str, np.ndarray]:
         if self.state.step >= self.steps_per_epoch:
             self.state = IteratorState(self.state.epoch + 1, 0)
-        epoch, step = self.state.epoch, self.state.step
-        rows = process_rows(self.order.batch_size(step), self.process_index, self.process_count)
-        idx = self.order.examples(epoch, step, rows)
-        self.state = IteratorState(epoch, step + 1)
-        return {k: v[idx] for k, v in self.arrays.items()}
+        out = self._next_batch()
+        self.state = IteratorState(self.state.epoch, self.state.step + 1)
+        return out
+
+
+class BatchIterator(OrderedIterator):
+    """Yields this process's block of each global batch of in-memory arrays.
+
+    Args:
+      arrays: numpy arrays with a leading example dimension N.
+      The rest: as `OrderedIterator`.
+    """
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], global_batch: int, **kwargs):
+        self.arrays = dict(arrays)
+        super().__init__(len(next(iter(self.arrays.values()))), global_batch, **kwargs)
+
+    def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return {k: v[indices] for k, v in self.arrays.items()}
 
 
 def to_global(local: Mapping[str, np.ndarray], shardings: Mapping[str, Any]) -> dict[str, Any]:

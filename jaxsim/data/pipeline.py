@@ -11,20 +11,17 @@ an uninterrupted one.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import os
 import threading
-from typing import Any, Callable, Mapping, Optional
+from typing import Optional
 
 import grain
 import numpy as np
 
-from jaxsim.data.batching import EpochOrder, IteratorState, process_rows, tokenize_examples
+from jaxsim.data.batching import OrderedIterator, tokenize_examples
 
-# Rows of a global batch of a given size that this process feeds.
-RowsFn = Callable[[int], np.ndarray]
 _NO_END = 2**62  # the batch positions run on across epochs until the loop stops
 
 
@@ -43,7 +40,7 @@ class _ThreadTokenizer:
         return tokenize_examples(tok, rows, self.max_len, self.name, log_truncated=False)
 
 
-class StreamIterator:
+class StreamIterator(OrderedIterator):
     """Yields this process's rows of each global batch, read and tokenized ahead of use.
 
     Args:
@@ -51,48 +48,24 @@ class StreamIterator:
         of sentences; `name` for messages.
       tokenizer: a `transformers` tokenizer.
       max_len: tokens per sentence (fixed padded length).
-      global_batch, seed, shuffle, last_batch, granularity: as `batching.EpochOrder`.
-      process_index / process_count: this process's rows (its block of each global batch),
-        unless `rows_fn` says which rows of a global batch of a given size it feeds (then
-        `granularity` alone decides how a kept last batch is rounded).
+      global_batch, seed, process_index, process_count, shuffle, last_batch, granularity,
+        rows_fn: as `batching.OrderedIterator`.
       workers: threads that read and tokenize.
       prefetch: batches prepared ahead.
     """
 
-    def __init__(self, source, tokenizer, max_len: int, global_batch: int, seed: int = 0,
-                 process_index: int = 0, process_count: int = 1, shuffle: bool = True,
-                 last_batch: str = 'drop', granularity: int = 1,
-                 rows_fn: Optional[RowsFn] = None, workers: Optional[int] = None,
-                 prefetch: int = 4):
+    def __init__(self, source, tokenizer, max_len: int, global_batch: int,
+                 workers: Optional[int] = None, prefetch: int = 4, **kwargs):
+        super().__init__(len(source), global_batch, **kwargs)
         self.source = source
-        # Rows from `rows_fn` follow the mesh, whose batch shards `granularity` already counts
-        # (processes that differ only along a tensor axis feed the same rows).
-        self.order = EpochOrder(len(source), global_batch, seed, shuffle, last_batch,
-                                granularity, process_count if rows_fn is None else 1)
-        self.rows_fn = rows_fn or (lambda size: process_rows(size, process_index, process_count))
         self.tokenize = _ThreadTokenizer(tokenizer, max_len, source.name)
         self.workers = workers or min(4, os.cpu_count() or 1)
         self.prefetch = prefetch
-        self.state = IteratorState()
         self._it = None
 
-    @property
-    def num_examples(self) -> int:
-        return self.order.num_examples
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.order.steps_per_epoch
-
-    @property
-    def dropped_per_epoch(self) -> int:
-        return self.order.dropped_per_epoch
-
-    def batch(self, epoch: int, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of global batch `step` of `epoch`, tokenized:
-        int32 [rows, views, max_len] per field."""
-        rows = self.rows_fn(self.order.batch_size(step))
-        indices = [int(i) for i in self.order.examples(epoch, step, rows)]
+    def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """The examples at `indices`, tokenized: int32 [rows, views, max_len] per field."""
+        indices = [int(i) for i in indices]
         getitems = getattr(self.source, 'getitems', None)  # one read for the batch
         return self.tokenize(getitems(indices) if getitems else
                              [self.source[i] for i in indices])
@@ -100,27 +73,13 @@ class StreamIterator:
     def _batch_at(self, position: int) -> dict[str, np.ndarray]:
         return self.batch(*divmod(position, self.steps_per_epoch))
 
-    def get_state(self) -> dict[str, int]:
-        return dataclasses.asdict(self.state)
-
-    def set_state(self, state: Mapping[str, Any]) -> None:
-        self.close()
-        self.state = IteratorState(epoch=int(state['epoch']), step=int(state['step']))
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        if self.state.step >= self.steps_per_epoch:
-            self.state = IteratorState(self.state.epoch + 1, 0)
+    def _next_batch(self) -> dict[str, np.ndarray]:
         if self._it is None:
             start = self.state.epoch * self.steps_per_epoch + self.state.step
             batches = grain.MapDataset.range(start, _NO_END).map(self._batch_at)
             self._it = iter(batches.to_iter_dataset(grain.ReadOptions(
                 num_threads=self.workers, prefetch_buffer_size=self.prefetch)))
-        out = next(self._it)
-        self.state = IteratorState(self.state.epoch, self.state.step + 1)
-        return out
+        return next(self._it)
 
     def close(self) -> None:
         """Stops the background threads (the next batch restarts them at the position)."""
