@@ -1,12 +1,5 @@
-"""The storage layer: the overwrite rule, atomic writes that survive interrupts, the workdir
-lock (live holder refused, dead holder taken over, racing runs: exactly one wins)."""
+"""The storage layer: the overwrite rule, atomic writes that survive interrupts."""
 from __future__ import annotations
-
-import json
-import multiprocessing
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -83,74 +76,3 @@ def test_replace_dir_runs_the_keep_check_on_what_it_would_replace(tmp_path):
         with store.replace_dir(tmp_path / "x", overwrite=True, keep=refuse):
             pass
     assert (tmp_path / "x" / "precious").read_text() == "1"
-
-
-def test_lock_refuses_a_live_holder_and_names_it(tmp_path):
-    with store.WorkdirLock(tmp_path / "run"):
-        holder = json.loads((tmp_path / "run" / store.LOCK_FILE).read_text())
-        assert holder["pid"] == os.getpid()
-        with pytest.raises(store.WorkdirLockedError, match=f"pid {os.getpid()}"):
-            store.WorkdirLock(tmp_path / "run").acquire()
-    # Released: free for the next run, and nobody is named as holder any more.
-    assert (tmp_path / "run" / store.LOCK_FILE).read_text() == ""
-    with store.WorkdirLock(tmp_path / "run", say=pytest.fail):
-        pass
-
-
-def test_lock_of_a_killed_run_is_taken_over_with_a_message(tmp_path):
-    run = tmp_path / "run"
-    code = ("import os, sys; from jaxsim.io import store; store.WorkdirLock(sys.argv[1]).acquire();"
-            " os.kill(os.getpid(), 9)")
-    killed = subprocess.run([sys.executable, "-c", code, str(run)])
-    assert killed.returncode == -9
-    holder = json.loads((run / store.LOCK_FILE).read_text())
-    said = []
-    with store.WorkdirLock(run, say=said.append):
-        assert json.loads((run / store.LOCK_FILE).read_text())["pid"] == os.getpid()
-    assert len(said) == 1 and f"pid {holder['pid']}" in said[0] and "gone" in said[0]
-
-
-def test_remote_lock_of_another_host_is_refused_and_a_dead_local_one_taken_over(tmp_path,
-                                                                                monkeypatch):
-    # The object-store path (no kernel locks) decides from the record alone.
-    monkeypatch.setattr(store, "is_remote", lambda p: True)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / store.LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1,
-                                                  "since": "then"}))
-    with pytest.raises(store.WorkdirLockedError, match="remove .*\\.lock"):
-        store.WorkdirLock(run).acquire()
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    lock = store.WorkdirLock(run)
-    (run / store.LOCK_FILE).write_text(json.dumps({**lock.record, "pid": dead.pid}))
-    said = []
-    with store.WorkdirLock(run, say=said.append):
-        assert json.loads((run / store.LOCK_FILE).read_text())["pid"] == os.getpid()
-    assert f"pid {dead.pid}" in said[0]
-    assert not (run / store.LOCK_FILE).exists()
-
-
-def _try_lock(path, barrier, results):
-    barrier.wait()
-    try:
-        lock = store.WorkdirLock(path).acquire()
-        results.put("won")
-        barrier.wait()  # hold until every contender has tried
-        lock.release()
-    except store.WorkdirLockedError:
-        results.put("refused")
-        barrier.wait()
-
-
-def test_racing_runs_exactly_one_wins(tmp_path):
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process running JAX threads
-    barrier, results = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=_try_lock, args=(str(tmp_path / "run"), barrier, results))
-             for _ in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(30)
-    outcomes = sorted(results.get(timeout=5) for _ in procs)
-    assert outcomes == ["refused"] * 3 + ["won"]
