@@ -86,13 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help='STS12-16 aggregation shown in the table (JSON has all three)')
     p.add_argument('--split', choices=('test', 'dev'), default='test',
                    help="'dev' scores STS-B dev (model selection)")
-    p.add_argument('--json', default=None,
-                   help='write results JSON to this file (an existing one only with --overwrite)')
+    cli_io.add_output_flags(
+        p, '--json', 'write results JSON to this file (an existing one only with --overwrite)',
+        overwrite_help='replace an existing --json file / --plots folder')
     p.add_argument('--plots', default=None,
                    help='write PNG figures into this folder (absent or empty; an earlier '
                         'plots folder only with --overwrite)')
-    p.add_argument('--overwrite', action='store_true',
-                   help='replace an existing --json file / --plots folder')
     p.add_argument('--no-diagnostics', action='store_true',
                    help='skip alignment/uniformity/anisotropy/spectrum')
     distributed.add_launch_flags(p)

@@ -79,9 +79,8 @@ def encode_parser() -> argparse.ArgumentParser:
                         "all-MiniLM-L6-v2)")
     p.add_argument("--input", required=True,
                    help="UTF-8 text, one sentence a line; - reads standard input")
-    p.add_argument("--output", required=True,
-                   help="the .npy file to write (written under exactly this name)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    cli_io.add_output_flags(p, "--output", "the .npy file to write (written under exactly this "
+                            "name)", overwrite_help="replace an existing --output", required=True)
     p.add_argument("--pooler", choices=POOLERS.names(), default=None,
                    help="default: the model's own")
     p.add_argument("--batch-size", type=int, default=64)
@@ -137,8 +136,9 @@ def export_parser() -> argparse.ArgumentParser:
                     "a hub model as a Hugging Face or sentence-transformers folder.")
     p.add_argument("--checkpoint", "--model", dest="source", required=True,
                    help="train workdir (model.json + checkpoints/), model folder or hub id")
-    p.add_argument("--out", required=True,
-                   help="output folder: absent, empty, or a previous export with --overwrite")
+    cli_io.add_output_flags(
+        p, "--out", "output folder: absent, empty, or a previous export with --overwrite",
+        overwrite_help="replace a previous export", required=True)
     p.add_argument("--format", default="hf", choices=FORMATS)
     p.add_argument("--pooler", default=None, choices=POOLERS.names(),
                    help="default: the source's own (a workdir refuses another one)")
@@ -156,7 +156,6 @@ def export_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=None,
                    help="token limit (sentence-transformers max_seq_length)")
     p.add_argument("--batch-size", type=int, default=64, help="encoding batch for --post")
-    p.add_argument("--overwrite", action="store_true", help="replace a previous export")
     return p
 
 

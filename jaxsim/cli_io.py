@@ -1,8 +1,10 @@
-"""What the command lines share: reading sentence inputs (a file or `-` for stdin), checking
-output targets before any work, and running a command with the one error / interrupt report.
+"""What the command lines share: reading sentence inputs (a file or `-` for stdin), declaring
+and checking output targets before any work, and running a command with the one error /
+interrupt report.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -36,6 +38,16 @@ def input_sentences(path: Union[str, Path]) -> tuple[list[str], int, str]:
     if not sentences:
         raise DataError(f"{name}: no sentences (the input is empty or blank)")
     return sentences, len(lines) - len(sentences), name
+
+
+def add_output_flags(parser: argparse.ArgumentParser, option: str, help: str,
+                     overwrite_help: str, required: bool = False,
+                     type: Optional[Callable] = None) -> None:
+    """Declares a command's output target (`--json`, `--out`, `--output`) and `--overwrite`,
+    which every command that writes takes (the target is checked by `check_output_file` /
+    `check_output_dir`, before any work)."""
+    parser.add_argument(option, required=required, default=None, type=type, help=help)
+    parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
 
 
 def check_output_file(path, overwrite: bool, option: str):

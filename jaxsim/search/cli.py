@@ -35,11 +35,9 @@ def index_parser() -> argparse.ArgumentParser:
                                                        "(default: bundled all-MiniLM-L6-v2)")
     parser.add_argument("--input", required=True,
                         help="corpus, one sentence a line; - reads standard input")
-    parser.add_argument("--out", required=True,
-                        help="index folder to write (absent or empty; an existing index only "
-                             "with --overwrite)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing index in --out")
+    cli_io.add_output_flags(parser, "--out", "index folder to write (absent or empty; an "
+                            "existing index only with --overwrite)",
+                            overwrite_help="replace an existing index in --out", required=True)
     parser.add_argument("--pooler", default=None, help="pooler (default: the model's own)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--method", choices=METHODS, default="exact",
