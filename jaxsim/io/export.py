@@ -35,8 +35,8 @@ from jaxsim.encode import encode
 from jaxsim.errors import JaxsimError
 from jaxsim.io.hf import encoder_params_to_hf
 from jaxsim.io import store
-from jaxsim.io.hf_folder import has_normalize_module
 from jaxsim.io.pretrained import describe_provenance, load_pretrained, provenance
+from jaxsim.io.st_folder import has_normalize_module
 from jaxsim.io.workdir import is_train_workdir
 from jaxsim.model import SentenceModel
 from jaxsim.models import st_head

@@ -110,19 +110,6 @@ def _export_record(folder: Path) -> Optional[dict]:
     return _read_record(record_file) if record_file.is_file() else None
 
 
-def has_normalize_module(folder: Path) -> bool:
-    """Whether a sentence-transformers folder ends its pipeline with a Normalize module."""
-    modules_file = folder / "modules.json"
-    if not modules_file.is_file():
-        return False
-    try:
-        entries = json.loads(modules_file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{modules_file}:{e.lineno}: malformed JSON: {e.msg}") from None
-    return any(str(e.get("type", "")).endswith(".Normalize") for e in entries
-               if isinstance(e, dict))
-
-
 def _resolve_hub_id(model_id: str) -> Path:
     """Downloads (or finds in the local cache) a hub model; fails clearly when offline."""
     try:

@@ -40,6 +40,11 @@ def _kind(entry: dict) -> str:
     return entry["type"].rsplit(".", 1)[-1]
 
 
+def has_normalize_module(folder: Path) -> bool:
+    """Whether a sentence-transformers folder ends its pipeline with a Normalize module."""
+    return any(_kind(e) == "Normalize" for e in read_modules(folder) or ())
+
+
 def _dense(folder: Path, entry: dict, read_state_dict: Callable) -> Dense:
     module_dir = folder / entry.get("path", "")
     config_file = module_dir / "config.json"

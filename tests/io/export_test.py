@@ -80,6 +80,9 @@ def assert_params_identical(a, b):
         np.testing.assert_array_equal(np.asarray(fa[k]), np.asarray(fb[k]), err_msg=str(k))
 
 
+LOAD_ATOL = 1e-5  # a loaded sentence-transformers folder against sentence-transformers
+
+
 def st_encode(folder, sentences=SENTENCES):
     return SentenceTransformer(str(folder), device="cpu").encode(sentences)
 
@@ -150,13 +153,20 @@ def test_hf_export_of_cls_pooler_writes_bert_pooler_and_round_trips(tiny, tmp_pa
 
 @pytest.mark.parametrize("pooler", BUILT_IN_POOLERS)
 def test_every_pooler_sentence_transformers_parity(tiny, tmp_path, pooler):
-    """Plain export, and export with a whitening Dense + Normalize, for each built-in pooler."""
+    """Plain export, and export with a whitening Dense + Normalize, for each built-in pooler:
+    sentence-transformers reproduces jaxsim's vectors, and the export loads back as it encodes
+    (`jaxsim.load_pretrained` applies its Pooling, Dense and Normalize modules, within 1e-5 of
+    sentence-transformers); exported again, the head goes along."""
     index = BUILT_IN_POOLERS.index(pooler)
     model = tiny["bert" if index % 2 == 0 else "roberta"].with_pooler(pooler)
     plain = export_lib.export_model(model, tmp_path / "plain", "sentence-transformers",
                                     max_length=64)
     want = jaxsim.encode(model, SENTENCES, max_length=64)
-    np.testing.assert_allclose(st_encode(plain), want, atol=1e-4, err_msg=pooler)
+    st_plain = st_encode(plain)
+    np.testing.assert_allclose(st_plain, want, atol=1e-4, err_msg=pooler)
+    loaded = jaxsim.load_pretrained(plain)
+    assert loaded.pooler == pooler and loaded.head == ()
+    np.testing.assert_allclose(jaxsim.encode(loaded, SENTENCES), st_plain, atol=LOAD_ATOL)
 
     whitening = calibrate.fit("whitening:20", jaxsim.encode(model, _corpus(80), max_length=64))
     white = export_lib.export_model(model, tmp_path / "white", "sentence-transformers",
@@ -169,6 +179,19 @@ def test_every_pooler_sentence_transformers_parity(tiny, tmp_path, pooler):
     got = st_encode(white)
     assert got.shape == (len(SENTENCES), 20)
     np.testing.assert_allclose(got, z, atol=1e-4, err_msg=pooler)
+
+    loaded = jaxsim.load_pretrained(white)
+    assert [type(m).__name__ for m in loaded.head] == ["Dense", "Normalize"]
+    got_loaded = jaxsim.encode(loaded, SENTENCES)
+    assert got_loaded.shape == (len(SENTENCES), 20)
+    np.testing.assert_allclose(got_loaded, got, atol=LOAD_ATOL, err_msg=pooler)
+    again = export_lib.export_model(loaded, tmp_path / "again", "sentence-transformers")
+    kinds = [m["type"].rsplit(".", 1)[-1]
+             for m in json.loads((again / "modules.json").read_text())]
+    assert kinds[-2:] == ["Dense", "Normalize"] and kinds.count("Normalize") == 1
+    np.testing.assert_allclose(st_encode(again), got_loaded, atol=LOAD_ATOL)
+    with pytest.raises(export_lib.ExportError, match="Dense module after pooling"):
+        export_lib.export_model(loaded, tmp_path / "hf", "hf")
 
 
 def test_whitening_fitted_by_the_command_line(tiny, tmp_path):
