@@ -110,7 +110,8 @@ class FlowCalibration(Calibration):
     @classmethod
     def fit(cls, x, arg: Optional[str] = None, *, config=None, seed: int = 0,
             embed: Optional[EmbedFn] = None, mesh: Optional[Mesh] = None,
-            progress: Optional[bool] = None) -> 'FlowCalibration':
+            progress: Optional[bool] = None, tb_dir: Optional[str] = None
+            ) -> 'FlowCalibration':
         """Fits a flow on x [N, D] by maximum likelihood (the encoder stays frozen).
 
         Args:
@@ -123,6 +124,8 @@ class FlowCalibration(Calibration):
             when given, else on x with a note saying so (`.note`).
           mesh: device mesh the batch is split over (default: all local devices).
           progress: tqdm bar (default: on above 5,000 rows).
+          tb_dir: a folder for TensorBoard scalars of the fit (train/held-out NLL, bits/dim
+            per evaluation step; see `jaxsim.flows.fit_flow`).
         """
         if arg is not None and config is not None:
             raise CalibrationError(f'flow:{arg} and config={config!r} both name a flow config; '
@@ -140,7 +143,7 @@ class FlowCalibration(Calibration):
             arr = check_matrix(x, 'flow fit embeddings', min_rows=2)
             show = arr.shape[0] > 5000 if progress is None else progress
             result = fit_flow(arr, cfg, jax.random.key(seed), embed=embed, mesh=mesh,
-                              progress=show)
+                              progress=show, tb_dir=tb_dir)
         except FlowError as e:
             raise CalibrationError(str(e)) from None
         notes += [result.note] if result.note else []

@@ -26,6 +26,7 @@ from jaxsim.flows.config import FlowConfig, FlowError
 from jaxsim.flows.models import make_flow
 from jaxsim.flows.optim import decay_mask, make_optimizer
 from jaxsim.flows.prior import nats_to_bits_per_dim, nll_nats
+from jaxsim.io.tb import optional_writer
 from jaxsim.progress import progress_bar
 
 _EVAL_ROWS = 512  # held-out rows are padded to a multiple of this (one compiled shape)
@@ -271,7 +272,8 @@ def _plan(n: int, config: FlowConfig, shards: int) -> tuple[int, int, int, str]:
 
 
 def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[EmbedFn] = None,
-             mesh: Optional[Mesh] = None, progress: bool = False) -> FitResult:
+             mesh: Optional[Mesh] = None, progress: bool = False,
+             tb_dir: Optional[str] = None) -> FitResult:
     """Fits the flow of `config` by maximum likelihood on the rows of x.
 
     Args:
@@ -285,6 +287,7 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
       mesh: the batch is split over its data axes (default: `default_mesh`).
       progress: show progress (a bar on a terminal, else periodic lines: no carriage
         returns in logs).
+      tb_dir: TensorBoard scalars of each history entry at its step (`jaxsim.io.tb`).
 
     Returns:
       A FitResult; `make_flow(config, D)` applies its params.
@@ -346,6 +349,7 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
     stopped_early, bad_evals, step = False, 0, 0
     bar = progress_bar(config.max_epochs * steps, 'flow fit', unit='step', enable=progress,
                        leave=False)
+    tb = optional_writer(tb_dir)
     try:
         for epoch in range(config.max_epochs):
             if epoch:
@@ -373,6 +377,8 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
                 history.append({'step': step, 'epoch': epoch, 'train_nll': train_nll,
                                 'val_nll': val_nll, 'bpd': float(nats_to_bits_per_dim(
                                     val_nll if num_val else train_nll, dim))})
+                if tb is not None:
+                    tb.write(step, {k: history[-1][k] for k in ('train_nll', 'val_nll', 'bpd')})
                 shown = {'train_nll': f'{train_nll:.2f}'}
                 if num_val:  # no held-out rows (BERT-flow's setting): nothing to show
                     shown['val_nll'] = f'{val_nll:.2f}'
@@ -390,5 +396,7 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
                 break
     finally:
         bar.close()
+        if tb is not None:
+            tb.close()
     return FitResult(params=jax.device_get(best[1]), history=history, best_step=best[2],
                      stopped_early=stopped_early, init_nll=init_nll, note=note)

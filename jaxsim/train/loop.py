@@ -9,14 +9,13 @@ A SIGINT/SIGTERM finishes the current step, saves, and raises `Interrupted`.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +37,7 @@ from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.evaluate import DEV_METRIC, optional_evaluator
 from jaxsim.train.fingerprint import parse_key_list
+from jaxsim.train.hold import hold_workdir
 from jaxsim.train.optim import make_optimizer, make_schedule
 from jaxsim.train.records import TrainResult
 from jaxsim.train.signals import Interrupted, deferred_signals
@@ -69,29 +69,6 @@ def _latest_step(workdir: store.Path) -> Optional[int]:
                                                                     else latest)))
         latest = None if latest < 0 else latest
     return latest
-
-
-@contextlib.contextmanager
-def _hold_workdir(workdir: store.Path, main: bool, say) -> Iterator[None]:
-    """Holds the workdir's lock (process 0) while the run writes; every process learns whether
-    it was had, so a refused run stops on all processes at once, before anything is written."""
-    lock, refusal = None, None
-    if main:
-        try:
-            lock = store.WorkdirLock(workdir, say=say).acquire()
-        except store.WorkdirLockedError as e:
-            refusal = e
-    if jax.process_count() > 1:
-        held = bool(multihost_utils.broadcast_one_to_all(np.int32(refusal is None)))
-        if not held and refusal is None:
-            refusal = store.WorkdirLockedError(f'--workdir {workdir} is in use by another run')
-    if refusal is not None:
-        raise refusal
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, Path], *,
@@ -167,7 +144,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
 
     # ---- 3. train -----------------------------------------------------------------------------
     # One run at a time writes a workdir; process 0 holds its lock for all processes.
-    with _hold_workdir(workdir, main, say):
+    with hold_workdir(workdir, main, say):
         if main:
             workdir.mkdir(parents=True, exist_ok=True)
             records.remove([workdir / records.RESULT_FILE])
@@ -210,6 +187,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
         try:
             loop.run()
             test_at_best = loop.final_test()
+            log.final(loop.step, {'stsb_test_at_best': test_at_best})
         finally:
             it.close()
             log.close()

@@ -16,10 +16,9 @@ import json
 import math
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from tensorboardX import SummaryWriter
-
 from jaxsim.errors import JaxsimError
 from jaxsim.io import store
+from jaxsim.io.tb import ScalarWriter
 from jaxsim.io.checkpoint import CHECKPOINT_DIR
 from jaxsim.io.workdir import CONFIG_FILE
 from jaxsim.train.config import TrainConfig, base_config
@@ -208,8 +207,8 @@ class TrainResult:
 
 class MetricsLog:
     """WORKDIR/metrics.jsonl: one JSON row per logged step, steps strictly increasing; with
-    `tensorboard`, the same scalars as TensorBoard event files in WORKDIR/tb/ (tensorboardX:
-    no TensorFlow needed).
+    `tensorboard`, the same scalars as TensorBoard event files in WORKDIR/tb/
+    (`jaxsim.io.tb`), and there also the end-of-training evaluation (`final`).
 
     Opening it for a run resumed at step S drops the rows after S (written after the last
     checkpoint by a run that did not survive), so the log continues without duplicates; the
@@ -229,8 +228,8 @@ class MetricsLog:
             if not store.is_remote(self.path):
                 self._file = open(self.path, 'a', encoding='utf-8')
             if tensorboard and not store.is_remote(self.path):  # event files: local only
-                self._tb = SummaryWriter(str(workdir / TENSORBOARD_DIR),
-                                         purge_step=0 if keep_upto is None else keep_upto + 1)
+                self._tb = ScalarWriter(workdir / TENSORBOARD_DIR,
+                                        purge_step=0 if keep_upto is None else keep_upto + 1)
 
     def _rewrite(self) -> None:
         # Object stores cannot append: there every row rewrites the (small) log in one PUT.
@@ -247,10 +246,13 @@ class MetricsLog:
         elif self.enabled:
             self._rewrite()
         if self._tb is not None:
-            for key, value in row.items():
-                if key != 'step' and value is not None:
-                    self._tb.add_scalar(key, value, row['step'])
-            self._tb.flush()
+            self._tb.write(row['step'], {k: v for k, v in row.items() if k != 'step'})
+
+    def final(self, step: int, values: Mapping[str, Optional[float]]) -> None:
+        """End-of-training evaluation scores (result.json holds them): TensorBoard only, at
+        the last step, so metrics.jsonl keeps one row per step."""
+        if self._tb is not None:
+            self._tb.write(step, values)
 
     def close(self) -> None:
         if self._file is not None:

@@ -108,8 +108,10 @@ def test_train_select_resume_and_use_the_workdir_as_a_model(corpus, senteval, tm
     assert sorted(p.name for p in a.iterdir()) == [  # .lock: emptied when the run ended
         '.lock', 'checkpoints', 'config.json', 'metrics.jsonl', 'model.json', 'result.json', 'tb',
         'tokenizer']
-    # TensorBoard's own reader finds every metrics.jsonl value at its step.
-    assert _tensorboard(a) == _jsonl_curves(rows)
+    # TensorBoard's own reader finds every metrics.jsonl value at its step, and the final
+    # STS-B test score (result.json's) at the last step.
+    assert _tensorboard(a) == {**_jsonl_curves(rows),
+                               'stsb_test_at_best': [(4, r.test_at_best)]}
 
     # The workdir is a model: its best checkpoint, encoded by jaxsim.encode, gives the dev score.
     model = jaxsim.load_pretrained(a)
@@ -143,7 +145,8 @@ def test_train_select_resume_and_use_the_workdir_as_a_model(corpus, senteval, tm
     rb = loop.train_and_evaluate(cfg, b, progress=False)
     assert (b / 'metrics.jsonl').read_text() == (a / 'metrics.jsonl').read_text()
     # The resumed curves continue: steps past the checkpoint were purged, none twice.
-    assert _tensorboard(b) == _jsonl_curves(rows)
+    assert _tensorboard(b) == {**_jsonl_curves(rows),
+                               'stsb_test_at_best': [(4, rb.test_at_best)]}
     assert {**rb.to_json(), 'wall_s': 0} == {**r.to_json(), 'wall_s': 0}
     for x, y in zip(jax.tree.leaves(_params(a, 4)), jax.tree.leaves(_params(b, 4))):
         np.testing.assert_array_equal(x, y)

@@ -1,0 +1,73 @@
+"""TensorBoard scalars: the one writer of event files (tensorboardX: no TensorFlow needed).
+
+Training writes WORKDIR/tb/ (the metrics.jsonl scalars and the final STS-B test score); flow
+fits write their NLL per evaluation (train and held-out) into a folder when given one. Only
+process 0 writes, and only to local folders (event files are appended to as the run goes,
+which object stores cannot do).
+
+Steps never show twice: a writer opened with `purge_step=S` marks its file so that
+TensorBoard drops the steps >= S that earlier writers left in the same folder. A resumed run
+opens at its checkpoint's step + 1 and continues its curves; a refit opens at 0 and replaces
+the earlier curve. Each writer gets its own file, named to sort in opening order (tensorboardX
+names files by the second: a second writer within the same second would truncate the first's,
+and TensorBoard applies purges in file order).
+
+  with ScalarWriter(folder, purge_step=0) as tb:
+      tb.write(step, {'train_nll': 3.2, 'val_nll': 3.4})
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Mapping, Optional
+
+import jax
+from tensorboardX import SummaryWriter
+
+from jaxsim.io import store
+
+
+class ScalarWriter:
+    """Scalars by tag and step into the event files of `folder` (process 0, local only).
+
+    Args:
+      folder: the log folder (`tensorboard --logdir` it or a parent of it).
+      purge_step: TensorBoard drops earlier writers' steps >= this one.
+    """
+
+    def __init__(self, folder: store.PathLike, purge_step: int = 0):
+        self._writer = None
+        if jax.process_index() == 0 and not store.is_remote(folder):
+            self._writer = SummaryWriter(str(folder), purge_step=int(purge_step),
+                                         filename_suffix=f'.{time.time_ns()}')
+
+    @property
+    def active(self) -> bool:
+        """Whether this process writes (process 0, a local folder, not closed)."""
+        return self._writer is not None
+
+    def write(self, step: int, values: Mapping[str, Optional[float]]) -> None:
+        """One point per tag at `step`; None and non-finite values are left out."""
+        if self._writer is None:
+            return
+        for tag, value in values.items():
+            if value is not None and math.isfinite(float(value)):
+                self._writer.add_scalar(tag, float(value), int(step))
+        self._writer.flush()  # a killed run keeps what it logged
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> 'ScalarWriter':
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def optional_writer(folder: Optional[store.PathLike], purge_step: int = 0
+                    ) -> Optional[ScalarWriter]:
+    """A ScalarWriter for `folder`, or None when no folder is given."""
+    return None if folder is None or str(folder) == '' else ScalarWriter(folder, purge_step)
