@@ -121,19 +121,23 @@ def analyze(model: Any, sentences: Sequence[str], *, buckets: Sequence[int] = PA
 
 
 def plot_frequency(result: dict, path: str | os.PathLike) -> pathlib.Path:
-    """Mean norm and mean k-NN distance per rank bucket, side by side."""
+    """Mean norm and mean k-NN distance per rank bucket, side by side: one row for the raw
+    table and one per calibration in `result['calibrations']` (each its own scale)."""
     import matplotlib
     matplotlib.use("Agg")  # headless: never needs a display
     import matplotlib.pyplot as plt
 
-    rows = [b for b in result["buckets"] if b["tokens"]]
-    labels = [f"{_short(b['lo'])}-{_short(b['hi'])}" for b in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for ax, key, title in ((axes[0], "mean_norm", "mean L2 norm"),
-                           (axes[1], "mean_knn_distance", f"mean distance to {result['k']}-NN")):
-        ax.bar(labels, [b[key] for b in rows], color="#4a7ab5")
-        ax.set_xlabel("frequency rank")
-        ax.set_title(title)
+    states = [("raw", result)] + [(c["post"], c) for c in result.get("calibrations", [])]
+    fig, axes = plt.subplots(len(states), 2, figsize=(9, 3.2 * len(states)), squeeze=False)
+    for (name, state), row in zip(states, axes):
+        buckets = [b for b in state["buckets"] if b["tokens"]]
+        labels = [f"{_short(b['lo'])}-{_short(b['hi'])}" for b in buckets]
+        for ax, key, title in ((row[0], "mean_norm", "mean L2 norm"),
+                               (row[1], "mean_knn_distance",
+                                f"mean distance to {result['k']}-NN")):
+            ax.bar(labels, [b[key] for b in buckets], color="#4a7ab5")
+            ax.set_xlabel("frequency rank")
+            ax.set_title(f"{title} ({name})")
     fig.suptitle(f"Token embeddings by frequency: {pathlib.Path(result['model']).name}")
     fig.tight_layout()
     path = pathlib.Path(path)

@@ -2,24 +2,32 @@
 embeddings (see `jaxsim.eval.frequency`).
 
     python -m jaxsim analyze --corpus sentences.txt --out DIR [--model M] [--k 3]
+        [--post whitening --post flow ...] [--tb DIR]
 
 Writes DIR/frequency.json (the table, per rank bucket: tokens, mean L2 norm, mean distance to
-the k nearest neighbours) and DIR/frequency.png, and prints the table.
+the k nearest neighbours; the sentence vectors' anisotropy and spectrum; the same after each
+--post calibration, fitted on the corpus's sentence vectors as eval.py fits it and applied to
+the token embeddings, see `jaxsim.eval.frequency_post`), DIR/frequency.png and
+DIR/spectrum.png, and prints the tables.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
+from jaxsim import calibrate
 from jaxsim.data.readers import read_sentences
 from jaxsim.errors import JaxsimError
-from jaxsim.eval.frequency import PAPER_BUCKETS, analyze, plot_frequency
+from jaxsim.eval import frequency_post, runner
+from jaxsim.eval.frequency import (PAPER_BUCKETS, count_tokens, plot_frequency, rank_tokens,
+                                   token_embeddings)
 from jaxsim.io import store
 from jaxsim.io.pretrained import bundled_model_path, load_pretrained
 
-JSON_FILE, PNG_FILE = "frequency.json", "frequency.png"
+JSON_FILE, PNG_FILE, SPECTRUM_FILE = "frequency.json", "frequency.png", "spectrum.png"
 
 
 class AnalyzeUsageError(JaxsimError):
@@ -39,6 +47,12 @@ def analyze_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=3, help="nearest neighbours per token")
     p.add_argument("--buckets", default=",".join(map(str, PAPER_BUCKETS)),
                    help="rank boundaries (the paper's by default)")
+    p.add_argument("--post", action="append", default=[],
+                   help="calibration as eval.py names them (whitening[:K], sn, natsv:K, "
+                        "flow[:CONFIG]), fitted on the corpus's sentence vectors and applied "
+                        "to the token embeddings; repeat for several")
+    p.add_argument("--tb", default=None,
+                   help="TensorBoard folder: flow fits write their NLL curves to TB/<post>")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier analysis")
     return p
 
@@ -55,26 +69,71 @@ def analyze_main(argv: Sequence[str]) -> int:
                                 f"{args.buckets!r}")
     if args.k < 1:
         raise AnalyzeUsageError(f"--k must be positive, got {args.k}")
-    for name in (JSON_FILE, PNG_FILE):
+    for post in args.post:
+        calibrate.parse_spec(post)  # a bad spec fails now, in one line
+    if args.tb is not None and store.is_remote(args.tb):
+        raise AnalyzeUsageError(f"--tb must be a local folder, got {args.tb}")
+    for name in (JSON_FILE, PNG_FILE, SPECTRUM_FILE):
         store.refuse_existing(args.out / name, args.overwrite, "--out")
     sentences = read_sentences(args.corpus)
+    unique = list(dict.fromkeys(sentences))
+    if len(unique) < 2:
+        raise AnalyzeUsageError(f"--corpus {args.corpus}: needs at least 2 distinct sentences")
     model = load_pretrained(args.model or bundled_model_path())
-    result = analyze(model, sentences, buckets=buckets, k=args.k)
+    result = analyze_model(model, sentences, unique, args.post, buckets, args.k, args.tb)
+    result["corpus"] = str(args.corpus)
     args.out.mkdir(parents=True, exist_ok=True)
     store.write_json(args.out / JSON_FILE, _finite(result))
     plot_frequency(result, args.out / PNG_FILE)
+    frequency_post.plot_spectra(result, args.out / SPECTRUM_FILE)
     print(f"{result['tokens_ranked']} distinct word pieces ({result['tokens_counted']} counted) "
           f"in {len(sentences)} sentences of {args.corpus}")
-    print(f"{'rank':>12} {'tokens':>7} {'mean norm':>10} {f'{args.k}-NN dist':>10}")
-    for b in result["buckets"]:
-        print(f"{b['lo']:>5}-{b['hi']:<6} {b['tokens']:>7} {b['mean_norm']:>10.4f} "
-              f"{b['mean_knn_distance']:>10.4f}")
-    print(f"wrote {args.out / JSON_FILE} and {args.out / PNG_FILE}")
+    for name, state in [("raw", result)] + [(c["post"], c) for c in result["calibrations"]]:
+        print(f"\n{name}" + (f": {state['calibration']}" if name != "raw" else ""))
+        if state.get("note"):
+            print(f"note: {state['note']}")
+        print(f"{'rank':>12} {'tokens':>7} {'mean norm':>10} {f'{args.k}-NN dist':>10}")
+        for b in state["buckets"]:
+            print(f"{b['lo']:>5}-{b['hi']:<6} {b['tokens']:>7} {b['mean_norm']:>10.4f} "
+                  f"{b['mean_knn_distance']:>10.4f}")
+        d = state["sentence_diagnostics"]
+        print(f"sentences: anisotropy {d['anisotropy']:.4f}, effective rank "
+              f"{d['effective_rank']:.1f} of {d['dim']}, top-1 energy {d['top1_energy']:.3f}")
+    print(f"\nwrote {args.out / JSON_FILE}, {args.out / PNG_FILE} and {args.out / SPECTRUM_FILE}")
     return 0
 
 
-def _finite(result: dict) -> dict:
-    """Empty buckets have no means: null in JSON."""
-    return {**result, "buckets": [{k: (None if isinstance(v, float) and not math.isfinite(v)
-                                       else v) for k, v in b.items()}
-                                  for b in result["buckets"]]}
+def analyze_model(model: Any, sentences: Sequence[str], unique: Sequence[str],
+                  posts: Sequence[str], buckets: Sequence[int], k: int, tb: str | None) -> dict:
+    """The analysis of a loaded model: counts on `sentences`, calibrations and diagnostics on
+    the vectors of the `unique` sentences (encoded, and for flows noised, as eval.py does)."""
+    t0 = time.perf_counter()
+    counts = count_tokens(model.tokenizer, sentences)
+    ranked = rank_tokens(counts)
+    vectors = runner.make_encoder(model)(unique)
+    encode_s = time.perf_counter() - t0
+    noisy = runner.make_noisy_encoder(model)
+    # eval.py's fit options: seed 0; flows fit on dropout-noised vectors of the same sentences.
+    options = {"seed": 0, "embed": lambda key: noisy(list(unique), key)}
+    post = frequency_post.analyze_calibrations(
+        token_embeddings(model), ranked, vectors, posts, buckets=buckets, k=k,
+        options=options, tb_dir=tb)
+    return {"model": str(model.path), "sentences": len(sentences),
+            "unique_sentences": len(unique), "tokens_counted": int(counts.sum()),
+            "tokens_ranked": int(len(ranked)), "k": k, **post["raw"],
+            "most_frequent": [model.tokenizer.convert_ids_to_tokens(int(i))
+                              for i in ranked[:20]],
+            "calibrations": post["calibrations"],
+            "timing": {"encode_s": round(encode_s, 2),
+                       "total_s": round(time.perf_counter() - t0, 2)}}
+
+
+def _finite(value: Any) -> Any:
+    """Empty buckets have no means: null in JSON (recursively)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
