@@ -213,13 +213,19 @@ class BertSelfAttention(nn.Module):
         kernel = jnp.stack([k for k, _ in params], axis=1)  # [hidden, 3, hidden]
         bias = jnp.stack([b for _, b in params])  # [3, hidden]
         qkv = ops.matmul(x, kernel, self.dtype) + bias  # [B, L, 3, hidden] float32
-        qkv = qkv.reshape(batch, length, 3, cfg.num_attention_heads, cfg.head_dim)
+        # q, k and v in the compute dtype (a no-op in float32): under bf16 the per-head copies
+        # the attention products read are half the bytes, and the products take bf16 operands
+        # with float32 accumulation, as the dense layers do.
+        qkv = qkv.astype(self.dtype).reshape(batch, length, 3, cfg.num_attention_heads,
+                                             cfg.head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, L, heads, head_dim]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(cfg.head_dim).astype(self.dtype)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = scores / jnp.sqrt(jnp.float32(cfg.head_dim))
         # Softmax in float32 even under bf16 compute: the additive mask is -inf-like.
-        probs = jax.nn.softmax(scores.astype(jnp.float32) + attention_bias, axis=-1)
+        probs = jax.nn.softmax(scores + attention_bias, axis=-1)
         probs = _dropout(self, probs, cfg.attention_probs_dropout_prob, deterministic)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(self.dtype), v,
+                         preferred_element_type=jnp.float32)
         return out.reshape(batch, length, cfg.hidden_size)
 
 
