@@ -1,30 +1,42 @@
 """Throughput of `python -m jaxsim serve` under concurrent clients, with and without batching.
 
-For each mode (batching on, then `--no-batching`) a real server process is started on a free
-localhost port over the same index; --clients threads, each on its own keep-alive connection,
-send one-query `POST /search` requests (top 10) back to back, first for --warmup seconds (shape
-compilations happen here and are not counted), then for --duration seconds (counted). Reported
-per mode: requests answered per second, p50/p99 latency, errors. Finally each server gets
-SIGTERM while its clients are still sending, and the clients must all finish (an answer or an
-error, never a hang).
+Two real server processes run over the same index on free localhost ports: one batching, one
+started with `--no-batching` (the same server serving one request per device call). The load
+comes from this process alone, an asyncio client (no threads, no HTTP library: pre-encoded
+requests on --clients raw keep-alive sockets to 127.0.0.1), which costs the shared CPUs far less
+than the servers do; its own CPU time per request is reported. Each client sends one-query
+`POST /search` requests (top 10) back to back.
+
+Each mode first gets --warmup seconds (uncounted), then the counted time, --duration seconds per
+mode, runs in --rounds alternating slices (batched, unbatched, batched, ...), each after one
+uncounted second of ramp-up: both modes see the same background load of a shared machine, and a
+load that changes during the run does not favour the mode that happened to run first. Reported
+per mode: requests answered per second, p50/p99 latency, errors, mean batch (requests per
+device call, from /health), and the server's CPU time per request (all its threads, from
+/proc: the cost a request puts on the machine, whatever share of the CPUs the server got).
+Finally each server gets SIGTERM while its clients are still sending, and every client must end
+(an answer, a 503 or a closed connection, never a hang).
 
 "ratio" (top level) = batched q/s / unbatched q/s.
 
     python benchmarks/serve_load.py --json serve_load.json
-        [--clients 32] [--duration 20] [--warmup 20] [--index DIR | --corpus-size 5000]
+        [--clients 32] [--duration 20] [--rounds 4] [--warmup 15]
+        [--index DIR | --corpus-size 5000]
 """
 from __future__ import annotations
 
 import argparse
-import http.client
+import asyncio
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+import urllib.request
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -33,6 +45,10 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import load_average, write_json  # noqa: E402
 from jaxsim.paths import SENTEVAL_ROOT  # noqa: E402
+
+HOST = "127.0.0.1"
+# A client waits this long for one answer before it counts the server as hung.
+ANSWER_TIMEOUT_S = 120.0
 
 
 def sentences(name: str, limit: int) -> list[str]:
@@ -52,93 +68,203 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def start_server(index: Path, workdir: Path, batching: bool) -> tuple[subprocess.Popen, int]:
+def start_server(index: Path, workdir: Path, batching: bool) -> tuple[subprocess.Popen, Path]:
+    """Starts a server process; it writes its port to the returned file once it serves."""
     port_file = workdir / f"port-{batching}"
     extra = [] if batching else ["--no-batching"]
     proc = subprocess.Popen([sys.executable, "-m", "jaxsim", "serve", "--index", str(index),
                              "--port", "0", "--port-file", str(port_file), *extra],
                             cwd=REPO, env=_env(), stdout=subprocess.DEVNULL)
+    return proc, port_file
+
+
+def wait_for_port(proc: subprocess.Popen, port_file: Path) -> int:
     while not port_file.exists():
         if proc.poll() is not None:
             raise SystemExit(f"error: the server exited with status {proc.returncode}")
         time.sleep(0.1)
-    return proc, int(port_file.read_text())
+    return int(port_file.read_text())
 
 
-class Client(threading.Thread):
-    """Sends one-query searches on one connection until told to stop; records latencies."""
+def cpu_seconds(pid: int) -> Optional[float]:
+    """User + system CPU time of a process, all its threads (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def __init__(self, port: int, queries: list[str], seed: int, phase: dict):
-        super().__init__(daemon=True)
-        self.port, self.queries, self.phase = port, queries, phase
-        self.rng = np.random.default_rng(seed)
-        self.latencies: list[float] = []  # counted phase only, seconds
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def request_bytes(query: str) -> bytes:
+    body = json.dumps({"queries": [query], "top_k": 10}).encode()
+    return (b"POST /search HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (HOST.encode(), len(body))) + body
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """(status, body) of one HTTP/1.1 answer with a Content-Length (what uvicorn sends)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return status, await reader.readexactly(length)
+
+
+class Window:
+    """What the clients record while `counting`: answer latencies, errors, first error seen."""
+
+    def __init__(self):
+        self.stop = False
+        self.counting = False
+        self.since = float("inf")
+        self.latencies: list[float] = []
         self.errors = 0
-        self.ended = ""
+        self.first_error = ""
 
-    def run(self) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        while not self.phase["stop"]:
-            body = json.dumps({"queries": [self.queries[self.rng.integers(len(self.queries))]],
-                               "top_k": 10}).encode()
+
+async def client(port: int, requests: list[bytes], seed: int, window: Window) -> str:
+    """Sends searches on one keep-alive connection until window.stop; returns how it ended."""
+    rng = np.random.default_rng(seed)
+    try:
+        reader, writer = await asyncio.open_connection(HOST, port)
+    except OSError as e:
+        return type(e).__name__
+    try:
+        while not window.stop:
             start = time.perf_counter()
+            writer.write(requests[rng.integers(len(requests))])
             try:
-                conn.request("POST", "/search", body, {"Content-Type": "application/json"})
-                response = conn.getresponse()
-                response.read()
-            except (OSError, http.client.HTTPException) as e:
-                self.ended = type(e).__name__  # the server went away: stop, never hang
-                return
+                status, body = await asyncio.wait_for(_answer(reader), ANSWER_TIMEOUT_S)
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
+                return type(e).__name__  # the server went away: stop, never hang
             took = time.perf_counter() - start
-            counted = self.phase["counting"]
-            if response.status != 200:
-                self.errors += counted
-                if response.status == 503:
-                    self.ended = "503"
-                    return
-            elif counted and start >= self.phase["since"]:
-                self.latencies.append(took)
-        self.ended = "stopped"
+            ok = status == 200 and body.startswith(b'{"results":')
+            if window.counting and start >= window.since:
+                if ok:
+                    window.latencies.append(took)
+                else:
+                    window.errors += 1
+                    window.first_error = window.first_error or f"{status} {body[:200]!r}"
+            if status == 503:
+                return "503"
+        return "stopped"
+    finally:
+        writer.close()
 
 
-def run_mode(index: Path, workdir: Path, batching: bool, queries: list[str], args) -> dict:
-    proc, port = start_server(index, workdir, batching)
-    phase = {"stop": False, "counting": False, "since": float("inf")}
-    clients = [Client(port, queries, seed, phase) for seed in range(args.clients)]
-    for c in clients:
-        c.start()
-    time.sleep(args.warmup)
-    phase["since"] = time.perf_counter()
-    phase["counting"] = True
-    time.sleep(args.duration)
-    phase["counting"] = False
-    elapsed = time.perf_counter() - phase["since"]
-    # Stop the server under load: every client must end (answer, 503 or connection error).
+async def drive(port: int, requests: list[bytes], clients: int, seconds: float,
+                counted: bool, ramp_s: float = 1.0) -> Window:
+    """Runs `clients` clients for ramp_s + seconds; counts the last `seconds` if `counted`."""
+    window = Window()
+    tasks = [asyncio.create_task(client(port, requests, seed, window))
+             for seed in range(clients)]
+    await asyncio.sleep(ramp_s)
+    window.since, window.counting = time.perf_counter(), counted
+    await asyncio.sleep(seconds)
+    window.counting, window.stop = False, True
+    await asyncio.wait(tasks, timeout=ANSWER_TIMEOUT_S)
+    return window
+
+
+async def stop_under_load(proc: subprocess.Popen, port: int, requests: list[bytes],
+                          clients: int) -> dict:
+    """SIGTERM while `clients` are sending: every client must end within a minute."""
+    window = Window()
+    tasks = [asyncio.create_task(client(port, requests, seed, window))
+             for seed in range(clients)]
+    await asyncio.sleep(2.0)
     proc.terminate()
-    status = proc.wait(60)
-    for c in clients:
-        c.join(60)
-    hung = sum(c.is_alive() for c in clients)
-    phase["stop"] = True
-    latencies = np.array([t for c in clients for t in c.latencies])
-    return {"batching": batching, "requests": int(latencies.size),
-            "qps": latencies.size / elapsed,
-            "p50_ms": float(np.percentile(latencies, 50) * 1000) if latencies.size else None,
-            "p99_ms": float(np.percentile(latencies, 99) * 1000) if latencies.size else None,
-            "errors": sum(c.errors for c in clients), "clients_hung_after_stop": hung,
-            "server_exit_status": status}
+    _, pending = await asyncio.wait(tasks, timeout=60)
+    for task in pending:
+        task.cancel()
+    status = await asyncio.to_thread(proc.wait, 60)
+    ends = [t.result() for t in tasks if t.done() and not t.cancelled()]
+    return {"clients_hung_after_stop": len(pending), "server_exit_status": status,
+            "client_ends_after_stop": {e: ends.count(e) for e in sorted(set(ends))}}
+
+
+def health(port: int) -> dict:
+    with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=30) as response:
+        return json.load(response)
+
+
+async def run(index: Path, workdir: Path, args) -> dict:
+    requests = [request_bytes(q) for q in sentences("s2.test", 2000)]
+    modes = {"batched": True, "unbatched": False}
+    started = {name: start_server(index, workdir, batching) for name, batching in modes.items()}
+    try:
+        servers = {name: (proc, wait_for_port(proc, port_file))
+                   for name, (proc, port_file) in started.items()}
+        for name, (_, port) in servers.items():
+            await drive(port, requests, args.clients, args.warmup, counted=False)
+        windows = {name: [] for name in modes}
+        cpu = {name: 0.0 for name in modes}
+        own_cpu = 0.0
+        for _ in range(args.rounds):
+            for name, (proc, port) in servers.items():
+                before, own_before = cpu_seconds(proc.pid), own_cpu_seconds()
+                window = await drive(port, requests, args.clients, args.duration / args.rounds,
+                                     counted=True)
+                after = cpu_seconds(proc.pid)
+                cpu[name] = None if None in (before, after, cpu[name]) else \
+                    cpu[name] + after - before
+                own_cpu += own_cpu_seconds() - own_before
+                windows[name].append(window)
+        served = {name: health(port)["served"] for name, (_, port) in servers.items()}
+        stopped = {name: await stop_under_load(proc, port, requests, args.clients)
+                   for name, (proc, port) in servers.items()}
+    finally:
+        for proc, _ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = {}
+    for name in modes:
+        latencies = np.array([t for w in windows[name] for t in w.latencies])
+        n = int(latencies.size)
+        # The server's CPU includes the ramp-up seconds: per request, it is slightly high.
+        results[name] = {
+            "batching": modes[name], "requests": n, "qps": n / args.duration,
+            "p50_ms": float(np.percentile(latencies, 50) * 1000) if n else None,
+            "p99_ms": float(np.percentile(latencies, 99) * 1000) if n else None,
+            "errors": sum(w.errors for w in windows[name]),
+            "first_error": next((w.first_error for w in windows[name] if w.first_error), None),
+            "qps_per_round": [len(w.latencies) / (args.duration / args.rounds)
+                              for w in windows[name]],
+            "mean_batch_requests": served[name]["requests"] / max(served[name]["batches"], 1),
+            "largest_batch": served[name]["largest_batch"],
+            "server_cpu_ms_per_request": (None if cpu[name] is None or not n
+                                          else 1000 * cpu[name] / n),
+            **stopped[name]}
+    total = sum(r["requests"] for r in results.values())
+    results["client_cpu_ms_per_request"] = 1000 * own_cpu / max(total, 1)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--duration", type=float, default=20.0, help="counted seconds per mode")
-    parser.add_argument("--warmup", type=float, default=20.0, help="uncounted seconds first")
+    parser.add_argument("--duration", type=float, default=20.0,
+                        help="counted seconds per mode (split over --rounds)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="alternating counted slices per mode")
+    parser.add_argument("--warmup", type=float, default=15.0,
+                        help="uncounted seconds per mode first")
     parser.add_argument("--index", type=Path, default=None,
                         help="index to serve (default: build one of --corpus-size sentences)")
     parser.add_argument("--corpus-size", type=int, default=5000)
     args = parser.parse_args()
+    if args.clients < 1 or args.rounds < 1 or args.duration <= 0 or args.warmup < 0:
+        parser.error("--clients and --rounds must be positive, --duration > 0, --warmup >= 0")
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -146,20 +272,25 @@ def main() -> None:
         if index is None:
             build_index(tmp, args.corpus_size)
             index = tmp / "index"
-        queries = sentences("s2.test", 2000)
         load_before = load_average()
-        modes = {name: run_mode(index, tmp, batching, queries, args)
-                 for name, batching in (("batched", True), ("unbatched", False))}
+        results = asyncio.run(run(index, tmp, args))
+    modes = {name: results[name] for name in ("batched", "unbatched")}
     ratio = modes["batched"]["qps"] / max(modes["unbatched"]["qps"], 1e-9)
     record = {"benchmark": "serve_load", "clients": args.clients, "duration_s": args.duration,
-              "warmup_s": args.warmup,
+              "rounds": args.rounds, "warmup_s": args.warmup,
               "index": str(args.index or f"{args.corpus_size} SNLI test premises at most "
                                          f"(distinct), bundled model"),
-              **modes, "ratio": ratio, "load_average_1min_before": load_before}
+              **modes, "client_cpu_ms_per_request": results["client_cpu_ms_per_request"],
+              "ratio": ratio, "load_average_1min_before": load_before}
     for name, m in modes.items():
-        p50, p99 = (float("nan") if v is None else v for v in (m["p50_ms"], m["p99_ms"]))
-        print(f"{name:9s} {m['qps']:8.1f} q/s  p50 {p50:.1f} ms  p99 {p99:.1f} ms"
-              f"  errors {m['errors']}  hung after stop {m['clients_hung_after_stop']}")
+        p50, p99, cpu = (float("nan") if v is None else v
+                         for v in (m["p50_ms"], m["p99_ms"], m["server_cpu_ms_per_request"]))
+        print(f"{name:9s} {m['qps']:8.1f} q/s  p50 {p50:.1f} ms  p99 {p99:.1f} ms  "
+              f"errors {m['errors']}  mean batch {m['mean_batch_requests']:.1f}  "
+              f"server {cpu:.2f} CPU-ms/request  hung after stop "
+              f"{m['clients_hung_after_stop']}")
+    print(f"client {results['client_cpu_ms_per_request']:.2f} CPU-ms/request; load average "
+          f"{load_before} before, {load_average()} after")
     print(f"ratio (batched / unbatched q/s): {ratio:.2f}")
     write_json(args.json, record)
 

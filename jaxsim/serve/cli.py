@@ -109,8 +109,10 @@ def serve_main(argv: Sequence[str]) -> int:
     print(f"serving http://{shown}:{port} ({len(service.index)} sentences, model "
           f"{service.describe()['model']}, batching {'on' if args.batching else 'off'})",
           flush=True)
+    # httptools (a dependency) parses HTTP; no access log: a line per request costs the event
+    # loop more than routing the request does.
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                            lifespan="on")
+                            lifespan="on", http="httptools", access_log=False)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish, queued ones
     # get 503), then re-raises the signal to the handler it found: this one, so a requested
     # stop ends with one line and the shell's status (130 / 143) rather than death by signal.
