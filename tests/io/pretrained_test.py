@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -185,11 +186,14 @@ def test_declared_pooler_of_an_export(tiny_folder):
 
 
 # ------------------------------------------------------------------ SentenceModel, workdirs
-@pytest.fixture
-def workdir(tmp_path, bundled):
-    saved = write_tiny_workdir(tmp_path / "run", bundled.tokenizer, pooler="cls",
-                               mlp_only_train=True, steps=((3, 0.2), (7, 0.8), (9, 0.1)))
-    return tmp_path / "run", saved
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, bundled):
+    """A tiny workdir with checkpoints at steps 3, 7 (best on dev) and 9, written once for the
+    module: tests only read it (one that changes files works on its own copy)."""
+    folder = tmp_path_factory.mktemp("workdir") / "run"
+    saved = write_tiny_workdir(folder, bundled.tokenizer, pooler="cls", mlp_only_train=True,
+                               steps=((3, 0.2), (7, 0.8), (9, 0.1)))
+    return folder, saved
 
 
 def test_workdir_loads_its_checkpoints(workdir):
@@ -236,7 +240,7 @@ def test_with_pooler(workdir, tiny_model_dir):
 
 
 def test_workdir_errors_name_the_file(workdir, tmp_path):
-    folder, _ = workdir
+    folder = shutil.copytree(workdir[0], tmp_path / "run")  # the files below are broken
     (folder / "model.json").write_text('{"format": "jaxsim-sentence-encoder",\n "config": }')
     with pytest.raises(WorkdirError, match=r"model.json:2: malformed JSON"):
         jaxsim.load_pretrained(folder)
