@@ -160,7 +160,9 @@ def test_no_library_noise_on_stderr(tmp_path):
     silences it. A fake old torch stands in for a machine without PyTorch."""
     fake = tmp_path / 'site'
     (fake / 'torch').mkdir(parents=True)
-    (fake / 'torch' / '__init__.py').write_text('__version__ = "1.0.0"\n')
+    # What libraries read of any torch: its version, and torch.Tensor (tensorboardX's writer).
+    (fake / 'torch' / '__init__.py').write_text('__version__ = "1.0.0"\n\n\nclass Tensor:\n'
+                                                '    pass\n')
     (fake / 'torch-1.0.0.dist-info').mkdir()
     (fake / 'torch-1.0.0.dist-info' / 'METADATA').write_text(
         'Metadata-Version: 2.1\nName: torch\nVersion: 1.0.0\n')
