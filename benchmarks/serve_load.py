@@ -21,7 +21,7 @@ Finally each server gets SIGTERM while its clients are still sending, and every 
 
     python benchmarks/serve_load.py --json serve_load.json
         [--clients 32] [--duration 20] [--rounds 4] [--warmup 15]
-        [--index DIR | --corpus-size 5000]
+        [--index DIR | --corpus-size 5000] [--warm-up-tokens N]
 """
 from __future__ import annotations
 
@@ -68,10 +68,13 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def start_server(index: Path, workdir: Path, batching: bool) -> tuple[subprocess.Popen, Path]:
+def start_server(index: Path, workdir: Path, batching: bool,
+                 warm_up_tokens: Optional[int] = None) -> tuple[subprocess.Popen, Path]:
     """Starts a server process; it writes its port to the returned file once it serves."""
     port_file = workdir / f"port-{batching}"
     extra = [] if batching else ["--no-batching"]
+    if warm_up_tokens is not None:
+        extra += ["--warm-up-tokens", str(warm_up_tokens)]
     proc = subprocess.Popen([sys.executable, "-m", "jaxsim", "serve", "--index", str(index),
                              "--port", "0", "--port-file", str(port_file), *extra],
                             cwd=REPO, env=_env(), stdout=subprocess.DEVNULL)
@@ -199,7 +202,8 @@ def health(port: int) -> dict:
 async def run(index: Path, workdir: Path, args) -> dict:
     requests = [request_bytes(q) for q in sentences("s2.test", 2000)]
     modes = {"batched": True, "unbatched": False}
-    started = {name: start_server(index, workdir, batching) for name, batching in modes.items()}
+    started = {name: start_server(index, workdir, batching, args.warm_up_tokens)
+               for name, batching in modes.items()}
     try:
         servers = {name: (proc, wait_for_port(proc, port_file))
                    for name, (proc, port_file) in started.items()}
@@ -262,6 +266,8 @@ def main() -> None:
     parser.add_argument("--index", type=Path, default=None,
                         help="index to serve (default: build one of --corpus-size sentences)")
     parser.add_argument("--corpus-size", type=int, default=5000)
+    parser.add_argument("--warm-up-tokens", type=int, default=None,
+                        help="the servers' --warm-up-tokens (default: theirs)")
     args = parser.parse_args()
     if args.clients < 1 or args.rounds < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("--clients and --rounds must be positive, --duration > 0, --warmup >= 0")
