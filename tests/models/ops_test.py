@@ -77,6 +77,24 @@ def test_dropout_statistics_scaling_and_keys(impl):
     np.testing.assert_array_equal(ops.dropout(x, 1.0, key), 0.0)
 
 
+def test_dropout_quarter_words_are_independent_and_scaled():
+    # Last axis 64: elements j, j + 16, j + 32, j + 48 take the four 16-bit halves of one hash.
+    x = jnp.ones((500, 3, 64), jnp.float32) * 3.0
+    y = np.asarray(ops.dropout(x, 0.1, jax.random.key(7)))
+    kept = y != 0
+    assert abs(kept.mean() - 0.9) < 5 * np.sqrt(0.09 / kept.size)
+    np.testing.assert_allclose(y[kept], 3.0 / 0.9, rtol=1e-6)
+    quarters = [kept[..., 16 * i:16 * (i + 1)].ravel().astype(float) for i in range(4)]
+    for i in range(4):
+        assert abs(quarters[i].mean() - 0.9) < 5 * np.sqrt(0.09 / quarters[i].size)
+        for j in range(i + 1, 4):
+            assert abs(np.corrcoef(quarters[i], quarters[j])[0, 1]) < 5 / np.sqrt(
+                quarters[i].size), (i, j)
+    # Rows are independent of how many rows are drawn with them.
+    np.testing.assert_array_equal(kept[:7], np.asarray(ops.dropout(x[:7], 0.1,
+                                                                    jax.random.key(7))) != 0)
+
+
 def test_dropout_keep_rate_follows_the_rate():
     x = jnp.ones((256, 64, 64), jnp.float32)
     for rate in (0.05, 0.5, 0.9):
