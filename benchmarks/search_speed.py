@@ -5,7 +5,11 @@ sentence index. For each (rows, dim): both indexes hold the same vectors; each s
 same query batch for its top-k after a warm-up call (jaxsim's compilation is timed apart);
 the contenders run in interleaved rounds and the best of --repeats rounds gives queries/s.
 Also reported: the overlap of jaxsim's exact rows with faiss's, and the `approx_max_k`
-path's speed and recall against the exact search.
+path's speed and recall against the exact search. The bfloat16 corpus option
+(`corpus_dtype="bfloat16"`: scored in bf16, the best groups rescored in float32) is timed in
+the same rounds, with the share of queries whose top-k set equals the float32 search's
+(`bf16_same_top_k_as_float32`) and the queries it sent back to float32; top-level
+"ratio_bfloat16" is its geometric-mean ratio to faiss.
 
 faiss is given its BLAS path for every batch (`--faiss-blas-threshold 0`; its default
 heuristic sends small batches, e.g. 256 queries of dimension 384, to a ~10x slower loop) and
@@ -36,6 +40,7 @@ import json
 import math
 import os
 import platform
+import resource
 import sys
 import time
 from pathlib import Path
@@ -87,6 +92,13 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
     ours = index.search_vectors(queries, args.top_k)  # places the corpus and compiles
     first_s = time.perf_counter() - start
     approx = index.search_vectors(queries, args.top_k, approx_recall=args.approx_recall)
+    # The bfloat16 corpus option: its own index over the same rows.
+    low = SearchIndex.from_vectors(index.vectors, corpus_dtype="bfloat16",
+                                   block_rows=args.block_rows, query_batch=args.query_batch)
+    start = time.perf_counter()
+    low_hits = low.search_vectors(queries, args.top_k)
+    low_first_s = time.perf_counter() - start
+    low_again = low.last_search_stats.get("float32_again")
     _, faiss_rows = flat.search(queries, args.top_k)  # warm-up, and the rows to compare
 
     def faiss_search(threads):
@@ -96,6 +108,7 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
     # Interleaved rounds, best of each: on a shared machine every contender sees the same
     # load. faiss runs at each thread count asked for and keeps its best.
     contenders = {"jaxsim": lambda: index.search_vectors(queries, args.top_k),
+                  "jaxsim_bf16": lambda: low.search_vectors(queries, args.top_k),
                   "approx": lambda: index.search_vectors(queries, args.top_k,
                                                          approx_recall=args.approx_recall)}
     for threads in args.faiss_threads:
@@ -117,6 +130,13 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
         "faiss_qps_by_threads": {t: args.queries / v for t, v in faiss_by_threads.items()},
         "jaxsim_first_call_s": first_s,  # device placement + compilation + one search
         "overlap_with_faiss": overlap(ours.rows, faiss_rows),
+        "bf16_qps": args.queries / best["jaxsim_bf16"], "bf16_ratio": faiss_s / best["jaxsim_bf16"],
+        "bf16_first_call_s": low_first_s,
+        # Queries whose top-k row set is the float32 search's (1.0: all), and how many the bf16
+        # pass could not certify (searched again in float32).
+        "bf16_same_top_k_as_float32": float(np.mean(
+            [set(a) == set(b) for a, b in zip(low_hits.rows, ours.rows)])),
+        "bf16_float32_again": low_again,
         "approx_qps": args.queries / approx_s, "approx_recall_target": args.approx_recall,
         "approx_recall": overlap(approx.rows, ours.rows),
         "data_s": make_s, "build_s": build_s, "load_average_1min": os.getloadavg()[0],
@@ -126,14 +146,22 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
     row["peak_gflops"] = args.peaks["jax"]["float32"]
     row["fraction_of_peak"] = fraction_of_peak(row["flops"], 1.0 / jax_s, row["peak_gflops"])
     faiss.omp_set_num_threads(max(args.faiss_threads))
+    row["peak_rss_gb_exact"] = peak_rss_gb()
+    # The approximate indexes need only the host rows and the exact answers: the flat index
+    # and the device copy go first (at 1M x 384 each is 1.5 GB).
+    del flat, faiss_search, contenders
+    exact_vectors = np.array(index.vectors)
+    del index, approx, low
+    gc.collect()
     for method in args.ann:
+        options = ann_options(method, args)
         start = time.perf_counter()
-        approximate = SearchIndex.from_vectors(index.vectors, method=method)
+        approximate = SearchIndex.from_vectors(exact_vectors, method=method, ann_options=options)
         approximate.search_vectors(queries[:1], args.top_k)  # builds the structure
         build = time.perf_counter() - start
         # Each search-time setting (cells probed / search beam) on the same structure.
         key = "nprobe" if method == "ivf" else "ef_search"
-        row[method] = {"build_s": build, "by_" + key: {}}
+        row[method] = {"build_s": build, "options": options, "by_" + key: {}}
         for value in args.nprobe if method == "ivf" else args.ef_search:
             approximate.tune(**{key: value})
             found = approximate.search_vectors(queries, args.top_k)
@@ -142,9 +170,22 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
             row[method]["by_" + key][value] = {
                 "qps": args.queries / took, "recall": overlap(found.rows, ours.rows),
                 "speedup_vs_exact": jax_s / took}
+        row[method]["peak_rss_gb"] = peak_rss_gb()
         del approximate
         gc.collect()
     return row
+
+
+def ann_options(method: str, args) -> dict:
+    """Build-time options given on the command line (the library's defaults otherwise)."""
+    given = ({"nlist": args.nlist} if method == "ivf" else
+             {"m": args.hnsw_m, "ef_construction": args.ef_construction})
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident set so far, GB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def seconds(fn) -> float:
@@ -175,6 +216,9 @@ def main():
     parser.add_argument("--data", choices=("random", "clustered"), default="random")
     parser.add_argument("--nprobe", default="4,8,16,32,64", help="ivf cells probed, swept")
     parser.add_argument("--ef-search", default="16,32,64,128", help="hnsw beams, swept")
+    parser.add_argument("--nlist", type=int, default=None, help="ivf cells (default: ~4 sqrt(rows))")
+    parser.add_argument("--hnsw-m", type=int, default=None, help="hnsw links a node")
+    parser.add_argument("--ef-construction", type=int, default=None, help="hnsw build beam")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
 
@@ -207,6 +251,7 @@ def main():
           f"{os.cpu_count()} cpus, "
           f"load average {load_before[0]:.2f}")
     print(f"{'rows':>9} {'dim':>4} {'jaxsim q/s':>11} {'faiss q/s':>10} {'ratio':>6} "
+          f"{'bf16 q/s':>9} {'ratio':>6} {'=f32':>5} "
           f"{'overlap':>8} {'approx q/s':>11} {'recall':>7} {'1st call s':>10}")
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -215,7 +260,8 @@ def main():
             gc.collect()  # both indexes of this configuration go before the next is built
             results.append(r)
             print(f"{rows:>9} {dim:>4} {r['jaxsim_qps']:>11.0f} {r['faiss_qps']:>10.0f} "
-                  f"{r['ratio']:>6.2f} {r['overlap_with_faiss']:>8.4f} {r['approx_qps']:>11.0f} "
+                  f"{r['ratio']:>6.2f} {r['bf16_qps']:>9.0f} {r['bf16_ratio']:>6.2f} "
+                  f"{r['bf16_same_top_k_as_float32']:>5.3f} {r['overlap_with_faiss']:>8.4f} {r['approx_qps']:>11.0f} "
                   f"{r['approx_recall']:>7.4f} {r['jaxsim_first_call_s']:>10.1f}", flush=True)
             for method in args.ann:
                 (key, sweep), = ((k, v) for k, v in r[method].items() if k.startswith("by_"))
@@ -223,13 +269,19 @@ def main():
                     print(f"{'':>9} {'':>4} {method} {key[3:]}={value}: {a['qps']:.0f} q/s, "
                           f"recall@{args.top_k} {a['recall']:.4f}, "
                           f"{a['speedup_vs_exact']:.1f}x exact (built in "
-                          f"{r[method]['build_s']:.1f} s)", flush=True)
+                          f"{r[method]['build_s']:.1f} s, peak RSS "
+                          f"{r[method]['peak_rss_gb']:.2f} GB)", flush=True)
     load_after = os.getloadavg()
     ratio = math.exp(np.mean([math.log(r["ratio"]) for r in results]))
-    print(f"ratio (geometric mean of jaxsim/faiss queries/s): {ratio:.2f}")
+    ratio_bf16 = math.exp(np.mean([math.log(r["bf16_ratio"]) for r in results]))
+    print(f"ratio (geometric mean of jaxsim/faiss queries/s): {ratio:.2f} float32 corpus, "
+          f"{ratio_bf16:.2f} bfloat16 corpus")
     if args.json:
         out = {"ratio": ratio,
                "ratio_definition": "geometric mean over configs of jaxsim_qps / faiss_qps",
+               "ratio_bfloat16": ratio_bf16,
+               "ratio_bfloat16_definition": "the same for the bfloat16 corpus option "
+                                            "(corpus_dtype='bfloat16', float32 results)",
                "configs": results, "faiss_threads": args.faiss_threads, "cpus": os.cpu_count(),
                "data": args.data, "ann": args.ann,
                "faiss_blas_threshold": args.faiss_blas_threshold,

@@ -6,8 +6,8 @@
     index.search(model, "A man plays guitar.", threshold=0.6, top_k=5)
     index.save(folder)
 """
-from jaxsim.search.index import (IndexInfo, ModelMismatchError, SearchIndex, TopK, build_index,
-                                 load_index)
+from jaxsim.search.index import IndexInfo, SearchIndex, TopK, build_index, load_index
+from jaxsim.search.model_check import ModelMismatchError
 from jaxsim.search.storage import IndexFileError
 from jaxsim.search.vectors import SearchError, VectorError, model_ref, similarity
 

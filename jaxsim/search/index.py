@@ -5,10 +5,10 @@ corpus (`jaxsim.search.topk`): vectors are L2-normalized once when added, so a q
 products are its cosines. `search(model, queries, threshold=0.6, top_k=5)` returns, per query,
 the (sentence, score) pairs with score >= threshold, best first, at most top_k of them.
 
-An index remembers the model that built it: its path, pooler, dimension, and its vector of a
-fixed probe sentence. Every query is encoded together with the probe, and a model whose probe
-vector differs (another checkpoint, another pooler, another width) is refused with an error
-naming both models, instead of returning meaningless neighbours.
+An index remembers the model that built it and refuses any other (`jaxsim.search.model_check`).
+
+`corpus_dtype="bfloat16"` keeps a bfloat16 copy of the rows beside the float32 one on the
+devices and scores it first (`topk.bf16_search_fn`); results stay those of the float32 search.
 
 `method="ivf"|"hnsw"` searches approximately through faiss instead (`jaxsim.search.ann`), for
 large corpora on CPU; everything else (sentences, threshold, model check, save/load) is the same.
@@ -28,20 +28,12 @@ from jax.sharding import Mesh
 from jaxsim.data.readers import read_sentences
 from jaxsim.search import ann
 from jaxsim.search.storage import IndexFileError, read_ann, read_index, write_index
-from jaxsim.search.topk import (DEFAULT_BLOCK_ROWS, DEFAULT_QUERY_BATCH, Layout, place_corpus,
-                                plan_layout, top_k_search)
-from jaxsim.search.vectors import SearchError, as_matrix, embed, model_ref, normalize_rows
+from jaxsim.search.topk import (DEFAULT_BLOCK_ROWS, DEFAULT_QUERY_BATCH, Layout, as_bf16_bits,
+                                bf16_error_bound, place_corpus, plan_layout, top_k_search)
+from jaxsim.search.model_check import PROBE_SENTENCE, encode_checked
+from jaxsim.search.vectors import (SearchError, as_matrix, check_recall, check_top_k, embed,
+                                   max_row_norm, model_ref, normalize_rows, sentence_list)
 from jaxsim.sharding import make_mesh
-
-# Encoded beside every query batch; its vector fingerprints the model + pooler.
-PROBE_SENTENCE = "A man is playing a guitar on a quiet street."
-# The same model on another device or XLA build agrees to ~1e-6; another model is far below.
-PROBE_MIN_COSINE = 0.999
-
-
-class ModelMismatchError(SearchError):
-    """A model other than the one that built the index."""
-
 
 @dataclasses.dataclass(frozen=True)
 class IndexInfo:
@@ -56,32 +48,14 @@ class IndexInfo:
     ann: Optional[dict] = None  # AnnOptions fields given at build time
 
 
+CORPUS_DTYPES = ("float32", "bfloat16")
+
+
 class TopK(NamedTuple):
     """Search results: scores [q, k] float32, best first; rows [q, k] int64 row numbers."""
 
     scores: np.ndarray
     rows: np.ndarray
-
-
-def _sentence_list(x: Any, what: str) -> list[str]:
-    if isinstance(x, str) or not isinstance(x, Sequence):
-        raise SearchError(f"{what} must be a list of strings, got {type(x).__name__}")
-    for i, s in enumerate(x):
-        if not isinstance(s, str):
-            raise SearchError(f"{what}[{i}] is a {type(s).__name__}, not a string: {s!r:.60}")
-    return list(x)
-
-
-def _check_top_k(top_k: Any) -> int:
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
-        raise SearchError(f"top_k must be a positive integer, got {top_k!r}")
-    return int(top_k)
-
-
-def _check_recall(approx_recall: Optional[float]) -> Optional[float]:
-    if approx_recall is not None and not 0.0 < approx_recall <= 1.0:
-        raise SearchError(f"approx_recall must be in (0, 1] or None, got {approx_recall}")
-    return approx_recall
 
 
 class SearchIndex:
@@ -93,7 +67,7 @@ class SearchIndex:
 
     def __init__(self, info: IndexInfo, *, with_sentences: bool = True,
                  mesh: Optional[Mesh] = None, block_rows: int = DEFAULT_BLOCK_ROWS,
-                 query_batch: int = DEFAULT_QUERY_BATCH):
+                 query_batch: int = DEFAULT_QUERY_BATCH, corpus_dtype: str = "float32"):
         """An empty index.
 
         Args:
@@ -102,7 +76,12 @@ class SearchIndex:
           mesh: devices to shard the rows over (default: every device, one 'data' axis).
           block_rows: rows scored per scan step on each device.
           query_batch: queries per jitted call.
+          corpus_dtype: "float32", or "bfloat16": the exact search scores a bf16 copy of the
+            rows first and rescores the best groups in float32, with the float32 result.
         """
+        if corpus_dtype not in CORPUS_DTYPES:
+            raise SearchError(f"corpus_dtype must be one of {', '.join(CORPUS_DTYPES)}; got "
+                              f"{corpus_dtype!r}")
         if info.dim < 1:
             raise SearchError(f"index dimension must be positive, got {info.dim}")
         if block_rows < 1 or query_batch < 1:
@@ -111,6 +90,8 @@ class SearchIndex:
         self.info = info
         self.mesh = make_mesh() if mesh is None else mesh
         self.block_rows, self.query_batch = block_rows, query_batch
+        self.corpus_dtype = corpus_dtype
+        self.last_search_stats: dict = {}  # e.g. queries the bf16 pass sent back to float32
         self._buffer = np.empty((0, info.dim), np.float32)  # [capacity, dim], rows [:size] used
         self._size = 0
         self._sentences: Optional[list[str]] = [] if with_sentences else None
@@ -163,7 +144,7 @@ class SearchIndex:
                               if sentences is None else
                               "this index stores bare vectors (built without sentences)")
         if sentences is not None:
-            sentences = _sentence_list(sentences, "sentences")
+            sentences = sentence_list(sentences, "sentences")
             if len(sentences) != len(arr):
                 raise SearchError(f"{len(arr)} vectors but {len(sentences)} sentences")
         need = self._size + len(arr)
@@ -197,42 +178,15 @@ class SearchIndex:
     def add(self, model: Any, sentences: Sequence[str], *, pooler: Optional[str] = None,
             batch_size: int = 64) -> None:
         """Encodes and appends sentences; refuses a model other than the index's."""
-        items = _sentence_list(sentences, "sentences")
+        items = sentence_list(sentences, "sentences")
         self.add_vectors(self.encode_checked(model, items, pooler=pooler,
                                              batch_size=batch_size), items)
 
     def encode_checked(self, model: Any, sentences: Sequence[str], *,
                        pooler: Optional[str] = None, batch_size: int = 64) -> np.ndarray:
-        """Encodes sentences with `model`, first checking it is the model that built the index.
-
-        Raises:
-          ModelMismatchError: another pooler, width or model (both named); or an index of bare
-            vectors, which has no model to encode with.
-        """
-        info = self.info
-        if info.pooler is None:
-            raise ModelMismatchError("this index was built from bare vectors, not with a "
-                                     "model: search it with search_vectors")
-        ref = model_ref(model, pooler or info.pooler)  # default: the pooler that built it
-        built = f"{info.model} (pooler {info.pooler}, dimension {info.dim})"
-        if ref.pooler != info.pooler:
-            raise ModelMismatchError(f"the index was built with {built}; pooler {ref.pooler} "
-                                     f"of {ref.path} would give other vectors")
-        vecs = embed(model, [PROBE_SENTENCE, *sentences], pooler=ref.pooler,
-                     batch_size=batch_size)
-        if vecs.shape[1] != info.dim:
-            raise ModelMismatchError(f"{ref.path} gives {vecs.shape[1]}-dimensional vectors "
-                                     f"but the index holds {info.dim}-dimensional ones, from "
-                                     f"{built}")
-        if info.probe is not None:
-            probe = np.asarray(info.probe, np.float32)
-            cos = float(normalize_rows(vecs[:1])[0] @ normalize_rows(probe[None])[0])
-            if cos < PROBE_MIN_COSINE:
-                raise ModelMismatchError(
-                    f"{ref.path} (pooler {ref.pooler}) is not the model that built the index, "
-                    f"{built}: their vectors of a probe sentence differ (cosine {cos:.4f}); "
-                    f"search with the index's model")
-        return vecs[1:]
+        """Encodes sentences with `model`, first checking it is the model that built the index
+        (`jaxsim.search.model_check.encode_checked`)."""
+        return encode_checked(self.info, model, sentences, pooler=pooler, batch_size=batch_size)
 
     def search_vectors(self, queries: Any, top_k: int = 5, *,
                        approx_recall: Optional[float] = None) -> TopK:
@@ -249,8 +203,8 @@ class SearchIndex:
           first.
         """
         q = as_matrix(queries, "query vectors", self.dim)
-        k = min(_check_top_k(top_k), self._size)
-        recall = _check_recall(approx_recall)
+        k = min(check_top_k(top_k), self._size)
+        recall = check_recall(approx_recall)
         if recall is not None and self.info.method != "exact":
             raise SearchError(f"approx_recall applies to the exact method's device search; "
                               f"this index searches by {self.info.method}")
@@ -287,12 +241,18 @@ class SearchIndex:
         if self._placed is None:
             layout = self._layout(self._size)
             self._reserve(self._size)
-            self._buffer[self._size: layout.capacity] = 0.0  # padding rows: finite, masked
-            self._placed = (layout, place_corpus(self._buffer[: layout.capacity], self.mesh,
-                                                 layout))
-        layout, corpus = self._placed
+            rows = self._buffer[: layout.capacity]
+            rows[self._size:] = 0.0  # padding rows: finite, masked
+            bits, bound = None, 0.0
+            if self.corpus_dtype == "bfloat16":
+                bits = place_corpus(as_bf16_bits(rows), self.mesh, layout)
+                bound = bf16_error_bound(self.dim) * max_row_norm(rows)
+            self._placed = (layout, place_corpus(rows, self.mesh, layout), bits, bound)
+        layout, corpus, bits, bound = self._placed
+        self.last_search_stats = {}
         return top_k_search(corpus, layout, self.mesh, self._size, q, k,
-                            query_batch=self.query_batch, recall_target=recall)
+                            query_batch=self.query_batch, recall_target=recall,
+                            bf16_bits=bits, bf16_bound=bound, stats=self.last_search_stats)
 
     def search(self, model: Any, queries: Union[str, Sequence[str]], *,
                threshold: Optional[float] = 0.6, top_k: int = 5, pooler: Optional[str] = None,
@@ -313,10 +273,10 @@ class SearchIndex:
           first); for a list of queries, one such list per query.
         """
         single = isinstance(queries, str)
-        items = [queries] if single else _sentence_list(queries, "queries")
+        items = [queries] if single else sentence_list(queries, "queries")
         if threshold is not None and not np.isfinite(threshold):
             raise SearchError(f"threshold must be a finite number or None, got {threshold}")
-        _check_top_k(top_k)
+        check_top_k(top_k)
         if self._sentences is None:
             raise SearchError("this index stores bare vectors, no sentences: use search_vectors")
         if not items:
@@ -386,7 +346,7 @@ def build_index(model: Any, sentences_or_file: Union[str, os.PathLike, Sequence[
     if isinstance(sentences_or_file, (str, os.PathLike)):
         sentences = read_sentences(sentences_or_file)
     else:
-        sentences = _sentence_list(sentences_or_file, "sentences")
+        sentences = sentence_list(sentences_or_file, "sentences")
     ref = model_ref(model, pooler)
     vecs = embed(model, [PROBE_SENTENCE, *sentences], pooler=ref.pooler, batch_size=batch_size)
     # A local folder is recorded absolute, so a command line run elsewhere can reload it.

@@ -87,6 +87,36 @@ def normalize_rows(x: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarra
     return out
 
 
+def sentence_list(x: Any, what: str) -> list[str]:
+    if isinstance(x, str) or not isinstance(x, Sequence):
+        raise SearchError(f"{what} must be a list of strings, got {type(x).__name__}")
+    for i, s in enumerate(x):
+        if not isinstance(s, str):
+            raise SearchError(f"{what}[{i}] is a {type(s).__name__}, not a string: {s!r:.60}")
+    return list(x)
+
+
+def check_top_k(top_k: Any) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise SearchError(f"top_k must be a positive integer, got {top_k!r}")
+    return int(top_k)
+
+
+def check_recall(approx_recall: Optional[float]) -> Optional[float]:
+    if approx_recall is not None and not 0.0 < approx_recall <= 1.0:
+        raise SearchError(f"approx_recall must be in (0, 1] or None, got {approx_recall}")
+    return approx_recall
+
+
+def max_row_norm(x: np.ndarray) -> float:
+    """The largest L2 norm of a row of `x` (0 for no rows), in row chunks."""
+    best = 0.0
+    for start in range(0, len(x), _CHUNK_ROWS):
+        part = x[start: start + _CHUNK_ROWS]
+        best = max(best, float(np.sqrt(np.einsum("ij,ij->i", part, part).max(initial=0.0))))
+    return best
+
+
 def _is_single(x: Any) -> bool:
     return isinstance(x, str) or (not isinstance(x, (list, tuple)) and np.ndim(x) == 1)
 
