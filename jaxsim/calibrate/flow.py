@@ -25,10 +25,11 @@ from jax.sharding import Mesh
 
 from jaxsim.calibrate.base import CALIBRATIONS, Calibration, CalibrationError, check_dim
 from jaxsim import compile_options
+from jaxsim.flows.checks import check_matrix
 from jaxsim.flows.config import FlowConfig, FlowError, load_config_file
 from jaxsim.flows.models import make_flow
 from jaxsim.flows.prior import nats_to_bits_per_dim, nll_nats
-from jaxsim.flows.training import EmbedFn, check_matrix, fit_flow
+from jaxsim.flows.training import EmbedFn, fit_flow
 
 # Shipped configs live beside the package: <repo>/configs/flow_<name>.py.
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / 'configs'
