@@ -43,7 +43,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxsim import sharding
+from jaxsim import runtime, sharding
 from jaxsim.data import readers
 from jaxsim.data.batching import tokenize_examples
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer
@@ -136,6 +136,7 @@ def jaxsim_step(objective: str, dtype: str, arrays: dict, **config):
     `build_step` and compiled ahead, and XLA's FLOP count of that compiled step."""
     train_step, state, placed = build_step(objective, dtype, arrays, **config)
     compiled = train_step.lower(state, placed).compile()
+    runtime.release_host_memory()  # as the train loop does after compiling its step
     holder = {"state": state}
 
     def run():

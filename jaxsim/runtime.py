@@ -22,6 +22,8 @@ Every environment variable is set with `setdefault`: a value the user exported w
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
 import sys
@@ -49,6 +51,24 @@ def setup(compilation_cache: bool = True) -> None:
     ignore_orphaned_loop_callbacks()
     if compilation_cache:
         enable_compilation_cache()
+
+
+def release_host_memory() -> bool:
+    """Hands the C heap's free pages back to the system (glibc `malloc_trim`); False elsewhere.
+
+    Compiling a train step leaves ~200 MB of freed compiler memory in glibc's heaps (minilm,
+    XLA:CPU), which it keeps as resident pages; released before the first step runs, the step's
+    working memory lands below, not on top of it (peak RSS lower by about that much).
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
+        trim = None
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 @contextlib.contextmanager

@@ -292,10 +292,16 @@ class _Loop:
             # A bar on a terminal, plain periodic lines in a log (no carriage returns).
             bar = progress_bar(self.total, 'train', unit='step', initial=self.step)
         pending: deque = deque()
+        start = self.step
         try:
             with deferred_signals() as stop:
                 while self.step < self.total:
                     batch = sharding_lib.assemble_batch(next(self.it), self.mesh)
+                    if self.step == start and hasattr(self.train_step, 'lower'):
+                        # A jitted step compiled ahead (the call reuses it), so the compiler's
+                        # freed memory goes back before the first step's buffers are allocated.
+                        self.train_step.lower(self.state, batch).compile()
+                        runtime.release_host_memory()
                     self.state, metrics = self.train_step(self.state, batch)
                     self.step += 1
                     pending.append((self.step, metrics))
