@@ -123,9 +123,36 @@ def _resolve_hub_id(model_id: str) -> Path:
     return Path(local)
 
 
-def load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
+# Tokenizer classes a folder may name that are loaded directly: the class AutoTokenizer picks
+# for them, without importing AutoTokenizer's module, which imports torch when it is installed
+# (~180 MB resident in a JAX-only training process).
+_DIRECT_TOKENIZERS = ("BertTokenizer", "RobertaTokenizer")
+
+
+def _declared_tokenizer_class(folder: Path):
+    """The transformers class tokenizer_config.json names, when it is one of
+    _DIRECT_TOKENIZERS and no custom code is declared; else None (AutoTokenizer decides)."""
+    config_file = folder / "tokenizer_config.json"
+    if not config_file.is_file():
+        return None
     try:
+        declared = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # AutoTokenizer reports it
+    name = declared.get("tokenizer_class") if isinstance(declared, dict) else None
+    if not isinstance(name, str) or "auto_map" in declared or (
+            name.removesuffix("Fast") not in _DIRECT_TOKENIZERS):
+        return None
+    import transformers
+    return getattr(transformers, name, None)
+
+
+def load_tokenizer(folder: Path):
+    try:
+        direct = _declared_tokenizer_class(folder)
+        if direct is not None:
+            return direct.from_pretrained(str(folder))
+        from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(folder), use_fast=True)
     except Exception as e:
         raise ModelLoadError(f"{folder}: cannot load a tokenizer: {type(e).__name__}: {e}") from None
