@@ -94,14 +94,16 @@ def pass_flops(model, sentences: list[str], batch_size: int, dtype: str) -> floa
     import jax.numpy as jnp
 
     from jaxsim.data.tokenize import TokenBatch
-    from jaxsim.encode import _batches, default_mesh, make_encode_fn
+    from jaxsim import sharding
+    from jaxsim.encode import _batches, default_mesh, make_encode_fn, token_budget
 
     mesh = default_mesh()
     # The batches jaxsim.encode itself makes, so the count matches the timed work.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
         shapes = collections.Counter(
             batch.input_ids.shape for _, batch in _batches(
-                model, sentences, batch_size, model.max_length(), executor))
+                model, sentences, batch_size, model.max_length(), executor,
+                sharding.batch_shards(mesh), token_budget(mesh)))
     params = jax.tree.map(lambda p: jnp.asarray(p, dtype), model.params)
     fn = make_encode_fn(model.encoder.clone(dtype=jnp.dtype(dtype)), True, False, mesh)
     total = 0.0

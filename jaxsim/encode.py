@@ -3,8 +3,11 @@
 `jaxsim.encode`, evaluation, the dev evaluation inside training, search and flow fitting all
 call `encode`. Why it is fast on XLA:
   - sentences are sorted by token length, so a batch pads to little more than its own longest;
-  - lengths are padded up to a few buckets (`bucket_length`) and every batch has the same row
-    count, so XLA compiles only a handful of shapes, once each (the jitted function is cached);
+  - lengths are padded up to a few buckets (`bucket_length`) and every batch of a bucket has
+    the same row count, so XLA compiles only a handful of shapes, once each (the jitted
+    function is cached);
+  - on CPU a batch holds at most `CPU_TOKENS_PER_BATCH` padded tokens (fewer rows for long
+    texts), so the layer's intermediates stay in cache;
   - tokenization of the next chunk runs in a background thread while the devices compute, and
     results are fetched one batch behind dispatch, so host work overlaps device work;
   - each batch is split over the mesh's data axes, so every device encodes its share.
@@ -31,6 +34,13 @@ from jaxsim.progress import progress_bar
 _CHUNK = 4096
 # Inputs at least this long get a progress bar by default.
 _PROGRESS_THRESHOLD = 5000
+# XLA:CPU only: padded tokens per batch at most (rows are cut for long buckets). XLA:CPU runs
+# each layer's products and elementwise work over the whole batch, so the [tokens, 4 * hidden]
+# float32 intermediate of a 64 x 128 batch (50 MB for MiniLM) streams through memory; at 1,024
+# tokens it stays in cache. all-MiniLM-L6-v2, 2 threads, process CPU time for 64 texts of
+# 96-128 tokens: bf16 1186 ms at 64 rows a batch, 697 at 16, 626 at 8; float32 2785 / 1946
+# (8 rows). Accelerators want big batches: they keep `batch_size`.
+CPU_TOKENS_PER_BATCH = 1024
 
 
 class NonFiniteVectorsError(JaxsimError):
@@ -96,9 +106,29 @@ def _to_mesh(batch: TokenBatch, mesh: Mesh) -> TokenBatch:
     return jax.tree.map(put, batch)
 
 
+def token_budget(mesh: Mesh) -> Optional[int]:
+    """Padded tokens per global batch at most: `CPU_TOKENS_PER_BATCH` per batch shard on CPU
+    devices (XLA:CPU-only, see there), None (no limit) on accelerators."""
+    if any(d.platform != "cpu" for d in mesh.devices.flat):
+        return None
+    return CPU_TOKENS_PER_BATCH * sharding_lib.batch_shards(mesh)
+
+
+def rows_per_batch(length: int, batch_size: int, shards: int, budget: Optional[int]) -> int:
+    """Rows of a batch padded to `length`: `batch_size` (a multiple of `shards`), cut to the
+    token budget when there is one, never below `shards` rows."""
+    if budget is None:
+        return batch_size
+    return min(batch_size, max(shards, budget // length // shards * shards))
+
+
 def _batches(model: SentenceModel, sentences: list[str], batch_size: int, max_length: int,
-             executor: concurrent.futures.Executor) -> Iterator[tuple[np.ndarray, TokenBatch]]:
-    """Yields (original indices, padded batch) in length-sorted order, chunk by chunk."""
+             executor: concurrent.futures.Executor, shards: int = 1,
+             budget: Optional[int] = None) -> Iterator[tuple[np.ndarray, TokenBatch]]:
+    """Yields (original indices, padded batch) in length-sorted order, chunk by chunk.
+
+    A batch padded to bucket length L has `rows_per_batch(L, ...)` rows, so each bucket is one
+    shape."""
     pad_id = model.config.pad_token_id
     tokenize = functools.partial(token_ids, model.tokenizer, max_length=max_length)
     starts = range(0, len(sentences), _CHUNK)
@@ -108,12 +138,22 @@ def _batches(model: SentenceModel, sentences: list[str], batch_size: int, max_le
         if n + 2 < len(starts):  # keep two chunks in flight ahead of the devices
             nxt = starts[n + 2]
             futures.append(executor.submit(tokenize, sentences[nxt: nxt + _CHUNK]))
-        order = np.argsort([len(s) for s in ids], kind="stable")
-        for b in range(0, len(order), batch_size):
-            rows = order[b: b + batch_size]
-            length = bucket_length(max(len(ids[i]) for i in rows), max_length)
-            yield start + rows, pad_batch([ids[i] for i in rows], pad_id, length,
-                                          rows=batch_size)
+        lengths = np.array([len(s) for s in ids])
+        order = np.argsort(lengths, kind="stable")
+        b = 0
+        while b < len(order):
+            # Sorted ascending, so fewer rows never need a longer bucket: shrink until the
+            # rows fit their own bucket's row count.
+            n = batch_size
+            while True:
+                length = bucket_length(int(lengths[order[b: b + n]].max()), max_length)
+                rows = rows_per_batch(length, batch_size, shards, budget)
+                if rows >= n:
+                    break
+                n = rows
+            picked = order[b: b + n]
+            b += n
+            yield start + picked, pad_batch([ids[i] for i in picked], pad_id, length, rows=rows)
 
 
 def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[str] = None,
@@ -127,8 +167,8 @@ def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[s
       model: a loaded encoder (`jaxsim.load_pretrained`).
       sentences: strings; empty strings are allowed, longer texts are truncated to max_length.
       pooler: a registered pooler name; default: the model's own.
-      batch_size: sentences per global batch (rounded up to a multiple of the mesh's batch
-        shards).
+      batch_size: sentences per global batch at most (rounded up to a multiple of the mesh's
+        batch shards); on CPU, long texts get fewer (`CPU_TOKENS_PER_BATCH`).
       max_length: token limit including special tokens; default: `model.max_length()`.
       normalize: L2-normalize the vectors (after the model's own head, if any).
       progress: show progress (a bar on a terminal, else periodic lines on stderr); default:
@@ -172,8 +212,9 @@ def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[s
     bar = progress_bar(len(items), "encode", unit="sent", enable=show)
     pending = None  # (indices, device result) of the previous batch: fetched after the next
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
-        for n, (indices, batch) in enumerate(_batches(model, items, batch_size, max_length,
-                                                      executor)):
+        batches = _batches(model, items, batch_size, max_length, executor, shards,
+                           token_budget(mesh))
+        for n, (indices, batch) in enumerate(batches):
             result = encode_batch(params, _to_mesh(batch, mesh), jax.random.fold_in(key, n))
             if pending is not None:
                 out[pending[0]] = np.asarray(pending[1])[: len(pending[0])]

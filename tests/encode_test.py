@@ -47,6 +47,39 @@ def test_bucket_lengths_are_few():
     assert bucket_length(600, 256) == 256
 
 
+def test_cpu_batches_keep_to_the_token_budget(bundled):
+    """Long texts get fewer rows a batch on CPU; every sentence is in exactly one batch, rows
+    of a batch are a function of its bucket, and the vectors do not change."""
+    import concurrent.futures
+    import importlib
+
+    encode_module = importlib.import_module("jaxsim.encode")
+    rng = np.random.default_rng(0)
+    words = "cat dog man runs the a red big in park river house".split()
+    sents = [" ".join(rng.choice(words, rng.integers(1, 120))) for _ in range(90)]
+    mesh = encode_module.default_mesh()
+    budget = encode_module.token_budget(mesh)
+    assert budget == encode_module.CPU_TOKENS_PER_BATCH  # one CPU device
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
+        batches = list(encode_module._batches(bundled, sents, 64, 128, executor, 1, budget))
+    seen = np.concatenate([indices for indices, _ in batches])
+    assert sorted(seen.tolist()) == list(range(len(sents)))
+    rows_of = {}
+    for indices, batch in batches:
+        rows, length = batch.input_ids.shape
+        assert rows * length <= budget or rows == 1
+        assert rows == encode_module.rows_per_batch(length, 64, 1, budget) >= len(indices)
+        assert rows_of.setdefault(length, rows) == rows
+        assert batch.attention_mask[: len(indices)].sum(1).max() > length - 16 or length <= 32
+    assert max(rows_of.values()) == 64 and min(rows_of.values()) == 1024 // 128
+    assert encode_module.rows_per_batch(128, 64, 4, None) == 64  # accelerators: no budget
+    assert encode_module.rows_per_batch(512, 64, 4, 4096) == 8  # whole shards, >= shards
+    assert encode_module.rows_per_batch(512, 64, 4, 1024) == 4
+    full = jaxsim.encode(bundled, sents, batch_size=64, max_length=128)
+    one = jaxsim.encode(bundled, sents, batch_size=1, max_length=128)
+    np.testing.assert_allclose(full, one, atol=1e-5)
+
+
 def test_order_and_batch_invariance(bundled):
     full = jaxsim.encode(bundled, SENTENCES, pooler="avg", batch_size=64, max_length=128)
     assert full.shape == (len(SENTENCES), 384) and full.dtype == np.float32
