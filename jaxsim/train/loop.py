@@ -297,11 +297,8 @@ class _Loop:
             with deferred_signals() as stop:
                 while self.step < self.total:
                     batch = sharding_lib.assemble_batch(next(self.it), self.mesh)
-                    if self.step == start and hasattr(self.train_step, 'lower'):
-                        # A jitted step compiled ahead (the call reuses it), so the compiler's
-                        # freed memory goes back before the first step's buffers are allocated.
-                        self.train_step.lower(self.state, batch).compile()
-                        runtime.release_host_memory()
+                    if self.step == start:  # compiler memory freed before the step's own
+                        runtime.compile_ahead(self.train_step, self.state, batch)
                     self.state, metrics = self.train_step(self.state, batch)
                     self.step += 1
                     pending.append((self.step, metrics))
