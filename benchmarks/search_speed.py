@@ -6,7 +6,7 @@ same query batch for its top-k after a warm-up call (jaxsim's compilation is tim
 the contenders run in interleaved rounds and the best of --repeats rounds gives queries/s.
 Also reported: the overlap of jaxsim's exact rows with faiss's, and the `approx_max_k`
 path's speed and recall against the exact search. The bfloat16 corpus option
-(`corpus_dtype="bfloat16"`: scored in bf16, the best groups rescored in float32) is timed in
+(`corpus_dtype="bfloat16"`: scored in bf16, the candidates rescored in float32) is timed in
 the same rounds, with the share of queries whose top-k set equals the float32 search's
 (`bf16_same_top_k_as_float32`) and the queries it sent back to float32; top-level
 "ratio_bfloat16" is its geometric-mean ratio to faiss.

@@ -8,7 +8,7 @@ the (sentence, score) pairs with score >= threshold, best first, at most top_k o
 An index remembers the model that built it and refuses any other (`jaxsim.search.model_check`).
 
 `corpus_dtype="bfloat16"` keeps a bfloat16 copy of the rows beside the float32 one on the
-devices and scores it first (`topk.bf16_search_fn`); results stay those of the float32 search.
+devices and scores it first (`jaxsim.search.bf16`); results stay those of the float32 search.
 
 `method="ivf"|"hnsw"` searches approximately through faiss instead (`jaxsim.search.ann`), for
 large corpora on CPU; everything else (sentences, threshold, model check, save/load) is the same.
@@ -28,11 +28,12 @@ from jax.sharding import Mesh
 from jaxsim.data.readers import read_sentences
 from jaxsim.search import ann
 from jaxsim.search.storage import IndexFileError, read_ann, read_index, write_index
-from jaxsim.search.topk import (DEFAULT_BLOCK_ROWS, DEFAULT_QUERY_BATCH, Layout, as_bf16_bits,
-                                bf16_error_bound, place_corpus, plan_layout, top_k_search)
+from jaxsim.search.bf16 import bf16_corpus, bf16_top_k_search
+from jaxsim.search.topk import (DEFAULT_BLOCK_ROWS, DEFAULT_QUERY_BATCH, Layout, place_corpus,
+                                plan_layout, top_k_search)
 from jaxsim.search.model_check import PROBE_SENTENCE, encode_checked
 from jaxsim.search.vectors import (SearchError, as_matrix, check_recall, check_top_k, embed,
-                                   max_row_norm, model_ref, normalize_rows, sentence_list)
+                                   model_ref, normalize_rows, sentence_list)
 from jaxsim.sharding import make_mesh
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ class SearchIndex:
           block_rows: rows scored per scan step on each device.
           query_batch: queries per jitted call.
           corpus_dtype: "float32", or "bfloat16": the exact search scores a bf16 copy of the
-            rows first and rescores the best groups in float32, with the float32 result.
+            rows first and rescores the few candidates in float32, with the float32 result.
         """
         if corpus_dtype not in CORPUS_DTYPES:
             raise SearchError(f"corpus_dtype must be one of {', '.join(CORPUS_DTYPES)}; got "
@@ -243,16 +244,18 @@ class SearchIndex:
             self._reserve(self._size)
             rows = self._buffer[: layout.capacity]
             rows[self._size:] = 0.0  # padding rows: finite, masked
-            bits, bound = None, 0.0
+            bits, norms = None, None
             if self.corpus_dtype == "bfloat16":
-                bits = place_corpus(as_bf16_bits(rows), self.mesh, layout)
-                bound = bf16_error_bound(self.dim) * max_row_norm(rows)
-            self._placed = (layout, place_corpus(rows, self.mesh, layout), bits, bound)
-        layout, corpus, bits, bound = self._placed
+                low, norms = bf16_corpus(rows)
+                bits = place_corpus(low, self.mesh, layout)
+            self._placed = (layout, place_corpus(rows, self.mesh, layout), bits, norms)
+        layout, corpus, bits, norms = self._placed
         self.last_search_stats = {}
+        if bits is not None and recall is None:
+            return bf16_top_k_search(corpus, bits, norms, layout, self.mesh, self._size, q, k,
+                                     query_batch=self.query_batch, stats=self.last_search_stats)
         return top_k_search(corpus, layout, self.mesh, self._size, q, k,
-                            query_batch=self.query_batch, recall_target=recall,
-                            bf16_bits=bits, bf16_bound=bound, stats=self.last_search_stats)
+                            query_batch=self.query_batch, recall_target=recall)
 
     def search(self, model: Any, queries: Union[str, Sequence[str]], *,
                threshold: Optional[float] = 0.6, top_k: int = 5, pooler: Optional[str] = None,

@@ -150,97 +150,6 @@ def search_fn(mesh: Mesh, layout: Layout, k: int, recall_target: Optional[float]
     return jax.jit(search)
 
 
-# bfloat16 corpus: rows per group whose maximum bf16 score is kept, groups kept per query beyond
-# k, and the bound on |bf16 score - float32 score| per unit of |query| * |row|: rounding both
-# sides to bf16 (8-bit significand) moves each product by at most 2^-8 of |q_i x_i|, and the
-# float32 sums of dim terms differ by at most dim * 2^-23 of the same total (2^-22: margin).
-BF16_GROUP_ROWS = 8
-BF16_EXTRA_GROUPS = 16
-
-
-def bf16_error_bound(dim: int) -> float:
-    return 2.0 ** -8 + dim * 2.0 ** -22
-
-
-def bf16_supported(layout: Layout, k: int) -> bool:
-    """Whether a device's rows hold enough whole groups for the bf16 pre-selection."""
-    return (layout.block_rows % BF16_GROUP_ROWS == 0
-            and layout.rows_per_device // BF16_GROUP_ROWS >= k + BF16_EXTRA_GROUPS)
-
-
-def as_bf16_bits(vectors: np.ndarray) -> np.ndarray:
-    """Rows rounded to bfloat16 (nearest even), stored as their uint16 bit patterns.
-
-    Bit patterns, not a bf16 array: XLA:CPU upcasts a bf16 operand that is sliced inside a loop
-    to float32 for the whole corpus (one full conversion per call); a uint16 slice bitcast to
-    bf16 right before the product keeps the product in bf16 (XLA:CPU-specific).
-    """
-    import ml_dtypes  # a dependency of jax itself
-    out = np.empty(vectors.shape, np.uint16)
-    for start in range(0, len(vectors), 65536):
-        out[start: start + 65536] = vectors[start: start + 65536].astype(
-            ml_dtypes.bfloat16).view(np.uint16)
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def bf16_search_fn(mesh: Mesh, layout: Layout, k: int):
-    """A jitted `(corpus_f32, corpus_bf16_bits, n_valid, bound, queries) -> (scores, rows, exact)`.
-
-    Each device scores its rows in bfloat16 (float32 sums), keeps the maximum of every group
-    of BF16_GROUP_ROWS rows, and picks the k + BF16_EXTRA_GROUPS best groups per query; their
-    rows are scored again in float32 and the k best kept. `exact[q]` says the result equals the
-    float32 search's: the k-th float32 score beats the bf16 maximum of every group left out by
-    more than `bound` * |query| (`bound` = bf16_error_bound(dim) * the largest row norm), so no
-    row left out can reach it. Callers search the other queries again in float32.
-    """
-    axes = row_axes(mesh)
-    g, kept = BF16_GROUP_ROWS, k + BF16_EXTRA_GROUPS
-    dims = (((1,), (1,)), ((), ()))
-
-    def local(corpus, bits, n_valid, queries):
-        first_row = jax.lax.axis_index(axes) * layout.rows_per_device
-        blocks = bits.reshape(layout.blocks, layout.block_rows, layout.dim)
-        q = queries.shape[0]
-        low = queries.astype(jnp.bfloat16)
-
-        def group_max(block):
-            block = jax.lax.bitcast_convert_type(block, jnp.bfloat16)
-            scores = jax.lax.dot_general(low, block, dims, preferred_element_type=jnp.float32)
-            return scores.reshape(q, layout.block_rows // g, g).max(axis=2)
-
-        maxima = jnp.moveaxis(jax.lax.map(group_max, blocks), 0, 1).reshape(q, -1)
-        groups = jnp.arange(maxima.shape[1], dtype=jnp.int32)
-        # Groups wholly past the valid rows drop out; padding rows inside a group score 0, which
-        # can only keep the group in, never leave a valid row out.
-        maxima = jnp.where(first_row + groups * g < n_valid, maxima, -jnp.inf)
-        # Indices only: XLA:CPU sorts whole rows when TopK's values are used too (5x the time).
-        _, chosen = jax.lax.top_k(maxima, kept)
-        # No group left out has a higher maximum than the lowest chosen one.
-        left_out = jnp.take_along_axis(maxima, chosen, axis=1).min(axis=1)
-        chosen = jnp.sort(chosen, axis=1)  # row order: ties lowest row first
-        rows = (chosen[:, :, None] * g + jnp.arange(g, dtype=jnp.int32)).reshape(q, kept * g)
-        exact = jnp.einsum("qd,qcd->qc", queries, corpus[rows],
-                           precision=jax.lax.Precision.HIGHEST)
-        rows = rows + first_row
-        exact = jnp.where(rows < n_valid, exact, -jnp.inf)
-        best, pos = jax.lax.top_k(exact, k)
-        return best, jnp.take_along_axis(rows, pos, axis=1), left_out[:, None]
-
-    per_device = jax.shard_map(local, mesh=mesh,
-                               in_specs=(P(axes, None), P(axes, None), P(), P()),
-                               out_specs=(P(None, axes), P(None, axes), P(None, axes)))
-
-    def search(corpus, bits, n_valid, bound, queries):
-        scores, rows, left_out = per_device(corpus, bits, n_valid, queries)
-        top, pos = jax.lax.top_k(scores, k)
-        margin = bound * jnp.linalg.norm(queries, axis=1)
-        certain = top[:, k - 1] > left_out.max(axis=1) + margin
-        return top, jnp.take_along_axis(rows, pos, axis=1), certain
-
-    return jax.jit(search)
-
-
 def _group_size(block_rows: int, k: int) -> int:
     """Rows per group for `_grouped_top_k` (0: select over the whole block instead).
 
@@ -280,9 +189,7 @@ def _bucket(n: int, limit: int) -> int:
 
 def top_k_search(corpus: jax.Array, layout: Layout, mesh: Mesh, n_valid: int,
                  queries: np.ndarray, k: int, *, query_batch: int = DEFAULT_QUERY_BATCH,
-                 recall_target: Optional[float] = None, bf16_bits: Optional[jax.Array] = None,
-                 bf16_bound: float = 0.0,
-                 stats: Optional[dict] = None) -> tuple[np.ndarray, np.ndarray]:
+                 recall_target: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
     """Top-k rows of `corpus` by inner product with each query.
 
     Args:
@@ -294,37 +201,18 @@ def top_k_search(corpus: jax.Array, layout: Layout, mesh: Mesh, n_valid: int,
       k: results per query, 1 <= k <= n_valid.
       query_batch: queries per jitted call.
       recall_target: None for the exact search, else `approx_max_k`'s recall target.
-      bf16_bits: the corpus as bfloat16 bits (`as_bf16_bits`, placed like `corpus`): score in
-        bfloat16 first (`bf16_search_fn`); the result is still the float32 search's.
-      bf16_bound: `bf16_error_bound(dim)` times the largest row norm.
-      stats: if given, gets "float32_again": queries the bf16 pass could not certify.
 
     Returns:
       (scores [q, k] float32, rows [q, k] int64), best first, ties lowest row first.
     """
     if not 1 <= k <= n_valid:
         raise ValueError(f"k must be in [1, {n_valid}], got {k}")
+    fn = search_fn(mesh, layout, k, recall_target)
+    results = _run_batches(lambda x: fn(corpus, np.int32(n_valid), x), queries, query_batch,
+                           layout.dim)
     scores = np.empty((len(queries), k), np.float32)
     found = np.empty((len(queries), k), np.int64)
-    again = np.arange(len(queries))
-    if bf16_bits is not None and recall_target is None and bf16_supported(layout, k):
-        fn = bf16_search_fn(mesh, layout, k)
-        results = _run_batches(lambda x: fn(corpus, bf16_bits, np.int32(n_valid),
-                                            np.float32(bf16_bound), x),
-                               queries, query_batch, layout.dim)
-        certain = np.empty(len(queries), bool)
-        _collect(results, scores, found, certain)
-        again = np.flatnonzero(~certain)
-    if stats is not None:
-        stats["float32_again"] = len(again)
-    if len(again):
-        fn = search_fn(mesh, layout, k, recall_target)
-        results = _run_batches(lambda x: fn(corpus, np.int32(n_valid), x),
-                               queries[again], query_batch, layout.dim)
-        part_scores = np.empty((len(again), k), np.float32)
-        part_rows = np.empty((len(again), k), np.int64)
-        _collect(results, part_scores, part_rows)
-        scores[again], found[again] = part_scores, part_rows
+    _collect(results, scores, found)
     return scores, found
 
 

@@ -108,15 +108,6 @@ def check_recall(approx_recall: Optional[float]) -> Optional[float]:
     return approx_recall
 
 
-def max_row_norm(x: np.ndarray) -> float:
-    """The largest L2 norm of a row of `x` (0 for no rows), in row chunks."""
-    best = 0.0
-    for start in range(0, len(x), _CHUNK_ROWS):
-        part = x[start: start + _CHUNK_ROWS]
-        best = max(best, float(np.sqrt(np.einsum("ij,ij->i", part, part).max(initial=0.0))))
-    return best
-
-
 def _is_single(x: Any) -> bool:
     return isinstance(x, str) or (not isinstance(x, (list, tuple)) and np.ndim(x) == 1)
 

@@ -80,57 +80,6 @@ def test_ties_come_out_lowest_row_first(block_rows):
     np.testing.assert_array_equal(hits.scores, want_scores.astype(np.float32))
 
 
-# --- bfloat16 corpus: scored in bf16, rescored in float32, the float32 result -----------------
-
-def test_bf16_corpus_equals_numpy_brute_force():
-    corpus, queries = _gaussian(3001, 48, 20), _gaussian(41, 48, 21)
-    index = SearchIndex.from_vectors(corpus, corpus_dtype="bfloat16", block_rows=256,
-                                     query_batch=16)
-    hits = index.search_vectors(queries, top_k=10)
-    want_scores, want_rows = _brute_force(corpus, queries, 10)
-    np.testing.assert_array_equal(hits.rows, want_rows)
-    np.testing.assert_allclose(hits.scores, want_scores, atol=2e-6, rtol=0)
-    assert index.last_search_stats == {"float32_again": 0}  # every query certified in bf16
-
-
-def test_bf16_corpus_sends_uncertain_queries_back_to_float32():
-    # Near-duplicate rows: their scores differ by less than bf16's error, so the bf16 pass
-    # cannot tell which are the top k and those queries are searched again in float32.
-    rng = np.random.default_rng(22)
-    centre = rng.standard_normal(32).astype(np.float32)
-    near = centre + 1e-3 * rng.standard_normal((600, 32)).astype(np.float32)
-    corpus = np.concatenate([_gaussian(2400, 32, 23), near])
-    queries = np.concatenate([centre[None] + 0.01 * _gaussian(5, 32, 24), _gaussian(5, 32, 25)])
-    index = SearchIndex.from_vectors(corpus, corpus_dtype="bfloat16", block_rows=512)
-    hits = index.search_vectors(queries, top_k=12)
-    assert index.last_search_stats["float32_again"] >= 5
-    # Scores 1e-6 apart: float32 rounding orders them, so the reference is the float32 index.
-    want = SearchIndex.from_vectors(corpus, block_rows=512).search_vectors(queries, top_k=12)
-    np.testing.assert_array_equal(hits.rows, want.rows)
-    np.testing.assert_allclose(hits.scores, want.scores, atol=1e-6, rtol=0)
-
-
-def test_bf16_corpus_unnormalized_ties_and_small_indexes():
-    # Inner products of rows with norms up to 40 (the error bound scales with the largest);
-    # four-hot rows, whose equal scores must still come out lowest row first; an index too small
-    # for the bf16 pass (fewer groups than k needs) searches in float32.
-    rows = _gaussian(2000, 24, 26) * np.linspace(0.1, 40, 2000, dtype=np.float32)[:, None]
-    queries = _gaussian(9, 24, 27)
-    index = SearchIndex.from_vectors(rows, normalize=False, corpus_dtype="bfloat16")
-    want = np.argsort(-(queries.astype(np.float64) @ rows.T), axis=1, kind="stable")[:, :10]
-    np.testing.assert_array_equal(index.search_vectors(queries, 10).rows, want)
-    ties, ties_q = _four_hot(800, 16, 28), _four_hot(15, 16, 29)
-    index = SearchIndex.from_vectors(ties, corpus_dtype="bfloat16", block_rows=64)
-    np.testing.assert_array_equal(index.search_vectors(ties_q, 20).rows,
-                                  _brute_force(ties, ties_q, 20)[1])
-    small = SearchIndex.from_vectors(ties[:50], corpus_dtype="bfloat16")
-    np.testing.assert_array_equal(small.search_vectors(ties_q, 20).rows,
-                                  _brute_force(ties[:50], ties_q, 20)[1])
-    assert small.last_search_stats == {"float32_again": 15}
-    with pytest.raises(SearchError, match="corpus_dtype must be one of float32, bfloat16"):
-        SearchIndex.from_vectors(ties, corpus_dtype="int8")
-
-
 def test_top_k_beyond_size_empty_index_and_empty_queries():
     corpus = _gaussian(10, 8, 4)
     index = SearchIndex.from_vectors(corpus)
