@@ -1,7 +1,7 @@
 """Exact top-k search through a bfloat16 copy of the corpus, certified against float32.
 
 Each device scores its rows in bfloat16 (float32 sums), block by block (`topk.Layout`), and
-keeps two numbers per group of BF16_GROUP_ROWS rows: the group's best score with the row that
+keeps two numbers per group of BF16_GROUP_ROWS rows (`group_of`): the group's best score with the row that
 holds it (packed into the score's 3 lowest bits, see `_order_key`) and the group's second best.
 Per query it then takes the k + BF16_EXTRA_GROUPS groups with the best maxima; the candidates
 rescored in float32 are their best rows, plus every row of the BF16_FULL_GROUPS chosen groups
@@ -107,55 +107,90 @@ def _from_key(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(key ^ ((key >> 31) & 0x7FFFFFFF), jnp.float32)
 
 
+def group_of(layout: Layout, row: int) -> int:
+    """The group (numbered along a device's rows) holding a device's `row`."""
+    block, within = divmod(row, layout.block_rows)
+    width = layout.block_rows // BF16_GROUP_ROWS
+    return block * width + within % width
+
+
+def _super_size(layout: Layout, kept: int) -> int:
+    """Groups per supergroup: the largest of 32, 16, ..., 1 dividing a block's groups that
+    leaves at least `kept` supergroups a device."""
+    groups = layout.block_rows // BF16_GROUP_ROWS
+    for size in (32, 16, 8, 4, 2):
+        if groups % size == 0 and layout.blocks * (groups // size) >= kept:
+            return size
+    return 1
+
+
 @functools.lru_cache(maxsize=64)
 def bf16_search_fn(mesh: Mesh, layout: Layout, k: int):
     """A jitted `(corpus_f32, corpus_bf16_bits, n_valid, norms, queries) -> (scores, rows,
     certain)`: the float32 top k of the candidates and whether it is certified (module doc)."""
     axes = row_axes(mesh)
     g, kept, full = BF16_GROUP_ROWS, k + BF16_EXTRA_GROUPS, BF16_FULL_GROUPS
-    groups_per_block = layout.block_rows // g
+    # A block's group j holds its rows j, j + width, ..., j + 7 width (width = block / 8), so
+    # group maxima are elementwise maxima of 8 contiguous slices (vectorized on CPU); likewise
+    # supergroup s holds groups s, s + supers, ... .
+    width = layout.block_rows // g
+    size = _super_size(layout, kept)
+    supers = width // size
     dims = (((1,), (1,)), ((), ()))
     lowest = np.iinfo(np.int32).min
 
     def local(corpus, bits, n_valid, queries):
         first_row = jax.lax.axis_index(axes) * layout.rows_per_device
         blocks = bits.reshape(layout.blocks, layout.block_rows, layout.dim)
+        starts = first_row + jnp.arange(layout.blocks, dtype=jnp.int32) * layout.block_rows
         q = queries.shape[0]
         low = queries.astype(jnp.bfloat16)
-        position = jnp.arange(g, dtype=jnp.int32)
+        member = jnp.arange(g, dtype=jnp.int32)
+        columns = jnp.arange(width, dtype=jnp.int32)
+        none = _order_key(jnp.float32(-jnp.inf))
 
-        def best_two(block):
+        def best_two(block_and_start):
+            block, start = block_and_start
             block = jax.lax.bitcast_convert_type(block, jnp.bfloat16)
             scores = jax.lax.dot_general(low, block, dims, preferred_element_type=jnp.float32)
-            # The row within the group replaces the key's low bits: one integer max gives the
-            # best score (to 8 units in the last place, allowed for by `_upper`) and its row.
-            key = (_order_key(scores).reshape(q, groups_per_block, g) & ~_POS_BITS) | position
-            best = key.max(axis=2)
-            return best, jnp.where(key == best[:, :, None], lowest, key).max(axis=2)
+            # The member number replaces the key's low bits: one integer max gives the best
+            # score (to 8 units in the last place, allowed for by `_upper`) and its row.
+            key = (_order_key(scores).reshape(q, g, width) & ~_POS_BITS) | member[:, None]
+            best = key.max(axis=1)
+            second = jnp.where(key == best[:, None, :], lowest, key).max(axis=1)
+            # Groups wholly past the valid rows drop out; padding rows inside a group score 0,
+            # which can only raise the bounds, never leave a valid row out.
+            valid = start + columns < n_valid
+            best, second = jnp.where(valid, best, none), jnp.where(valid, second, none)
+            return best, second, best.reshape(q, size, supers).max(axis=1)
 
-        best, second = (jnp.moveaxis(x, 0, 1).reshape(q, -1)
-                        for x in jax.lax.map(best_two, blocks))
-        groups = jnp.arange(best.shape[1], dtype=jnp.int32)
-        # Groups wholly past the valid rows drop out; padding rows inside a group score 0, which
-        # can only raise the bounds, never leave a valid row out.
-        valid = first_row + groups * g < n_valid
-        none = _order_key(jnp.float32(-jnp.inf))
-        best, second = jnp.where(valid, best, none), jnp.where(valid, second, none)
+        # [blocks, q, width] (never transposed: only the chosen entries are read) and
+        # [q, blocks * supers].
+        best, second, tops = jax.lax.map(best_two, (blocks, starts))
+        tops = jnp.moveaxis(tops, 0, 1).reshape(q, -1)
+        # Exact top `kept` groups through supergroup maxima (as `topk._grouped_top_k`): a group
+        # beating the kept-th is either in a chosen supergroup or its supergroup would beat one.
         # Indices only: XLA:CPU sorts whole rows when TopK's values are used too (5x the time).
-        _, chosen = jax.lax.top_k(_from_key(best), kept)
-        chosen = jnp.sort(chosen, axis=1)  # row order: ties lowest row first
-        chosen_best = jnp.take_along_axis(best, chosen, axis=1)
-        tops = chosen * g + (chosen_best & _POS_BITS)  # [q, kept] each chosen group's best row
-        seconds, which = jax.lax.top_k(_upper(jnp.take_along_axis(second, chosen, axis=1)),
-                                       full + 1)
+        _, chosen = jax.lax.top_k(_from_key(tops), kept)
+        block_of = jnp.repeat(chosen // supers, size, axis=1)  # [q, kept * size]
+        column = ((chosen % supers)[:, :, None] + jnp.arange(size) * supers).reshape(q, -1)
+        query = jnp.arange(q)[:, None]
+        _, pick = jax.lax.top_k(_from_key(best[block_of, query, column]), kept)
+        block_of = jnp.take_along_axis(block_of, pick, axis=1)  # [q, kept]: the chosen groups
+        column = jnp.take_along_axis(column, pick, axis=1)
+        chosen_best = best[block_of, query, column]
+        first = block_of * layout.block_rows + column  # each chosen group's first row
+        tops = first + (chosen_best & _POS_BITS) * width  # and its best row
+        seconds, which = jax.lax.top_k(_upper(second[block_of, query, column]), full + 1)
         # Rows left out: in a group left out (<= the lowest chosen maximum) or, in a chosen
         # group, not its best row and not in a group rescored whole (<= the next second best).
         threshold = jnp.maximum(_upper(chosen_best.min(axis=1)), seconds[:, full])
-        whole = jnp.take_along_axis(chosen, which[:, :full], axis=1)[:, :, None] * g + position
+        whole = (jnp.take_along_axis(first, which[:, :full], axis=1)[:, :, None]
+                 + member * width)
         again = whole == jnp.take_along_axis(tops, which[:, :full], axis=1)[:, :, None]
         rows = jnp.concatenate([tops, jnp.where(again, layout.rows_per_device,
                                                 whole).reshape(q, -1)], axis=1)
-        rows = jnp.sort(rows, axis=1)  # row order again (ties), duplicates last
+        rows = jnp.sort(rows, axis=1)  # row order (ties lowest row first), duplicates last
         gathered = corpus[jnp.minimum(rows, layout.rows_per_device - 1)]
         exact = jnp.einsum("qd,qcd->qc", queries, gathered, precision=jax.lax.Precision.HIGHEST)
         rows = rows + first_row

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxsim.search import SearchError, SearchIndex
-from jaxsim.search import bf16
+from jaxsim.search import bf16, topk
 from tests.search.search_test import _brute_force, _four_hot, _gaussian
 
 
@@ -76,15 +76,22 @@ def _planted(dim, places, seed):
     return corpus, q[None]
 
 
+def _same_group(*rows):
+    """Whether the rows share a bf16 group (blocks of 64 rows, as the tests here place them)."""
+    return len({bf16.group_of(topk.plan_layout(1000, 64, 1, 64), r) for r in rows}) == 1
+
+
 @pytest.mark.parametrize("places,k", [
     (lambda a, b: {40: a, 200: b}, 2),  # in different groups: both are their group's best
-    (lambda a, b: {16: a, 17: b}, 2),  # in one group: b is its second best, rescored whole
+    (lambda a, b: {16: a, 24: b}, 2),  # in one group: b is its second best, rescored whole
 ])
 def test_rescore_restores_the_order_bf16_rounding_reverses(places, k):
     corpus, queries = _planted(64, places, 43)
-    index = SearchIndex.from_vectors(corpus, normalize=False, corpus_dtype="bfloat16")
+    index = SearchIndex.from_vectors(corpus, normalize=False, corpus_dtype="bfloat16",
+                                     block_rows=64)
     hits = index.search_vectors(queries, top_k=k)
     a_row, b_row = places(0, 1).keys()
+    assert _same_group(a_row, b_row) == (b_row == 24)
     low = _bf16_scores(queries, corpus)[0]
     assert low[a_row] > low[b_row]  # bf16 alone would put a first
     np.testing.assert_array_equal(hits.rows[0], [b_row, a_row])
@@ -95,17 +102,21 @@ def test_rescore_restores_the_order_bf16_rounding_reverses(places, k):
 
 def test_rows_the_bound_cannot_separate_are_searched_again_in_float32():
     # Three groups each hold a flipped pair (scaled 1, 0.99, 0.98); two are rescored whole, the
-    # third only through its bf16 best row (80, the fifth in bf16), while the float32 fifth is
-    # its second best (81), within bf16's error of it: the certificate must refuse the query.
+    # third only through its bf16 best row (144, the fifth in bf16), while the float32 fifth is
+    # its second best (152), within bf16's error of it: the certificate must refuse the query.
     def places(a, b):
-        return {16: a, 17: b, 48: 0.99 * a, 49: 0.99 * b, 80: 0.98 * a, 81: 0.98 * b}
+        return {16: a, 24: b, 80: 0.99 * a, 88: 0.99 * b, 144: 0.98 * a, 152: 0.98 * b}
+    assert _same_group(16, 24) and _same_group(80, 88) and _same_group(144, 152)
+    assert not _same_group(16, 80, 144)
     corpus, queries = _planted(64, places, 44)
-    index = SearchIndex.from_vectors(corpus, normalize=False, corpus_dtype="bfloat16")
+    index = SearchIndex.from_vectors(corpus, normalize=False, corpus_dtype="bfloat16",
+                                     block_rows=64)
     hits = index.search_vectors(queries, top_k=5)
     assert index.last_search_stats == {"float32_again": 1}
-    np.testing.assert_array_equal(hits.rows[0], [17, 16, 49, 48, 81])
+    np.testing.assert_array_equal(hits.rows[0], [24, 16, 88, 80, 152])
     want = SearchIndex.from_vectors(corpus, normalize=False).search_vectors(queries, top_k=5)
-    np.testing.assert_array_equal(hits.scores, want.scores)
+    np.testing.assert_array_equal(hits.rows, want.rows)
+    np.testing.assert_allclose(hits.scores, want.scores, rtol=1e-6)  # sums in another order
 
 
 def test_bf16_corpus_equals_numpy_brute_force():
