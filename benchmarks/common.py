@@ -89,10 +89,25 @@ def alternating_rates(ours: Callable[[], object], theirs: Callable[[], object], 
 
 def xla_flops(stage) -> float:
     """XLA's FLOP count of a compiled (or lowered) program; 0.0 where the backend has none."""
+    return float(cost_analysis(stage).get("flops", 0.0))
+
+
+def cost_analysis(stage) -> dict:
+    """XLA's cost analysis of a compiled (or lowered) program, plus the products of the bf16
+    BLAS kernel (jaxsim.native.blas_gemm), which XLA cannot see into."""
+    # Imported here: the PyTorch sides import this module too, and their peak RSS must not
+    # include JAX.
+    from jaxsim.native import blas_gemm
+
     analysis = stage.cost_analysis()
     if isinstance(analysis, (list, tuple)):  # older JAX: one dict per module
         analysis = analysis[0] if analysis else {}
-    return float((analysis or {}).get("flops", 0.0))
+    analysis = dict(analysis or {})
+    if hasattr(stage, "as_text"):
+        for key, value in blas_gemm.hlo_cost(stage.as_text()).items():
+            if value:
+                analysis[key] = analysis.get(key, 0.0) + value
+    return analysis
 
 
 def status_mb(field: str) -> float:

@@ -48,7 +48,8 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import available_cpus, load_average, set_threads, write_json  # noqa: E402
+from common import (available_cpus, cost_analysis, load_average, set_threads,  # noqa: E402
+                    write_json)
 from train_speed import build_step, tokenized  # noqa: E402
 
 DENSE_FWD, DENSE_BWD = "dense products, forward", "dense products, backward"
@@ -275,10 +276,7 @@ def short_op_name(op_name: str, width: int = 64) -> str:
 
 def totals(compiled) -> dict:
     """FLOPs, bytes accessed and temp memory of a compiled step (None where not reported)."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    cost = cost or {}
+    cost = cost_analysis(compiled)
     memory = compiled.memory_analysis()
     temp = getattr(memory, "temp_size_in_bytes", None) if memory is not None else None
     return {"flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed"),

@@ -20,6 +20,7 @@ SESSION_HOME.mkdir()
 os.environ["HOME"] = str(SESSION_HOME)
 os.environ["JAXSIM_CACHE_DIR"] = str(_SESSION_DIR / "xla-cache")
 os.environ["JAXSIM_INDEX_DIR"] = str(_SESSION_DIR / "line-index")
+os.environ["JAXSIM_NATIVE_DIR"] = str(_SESSION_DIR / "native")
 os.environ["MPLCONFIGDIR"] = str(_SESSION_DIR / "matplotlib")
 
 import jax

@@ -9,6 +9,9 @@ laid out:
                 XLA's own choice transposed the [tokens, out] cotangent and ran the product on
                 a slower dot path (in float32 even for bf16 operands); transposing the
                 narrower operand moves fewer bytes and keeps the product on the fast one.
+                On a single-device CPU with AMX, bf16 products (forward and both gradients)
+                run oneMKL's kernel instead (jaxsim.native.blas_gemm; XLA:CPU only), which
+                reads transposed operands in place.
   bias_gelu     exact (erf) GELU of `d + b`, evaluated through erf (one polynomial) rather
                 than erfc (exp and division branches). The custom VJP keeps only `d` and `b` as
                 residuals and recomputes the derivative in one backward elementwise pass.
@@ -35,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsim.native import blas_gemm
+
 _SQRT_HALF = float(np.sqrt(0.5))
 _INV_SQRT_2PI = float(1.0 / np.sqrt(2.0 * np.pi))
 
@@ -49,15 +54,24 @@ def _contract_in(x: jax.Array, w: jax.Array) -> jax.Array:
                            preferred_element_type=jnp.float32)
 
 
+def _product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] @ w [in, out] -> [..., out] float32; bf16 products on an AMX CPU run
+    oneMKL's kernel (see jaxsim.native.blas_gemm), others XLA's dot."""
+    if x.dtype == w.dtype and blas_gemm.use_blas_gemm(x.dtype):
+        out = blas_gemm.bf16_gemm(x.reshape(-1, x.shape[-1]), w)
+        return out.reshape(x.shape[:-1] + w.shape[1:])
+    return _contract_in(x, w)
+
+
 @jax.custom_vjp
 def matmul_2d(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] @ w [in, out] (float32 or low-precision operands) -> float32, accumulated in
     float32."""
-    return _contract_in(x, w)
+    return _product(x, w)
 
 
 def _matmul_2d_fwd(x, w):
-    return _contract_in(x, w), (x, w)
+    return _product(x, w), (x, w)
 
 
 def _transposed(a: jax.Array) -> jax.Array:
@@ -89,6 +103,12 @@ def _matmul_2d_bwd(residuals, g):
     # products on the fast low-precision dot path (float32 accumulation).
     x, w = residuals
     g = g.astype(w.dtype)
+    if x.dtype == w.dtype and blas_gemm.use_blas_gemm(w.dtype):
+        # The BLAS reads transposed operands in place: no transposed copies.
+        g_rows, rows = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        dx = blas_gemm.bf16_gemm(g_rows, w, transpose_b=True).reshape(x.shape)
+        dw = blas_gemm.bf16_gemm(rows, g_rows, transpose_a=True)
+        return dx.astype(x.dtype), dw.astype(w.dtype)
     dx = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())),
                          preferred_element_type=jnp.float32)
     dw = _weight_grad(x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]))

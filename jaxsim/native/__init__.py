@@ -1,0 +1,1 @@
+"""Native kernels that XLA:CPU lacks, built on first use and called through XLA's FFI."""
