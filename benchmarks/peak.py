@@ -3,9 +3,9 @@ benchmarks' `fraction_of_peak` figures are read against.
 
 For each framework and dtype (float32, bfloat16) one square `--size` product is timed
 `--repeats` times after a warm-up; the best time gives GFLOP/s = 2 n^3 / seconds / 1e9.
-Each framework's bf16 product is its fastest one, the form its models run: JAX's takes bf16
-operands with float32 accumulation and a float32 result (`preferred_element_type`, as
-`jaxsim.models.ops.matmul`); PyTorch's is `a @ b` on bf16 tensors (float32 accumulation inside
+Each framework's bf16 product is its fastest one, the form its models run: JAX's is
+`jaxsim.models.ops.matmul` (bf16 operands, float32 accumulation and result; on a single-device
+CPU with AMX oneMKL's kernel, `jax_bf16_kernel` in the record); PyTorch's is `a @ b` on bf16 tensors (float32 accumulation inside
 oneDNN/MKL). On XLA:CPU (jaxlib 0.10) the difference matters: a bf16-result dot is upcast to
 float32 before it reaches a kernel, while a float32-result one runs YNNPACK's bf16 kernel,
 about 4x faster on an AVX512-BF16/AMX Xeon. JAX runs
@@ -25,6 +25,9 @@ from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import available_cpus, load_average, set_threads, write_json  # noqa: E402
+
+from jaxsim.models import ops  # noqa: E402
+from jaxsim.native import blas_gemm  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 
@@ -46,12 +49,21 @@ def jax_product(size: int, dtype: str) -> Callable[[], object]:
     key_a, key_b = jax.random.split(jax.random.key(0))
     a = jax.random.normal(key_a, (size, size), jnp.float32).astype(dtype)
     b = jax.random.normal(key_b, (size, size), jnp.float32).astype(dtype)
-    # float32 products at full float32 precision (no TF32/bf16 passes on accelerators); bf16
-    # operands accumulate into a float32 result, the models' form and XLA's fast bf16 path.
-    out = jnp.float32 if dtype != "float32" else None
-    product = jax.jit(lambda x, y: jnp.matmul(x, y, precision="highest",
-                                              preferred_element_type=out))
+    if dtype == "float32":
+        # Full float32 precision (no TF32/bf16 passes on accelerators).
+        product = jax.jit(lambda x, y: jnp.matmul(x, y, precision="highest"))
+    else:
+        # The models' own product: bf16 operands into a float32 result (XLA's fast bf16
+        # path), or oneMKL's kernel where jaxsim.native.blas_gemm takes bf16 products.
+        product = jax.jit(lambda x, y: ops.matmul(x, y, dtype))
     return lambda: product(a, b).block_until_ready()
+
+
+def jax_bf16_kernel() -> str:
+    """Which kernel runs JAX's bf16 products here: 'onemkl' or 'xla'."""
+    import jax.numpy as jnp
+
+    return "onemkl" if blas_gemm.use_blas_gemm(jnp.bfloat16) else "xla"
 
 
 def torch_device() -> str:
@@ -87,7 +99,7 @@ def measure_peaks(size: int = 2048, repeats: int = 10, torch_too: bool = True) -
     The threads are whatever this process may use (pin them first with common.set_threads)."""
     flops = 2.0 * size ** 3
     record = {"size": size, "repeats": repeats, "flops_per_product": flops,
-              "jax": {}, "best_s": {"jax": {}}}
+              "jax": {}, "best_s": {"jax": {}}, "jax_bf16_kernel": jax_bf16_kernel()}
     for dtype in DTYPES:
         best = best_seconds(jax_product(size, dtype), repeats)
         record["best_s"]["jax"][dtype] = best
