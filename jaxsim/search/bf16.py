@@ -89,12 +89,25 @@ def bf16_margin(queries: jax.Array, norms: jax.Array) -> jax.Array:
     """
     dim = queries.shape[1]
     rows, rounded, rounding = norms[0], norms[1], norms[2]
-    low = queries.astype(jnp.bfloat16).astype(jnp.float32)
+    _, low = bf16_round(queries)
     qn = jnp.linalg.norm(queries, axis=1)
     gamma = dim * 2.0 ** -24 / (1 - dim * 2.0 ** -24)
     bound = (jnp.linalg.norm(queries - low, axis=1) * rounded + qn * rounding
              + gamma * (jnp.linalg.norm(low, axis=1) * rounded + qn * rows))
     return bound * (1 + 4 * gamma + 2.0 ** -20) + dim * 2.0 ** -100 * (1 + qn) * (1 + rows)
+
+
+def bf16_round(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 `x` rounded to bfloat16 (nearest even): as bf16, and the same values as float32.
+
+    Integer arithmetic on the bits, not a convert pair a compiler allowed excess precision
+    could drop: the product's query operand is exactly the one whose rounding error
+    `bf16_margin` measures.
+    """
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    bits = bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)
+    low = jax.lax.bitcast_convert_type((bits >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return low, jax.lax.bitcast_convert_type((bits >> 16) << 16, jnp.float32)
 
 
 def _order_key(x: jax.Array) -> jax.Array:
@@ -144,7 +157,7 @@ def bf16_search_fn(mesh: Mesh, layout: Layout, k: int):
         blocks = bits.reshape(layout.blocks, layout.block_rows, layout.dim)
         starts = first_row + jnp.arange(layout.blocks, dtype=jnp.int32) * layout.block_rows
         q = queries.shape[0]
-        low = queries.astype(jnp.bfloat16)
+        low, _ = bf16_round(queries)
         member = jnp.arange(g, dtype=jnp.int32)
         columns = jnp.arange(width, dtype=jnp.int32)
         none = _order_key(jnp.float32(-jnp.inf))

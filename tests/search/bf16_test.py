@@ -18,7 +18,7 @@ from tests.search.search_test import _brute_force, _four_hot, _gaussian
 def _bf16_scores(queries, rows):
     """Scores as the bf16 pass computes them: bf16 operands, float32 sums."""
     return np.asarray(jax.lax.dot_general(
-        jnp.asarray(queries, jnp.bfloat16), jnp.asarray(rows, jnp.bfloat16),
+        bf16.bf16_round(jnp.asarray(queries))[0], jnp.asarray(rows, jnp.bfloat16),
         (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
 
 
@@ -26,6 +26,16 @@ def _margin(queries, rows):
     _, norms = bf16.bf16_corpus(rows)
     norm_args = jnp.array([norms.rows, norms.rounded, norms.rounding], jnp.float32)
     return np.asarray(bf16.bf16_margin(jnp.asarray(queries), norm_args))
+
+
+def test_query_rounding_is_nearest_even_like_ml_dtypes():
+    x = _gaussian(64, 50, 45) * np.exp(np.linspace(-20, 20, 50, dtype=np.float32))
+    halfway = (1 + np.arange(1, 64, 2) * 2.0 ** -9).astype(np.float32)  # ties: to even
+    for values in (x, np.stack([halfway, -halfway])):
+        want = values.astype(ml_dtypes.bfloat16)
+        low, wide = jax.jit(bf16.bf16_round)(jnp.asarray(values))
+        np.testing.assert_array_equal(np.asarray(low).view(np.uint16), want.view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(wide), want.astype(np.float32))
 
 
 def test_error_bound_holds_at_worst_case_rounding_and_is_tight():
