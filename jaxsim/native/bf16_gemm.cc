@@ -27,6 +27,8 @@ using GemmFn32 = void (*)(int layout, int transa, int transb, int m, int n, int 
                           float* c, int ldc);
 
 GemmFn32 gemm_fn = nullptr;
+// Split products over XLA's pool (a single-threaded BLAS); off: one call, the BLAS's threads.
+bool split_over_pool = true;
 
 constexpr int kRowMajor = 101;
 constexpr int kNoTrans = 111;
@@ -116,7 +118,7 @@ ffi::Error Bf16Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<
   p.transpose_b = transpose_b;
   p.split_rows = m >= n;
   int64_t extent = p.split_rows ? m : n;
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t threads = split_over_pool ? std::max<int64_t>(1, pool.num_threads()) : 1;
   int64_t by_work = std::max<int64_t>(1, (m * n * k) / kMinBlockWork);
   p.blocks = std::min<int64_t>({threads, by_work, extent});
   // Blocks of whole 16-row (column) tiles, as the BLAS kernels work in such tiles.
@@ -148,4 +150,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsimBf16Gemm, Bf16Gemm,
                                   .Attr<bool>("transpose_a")
                                   .Attr<bool>("transpose_b"));
 
-extern "C" void jaxsim_set_gemm(void* fn) { gemm_fn = reinterpret_cast<GemmFn32>(fn); }
+extern "C" void jaxsim_set_gemm(void* fn, int split) {
+  gemm_fn = reinterpret_cast<GemmFn32>(fn);
+  split_over_pool = split != 0;
+}

@@ -128,7 +128,8 @@ def _load() -> str | None:
         mkl = ctypes.CDLL(str(mkl_path))
         mkl.MKL_Set_Interface_Layer(ctypes.c_int(_MKL_LP64))
         mkl.MKL_Set_Threading_Layer(ctypes.c_int(_MKL_SEQUENTIAL))
-        library.jaxsim_set_gemm(ctypes.cast(mkl.cblas_gemm_bf16bf16f32, ctypes.c_void_p))
+        library.jaxsim_set_gemm(ctypes.cast(mkl.cblas_gemm_bf16bf16f32, ctypes.c_void_p),
+                                ctypes.c_int(1))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.JaxsimBf16Gemm),
                                     platform="cpu")
     except (OSError, AttributeError, NativeKernelError) as error:
