@@ -32,6 +32,10 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
         assert config["jaxsim_qps"] == pytest.approx(8 / config["jaxsim_s"])
         assert config["faiss_qps"] == pytest.approx(8 / config["faiss_s"])
         assert config["overlap_with_faiss"] == pytest.approx(1.0)  # both exact
+        cpu = config["cpu_s"]
+        assert config["bf16_ratio_cpu"] == pytest.approx(cpu["faiss_1"] / cpu["jaxsim_bf16"])
+        assert config["ratio_cpu"] == pytest.approx(cpu["faiss_1"] / cpu["jaxsim"])
+        assert config["bf16_same_top_k_as_float32"] == 1.0
         assert config["flops"] == 2 * 8 * 3000 * config["dim"]
         assert config["peak_gflops"] == peak
         assert config["fraction_of_peak"] == pytest.approx(
