@@ -40,11 +40,12 @@ from jaxsim.train.config import TrainConfig  # noqa: E402
 SETTINGS = [('none', 0), ('full', 0), ('dots', 0), ('none', 64)]
 
 
-def _config(shape: str, batch: int, max_len: int, remat: str, micro: int) -> TrainConfig:
+def _config(shape: str, batch: int, max_len: int, remat: str, micro: int,
+            fast_compile: bool = False) -> TrainConfig:
     return TrainConfig(random_init=True, model_overrides=common.SHAPES[shape], dropout=0.1,
                        objective='unsup',
                        train_file='unused', batch_size=batch, max_len=max_len, max_steps=10,
-                       remat=remat, micro_batch_size=micro)
+                       remat=remat, micro_batch_size=micro, fast_compile=fast_compile)
 
 
 def _build(cfg: TrainConfig, mesh):
@@ -56,7 +57,8 @@ def _build(cfg: TrainConfig, mesh):
     objective = get_objective(cfg.objective)
     train_step = step_lib.make_train_step(
         encoder, functools.partial(objective.loss, temp=0.05), tx, views=objective.views,
-        mesh=mesh, state_shardings=shardings, micro_batch_size=cfg.micro_batch_size)
+        mesh=mesh, state_shardings=shardings, micro_batch_size=cfg.micro_batch_size,
+        compiler_options=step_lib.compiler_options(cfg.fast_compile))
     return encoder, tx, key, shardings, train_step
 
 
@@ -108,6 +110,8 @@ def main():
     p.add_argument('--shape', choices=sorted(common.SHAPES), default='bert-base',
                    help='encoder shapes (random init)')
     p.add_argument('--steps', type=int, default=1, help='timed steps per setting')
+    p.add_argument('--fast-compile', action='store_true',
+                   help='XLA -O0 (smoke tests: the figures are not those of a default compile)')
     p.add_argument('--json', type=Path, default=None)
     args = p.parse_args()
     runtime.setup()
@@ -116,18 +120,21 @@ def main():
     rows = []
     for remat, micro in SETTINGS:
         row = {'remat': remat, 'micro_batch_size': micro,
-               **memory(_config(args.shape, args.batch, args.max_len, remat, micro), mesh)}
+               **memory(_config(args.shape, args.batch, args.max_len, remat, micro,
+                                 args.fast_compile), mesh)}
         time_micro = min(micro, args.time_batch // 2) if micro else 0
         row['time_batch'], row['time_micro_batch_size'] = args.time_batch, time_micro
         row['step_s'] = None
         if args.time_batch:
             row['step_s'] = round(step_time(_config(args.shape, args.time_batch, args.max_len,
-                                                    remat, time_micro), mesh, args.steps), 3)
+                                                    remat, time_micro, args.fast_compile),
+                                            mesh, args.steps), 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
     none = rows[0]['temp_mb']
     record = {'backend': jax.default_backend(), 'devices': jax.device_count(),
               'batch': args.batch, 'max_len': args.max_len, 'shape': args.shape,
+              'fast_compile': args.fast_compile,
               'rows': rows, 'ratio': round(min(r['temp_mb'] for r in rows) / none, 3),
               'note': ('XLA:CPU expands the optimization barriers that keep recomputation '
                        'apart, so remat saves little temp memory on CPU; step times from a '

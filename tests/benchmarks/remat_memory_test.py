@@ -1,6 +1,8 @@
 """benchmarks/remat_memory.py end to end on a tiny random-init model, so it cannot rot: one row
 per setting with XLA's memory figures, the ratio recomputed from the rows. Step timing
-(--time-batch) compiles every setting a second time; it is left out here to halve the cost."""
+(--time-batch) compiles every setting a second time; it is left out here to halve the cost, and
+the steps compile at -O0 (--fast-compile: the same temp figures for this model, at 40% of the
+CPU time)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +18,8 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
     out = tmp_path / "remat.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "remat_memory.py"), "--shape", "tiny",
-         "--batch", "128", "--time-batch", "0", "--max-len", "8", "--json", str(out)],
+         "--batch", "128", "--time-batch", "0", "--max-len", "8", "--fast-compile", "--json",
+         str(out)],
         cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
         timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
