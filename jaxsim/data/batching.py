@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
-from grain.experimental import index_shuffle
 
 from jaxsim.data.readers import DataError
 from jaxsim.data.tokenize import pad_batch, token_ids
@@ -147,6 +146,9 @@ class EpochOrder:
         positions = step * self.global_batch + np.asarray(rows, np.int64)
         if not self.shuffle:
             return positions
+        # grain (~30 MB resident) is imported by the first shuffled order, not by every process
+        # that tokenizes a batch.
+        from grain.experimental import index_shuffle
         seed, last = epoch_seed(self.seed, epoch), self.num_examples - 1
         return np.array([index_shuffle(int(p), max_index=last, seed=seed, rounds=4)
                          for p in positions], np.int64)

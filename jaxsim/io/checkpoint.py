@@ -24,12 +24,19 @@ from typing import Any, Mapping, Optional, Union
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
-from orbax.checkpoint import checkpoint_managers as ocp_managers
 
 from jaxsim import runtime
 from jaxsim.errors import JaxsimError
 from jaxsim.io import store
+
+
+def _orbax():
+    """orbax.checkpoint, imported when a checkpoint is opened: with tensorstore it keeps ~40 MB
+    resident, which a process that never opens one (encode, eval of a model folder) spares."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint import checkpoint_managers  # noqa: F401  (ocp.checkpoint_managers)
+    return ocp
+
 
 CHECKPOINT_DIR = "checkpoints"
 # Retention options, so a read-only reader ranks "best" by the same metric as the writer.
@@ -177,19 +184,20 @@ class Checkpointer:
             # A reader (export, eval) ranks 'best' as the writer did.
             options = _read_options(self.directory) or options
         self.options = options
-        policies = [ocp_managers.LatestN(n=options.max_to_keep)]
+        ocp = _orbax()
+        policies = [ocp.checkpoint_managers.LatestN(n=options.max_to_keep)]
         best_fn = None
         if options.best_metric is not None:
             metric = options.best_metric
             best_fn = lambda m: float(m[metric])  # noqa: E731
             if options.keep_best:
                 # BestN keeps the LAST n after an ascending sort, hence reverse for 'min'.
-                policies.append(ocp_managers.BestN(
+                policies.append(ocp.checkpoint_managers.BestN(
                     get_metric_fn=best_fn, reverse=options.best_mode == "min",
                     n=options.keep_best, keep_checkpoints_without_metrics=False))
         manager_options = ocp.CheckpointManagerOptions(
             best_fn=best_fn, best_mode=options.best_mode,
-            preservation_policy=ocp_managers.AnyPreservationPolicy(policies),
+            preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
             enable_async_checkpointing=options.async_save,
             # A crash mid-save leaves `<step>.orbax-checkpoint-tmp-*`; remove it on open.
             cleanup_tmp_directories=not read_only, read_only=read_only,
@@ -245,6 +253,7 @@ class Checkpointer:
             for k, v in metrics.items():
                 if not np.isfinite(v):
                     raise ValueError(f"metric {k!r} is {v} at step {step}; refusing to rank by it")
+        ocp = _orbax()
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(_to_json(data)),
@@ -311,6 +320,7 @@ class Checkpointer:
         step = self.resolve_step(step)
         if target is None:
             target = self.abstract_state_from_metadata(step)
+        ocp = _orbax()
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target),
@@ -338,6 +348,7 @@ class Checkpointer:
         if not isinstance(tree, Mapping) or "params" not in tree:
             raise CheckpointError(f"{self.directory / str(step)}: the saved state has no 'params'")
         target = {"params": tree["params"]}
+        ocp = _orbax()
         try:
             with ocp.PyTreeCheckpointer() as reader:
                 args = ocp.args.PyTreeRestore(

@@ -43,6 +43,11 @@ class BaseModel:
     path: str
     mlm_params: Optional[Any] = None
 
+    def without_weights(self) -> 'BaseModel':
+        """This base without its weight arrays, so they can be freed once the train state
+        holds its own copy (else they stay resident for the whole run)."""
+        return dataclasses.replace(self, bert_params=None, mlm_params=None)
+
 
 def load_base(cfg: TrainConfig) -> BaseModel:
     """Reads the base model named by `cfg.model` (weights unless `random_init`)."""

@@ -168,10 +168,11 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             it.set_state(restored.data['iterator'])
             say(f'resuming {workdir} from step {step} of {total}')
         else:
-            params = init_params(encoder, init_key, param_shardings(encoder, mesh), base.bert_params,
-                                 mlm_params=base.mlm_params)
-            state, shardings = create_state(params, tx, dropout_key, mesh, options)
+            state, shardings = create_state(init_params(
+                encoder, init_key, param_shardings(encoder, mesh), base.bert_params,
+                mlm_params=base.mlm_params), tx, dropout_key, mesh, options)
             step = 0
+        base = base.without_weights()  # the state holds them: no second copy for the whole run
         train_step = make_train_step(
             encoder, functools.partial(objective.loss, **objective_kwargs), tx,
             views=objective.views, mesh=mesh, state_shardings=shardings,

@@ -1,17 +1,24 @@
-"""The compiler's freed memory goes back before training steps: `runtime.release_host_memory`
-returns freed C-heap pages to the system, and the train loop compiles its step ahead (once)."""
+"""Host memory of training: `runtime.release_host_memory` returns freed C-heap pages to the
+system, the train loop compiles its step ahead (once), keeps no copy of the loaded weights beside
+the train state, and importing what a train step needs leaves out heavy libraries it never uses."""
 import ctypes
 import ctypes.util
+import dataclasses
+import gc
 import logging
 import platform
+import subprocess
+import sys
+import weakref
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from configs.tiny_unsup_simcse import get_config
 from jaxsim import runtime
 from jaxsim.paths import SENTEVAL_ROOT
-from jaxsim.train import loop
+from jaxsim.train import build, loop
 from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.step import configure_jax
 
@@ -63,3 +70,62 @@ def test_the_loop_compiles_its_step_once(tmp_path, caplog):
     assert result.steps == 3
     compiles = [r for r in caplog.records if 'Compiling jit(train_step' in r.getMessage()]
     assert len(compiles) == 1, [r.getMessage()[:120] for r in compiles]
+
+
+class _Tracked(np.ndarray):
+    """A host array that can be weakly referenced (plain ndarrays cannot)."""
+
+
+def test_no_copy_of_the_loaded_weights_outlives_the_state(tmp_path, tiny_model_dir,
+                                                          monkeypatch):
+    folder, _ = tiny_model_dir('bert')
+    loaded, alive = [], []
+    real_load_base, real_compile_ahead = build.load_base, runtime.compile_ahead
+
+    def load_base(cfg):
+        base = real_load_base(cfg)
+        weights = jax.tree.map(lambda x: np.asarray(x).view(_Tracked), base.bert_params)
+        loaded.extend(weakref.ref(x) for x in jax.tree.leaves(weights))
+        return dataclasses.replace(base, bert_params=weights)
+
+    def compile_ahead(step, *args):  # just before the first step
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in loaded))
+        real_compile_ahead(step, *args)
+
+    monkeypatch.setattr(build, 'load_base', load_base)
+    monkeypatch.setattr(runtime, 'compile_ahead', compile_ahead)
+    lines = (SENTEVAL_ROOT / 'SNLI' / 's1.dev').read_text().splitlines()[:40]
+    corpus = tmp_path / 'corpus.txt'
+    corpus.write_text('\n'.join(lines) + '\n')
+    fields = {**base_config().to_dict(), **get_config().to_dict(), 'train_file': str(corpus),
+              'model': str(folder), 'random_init': False, 'model_overrides': {},
+              'max_steps': 2, 'checkpoint': False}
+    result = loop.train_and_evaluate(TrainConfig.from_dict(fields), tmp_path / 'run',
+                                     progress=False)
+    assert result.steps == 2
+    assert len(loaded) > 10 and alive == [0], (len(loaded), alive)
+
+
+def _imported(statements: str, names: tuple) -> list:
+    """Which of the top-level modules `names` a fresh interpreter holds after `statements`."""
+    code = (f"import sys\n{statements}\n"
+            f"print(sorted(m for m in {names!r} if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_train_step_imports_no_checkpoint_shuffle_or_scipy_library():
+    # What building and running a train step imports (benchmarks/train_speed.py's imports).
+    step = ("import jaxsim\n"
+            "from jaxsim.train import build, optim, state, step\n"
+            "from jaxsim.data import batching, readers\n"
+            "from jaxsim.io import hf_folder")
+    assert _imported(step, ('orbax', 'tensorstore', 'grain', 'scipy', 'torch')) == []
+
+
+def test_the_train_loop_does_not_import_torch():
+    # tensorboardX would import it (installed here, for the parity tests) to accept its tensors.
+    assert _imported('from jaxsim.train import loop', ('torch', 'tensorboardX')) == [
+        'tensorboardX']
