@@ -99,6 +99,7 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
     low_hits = low.search_vectors(queries, args.top_k)
     low_first_s = time.perf_counter() - start
     low_again = low.last_search_stats.get("float32_again")
+    low_wide = low.last_search_stats.get("bf16_again")
     _, faiss_rows = flat.search(queries, args.top_k)  # warm-up, and the rows to compare
 
     def faiss_search(threads):
@@ -146,6 +147,7 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
         "bf16_same_top_k_as_float32": float(np.mean(
             [set(a) == set(b) for a, b in zip(low_hits.rows, ours.rows)])),
         "bf16_float32_again": low_again,
+        "bf16_second_pass": low_wide,  # queries through the wider bf16 pass first
         "approx_qps": args.queries / approx_s, "approx_recall_target": args.approx_recall,
         "approx_recall": overlap(approx.rows, ours.rows),
         "data_s": make_s, "build_s": build_s, "load_average_1min": os.getloadavg()[0],

@@ -11,7 +11,9 @@ chosen maximum (rows of groups left out) or the next highest second best (rows o
 The certificate: the k-th float32 score beats `threshold` + `bf16_margin` (a rigorous bound on
 |bf16 score - float32 score|, from the actual rounding errors of the query and of the rows), so
 no row left out can reach the top k; the result then equals the float32 search's (ties aside).
-Queries not certified are searched again in float32 (`topk.top_k_search`).
+Queries not certified go through the pass again with wider candidate lists (BF16_WIDE: k + 64
+groups, 8 rescored whole; a few queries, so little time), and those still not certified are
+searched again in float32 (`topk.top_k_search`, which reads the float32 corpus: costlier).
 
 Compared with rescoring whole groups, a query gathers ~40 float32 rows instead of ~200: the
 gather, not the product, was half of this path's time.
@@ -36,6 +38,9 @@ from jaxsim.search.topk import (DEFAULT_QUERY_BATCH, Layout, _collect, _run_batc
 BF16_GROUP_ROWS = 8
 BF16_EXTRA_GROUPS = 16
 BF16_FULL_GROUPS = 2
+# (extra groups, groups rescored whole) of the second pass over the queries the first could
+# not certify (e.g. a query inside a dense cluster, its top scores closer than bf16's error).
+BF16_WIDE = (64, 8)
 _POS_BITS = BF16_GROUP_ROWS - 1
 
 
@@ -70,10 +75,10 @@ def bf16_corpus(vectors: np.ndarray, chunk: int = 65536) -> tuple[np.ndarray, Bf
     return out, Bf16Norms(*up)
 
 
-def bf16_supported(layout: Layout, k: int) -> bool:
+def bf16_supported(layout: Layout, k: int, extra: int = BF16_EXTRA_GROUPS) -> bool:
     """Whether a device's rows hold enough whole groups for the bf16 pre-selection."""
     return (layout.block_rows % BF16_GROUP_ROWS == 0
-            and layout.rows_per_device // BF16_GROUP_ROWS >= k + BF16_EXTRA_GROUPS)
+            and layout.rows_per_device // BF16_GROUP_ROWS >= k + extra)
 
 
 def bf16_margin(queries: jax.Array, norms: jax.Array) -> jax.Array:
@@ -138,11 +143,13 @@ def _super_size(layout: Layout, kept: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def bf16_search_fn(mesh: Mesh, layout: Layout, k: int):
+def bf16_search_fn(mesh: Mesh, layout: Layout, k: int, extra: int = BF16_EXTRA_GROUPS,
+                   full: int = BF16_FULL_GROUPS):
     """A jitted `(corpus_f32, corpus_bf16_bits, n_valid, norms, queries) -> (scores, rows,
-    certain)`: the float32 top k of the candidates and whether it is certified (module doc)."""
+    certain)`: the float32 top k of the candidates and whether it is certified (module doc);
+    `extra` groups kept beyond k, `full` of them rescored whole."""
     axes = row_axes(mesh)
-    g, kept, full = BF16_GROUP_ROWS, k + BF16_EXTRA_GROUPS, BF16_FULL_GROUPS
+    g, kept = BF16_GROUP_ROWS, k + extra
     # A block's group j holds its rows j, j + width, ..., j + 7 width (width = block / 8), so
     # group maxima are elementwise maxima of 8 contiguous slices (vectorized on CPU); likewise
     # supergroup s holds groups s, s + supers, ... .
@@ -238,26 +245,35 @@ def bf16_top_k_search(corpus: jax.Array, bits: jax.Array, norms: Bf16Norms, layo
                       stats: Optional[dict] = None) -> tuple[np.ndarray, np.ndarray]:
     """`topk.top_k_search`'s result, scoring `bits` (`bf16_corpus`, placed like `corpus`) first.
 
-    Queries the bf16 pass cannot certify (and every query when the corpus is too small for it)
-    are searched again in float32; `stats`, if given, gets their count as "float32_again".
+    Queries the bf16 pass cannot certify go through the wider pass (BF16_WIDE), and those it
+    cannot certify either (every query when the corpus is too small for the bf16 pass) are
+    searched again in float32. `stats`, if given, gets the counts as "bf16_again" and
+    "float32_again".
     """
     if not 1 <= k <= n_valid:
         raise ValueError(f"k must be in [1, {n_valid}], got {k}")
-    if not bf16_supported(layout, k):
-        if stats is not None:
-            stats["float32_again"] = len(queries)
-        return top_k_search(corpus, layout, mesh, n_valid, queries, k, query_batch=query_batch)
-    fn = bf16_search_fn(mesh, layout, k)
-    norm_args = np.array([norms.rows, norms.rounded, norms.rounding], np.float32)
-    results = _run_batches(lambda x: fn(corpus, bits, np.int32(n_valid), norm_args, x),
-                           queries, query_batch, layout.dim)
     scores = np.empty((len(queries), k), np.float32)
     found = np.empty((len(queries), k), np.int64)
-    certain = np.empty(len(queries), bool)
-    _collect(results, scores, found, certain)
-    again = np.flatnonzero(~certain)
+    again = np.arange(len(queries))
+    counts = {"bf16_again": 0}
+    norm_args = np.array([norms.rows, norms.rounded, norms.rounding], np.float32)
+    for extra, full in ((BF16_EXTRA_GROUPS, BF16_FULL_GROUPS), BF16_WIDE):
+        if not len(again) or not bf16_supported(layout, k, extra):
+            break
+        if extra != BF16_EXTRA_GROUPS:
+            counts["bf16_again"] = len(again)
+        fn = bf16_search_fn(mesh, layout, k, extra, full)
+        results = _run_batches(lambda x: fn(corpus, bits, np.int32(n_valid), norm_args, x),
+                               queries[again], query_batch, layout.dim)
+        part_scores = np.empty((len(again), k), np.float32)
+        part_rows = np.empty((len(again), k), np.int64)
+        certain = np.empty(len(again), bool)
+        _collect(results, part_scores, part_rows, certain)
+        scores[again], found[again] = part_scores, part_rows
+        again = again[~certain]
+    counts["float32_again"] = len(again)
     if stats is not None:
-        stats["float32_again"] = len(again)
+        stats.update(counts)
     if len(again):
         scores[again], found[again] = top_k_search(corpus, layout, mesh, n_valid,
                                                    queries[again], k, query_batch=query_batch)
