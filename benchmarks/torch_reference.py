@@ -3,10 +3,11 @@
 `transformers.BertModel` + the SimCSE loss (cosine / temperature InfoNCE with in-batch
 negatives; supervised: entailment positives and contradiction negatives) + global-norm clipping
 + `torch.optim.AdamW` with a linear decay, as the reference implementation trains. Imports no
-JAX, so run as a script it measures PyTorch's own peak memory:
+JAX, so run as a script it measures PyTorch's own peak memory (holding the tokenizer, as a
+training script does and as jaxsim's measured train step does):
 
     python benchmarks/torch_reference.py --arrays unsup.npz (--model PATH | --shape tiny)
-        [--autocast bfloat16] [--threads 2]
+        [--tokenizer FOLDER] [--autocast bfloat16] [--threads 2]
 """
 from __future__ import annotations
 
@@ -98,6 +99,8 @@ def main():
     source.add_argument("--shape", choices=sorted(SHAPES), help="random init at this shape")
     parser.add_argument("--autocast", default="float32", choices=("float32", "bfloat16"),
                         help="bfloat16: the step under torch.autocast (float32 master weights)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder (default: the --model folder; none with --shape)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
@@ -108,9 +111,14 @@ def main():
     arrays = dict(np.load(args.arrays))
     baseline = status_mb("VmRSS")
     model = (load_model(args.model) if args.model else load_model(config=SHAPES[args.shape]))
+    tokenizer = None  # held while the steps run, as a training script holds it
+    if args.tokenizer or args.model:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     run = make_step(model, arrays, unsup=arrays["input_ids"].shape[1] == 1,
                     autocast_dtype=torch.bfloat16 if args.autocast == "bfloat16" else None)
     print_peak_memory(run, args.steps, baseline)
+    del tokenizer
 
 
 if __name__ == "__main__":

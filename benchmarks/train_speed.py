@@ -23,7 +23,7 @@ Fraction of peak: FLOPs per step are XLA's cost analysis of the compiled step; a
 (FLOPs x steps/s) over the matrix-product peak of the row's dtype (`peak.py`, measured in this
 process on the same threads: JAX's peak for jaxsim, PyTorch's for PyTorch, same FLOP count).
 Peak RSS of each side's train loop is measured in its own subprocess (resource.getrusage; the
-PyTorch one never imports JAX).
+PyTorch one never imports JAX); each holds the model's tokenizer, as a training process does.
 
     python benchmarks/train_speed.py [--shape minilm|bert-base|tiny] [--threads 2] [--repeats 5]
         [--steps 3] [--json out.json]
@@ -286,7 +286,8 @@ def measure_memory(rows, args) -> dict:
                 model = (["--model", str(bundled_model_path())] if args.shape == "minilm"
                          else ["--shape", args.shape])
                 cmd = [sys.executable, str(HERE / "torch_reference.py"), "--arrays",
-                       str(folder / f"{objective}.npz"), *model, "--autocast", ref,
+                       str(folder / f"{objective}.npz"), *model, "--tokenizer",
+                       str(bundled_model_path()), "--autocast", ref,
                        "--threads", str(args.threads)]
                 out[("torch", objective, ref)] = _child(cmd)
         for objective, dtype in rows:
