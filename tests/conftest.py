@@ -156,15 +156,54 @@ def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int =
     return json.loads(line[len("RESULT"):])
 
 
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile
+# --no-loadscope-reorder`): a test file is one unit of work, so its module fixtures are built
+# once. The files that take longest go first, so that none starts when the other worker is
+# nearly done.
+RUN_FIRST = ("tests/benchmarks/input_scale_test.py", "tests/benchmarks/encode_speed_test.py",
+             "tests/train/resume_test.py", "tests/docs_test.py",
+             "tests/benchmarks/train_speed_test.py", "tests/benchmarks/device_bench_test.py",
+             "tests/encode_test.py", "tests/benchmarks/step_profile_test.py",
+             "tests/cli_outputs_test.py", "tests/flows/flow_layers_test.py",
+             "tests/benchmarks/remat_memory_test.py", "tests/extending_test.py",
+             "tests/flows/flow_mesh_test.py")
+
+
+def _start_rank(nodeid: str) -> int:
+    path = nodeid.split("::")[0]
+    return RUN_FIRST.index(path) if path in RUN_FIRST else len(RUN_FIRST)
+
+
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # xdist workers: the longest files first
+        items.sort(key=lambda item: _start_rank(item.nodeid))  # stable: files stay whole
+
+
 def files_under(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir())
 
 
+_WORKERS_HOME_WRITTEN: list[str] = []  # what xdist workers found under their own HOME
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """(xdist controller) Collects what a worker found written under its HOME."""
+    _WORKERS_HOME_WRITTEN.extend(getattr(node, "workeroutput", {}).get("home_written", []))
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """Fails the session if anything wrote under HOME (the temporary one set above)."""
+    """Fails the session if anything wrote under HOME (the temporary one set above; each xdist
+    worker has its own and hands what it found to the controller, which fails the run)."""
     written = files_under(SESSION_HOME)
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["home_written"] = [f"{SESSION_HOME}/{w}" for w in written]
+        written = []
+    written += _WORKERS_HOME_WRITTEN
     if written:
         sys.stderr.write(f"\nerror: the tests wrote {len(written)} file(s) under $HOME "
                          f"({SESSION_HOME}): {', '.join(written[:10])}\n")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
