@@ -226,7 +226,10 @@ class BertSelfAttention(nn.Module):
         qkv = (qkv * scale[:, None]).reshape(batch, length, 3, cfg.num_attention_heads,
                                              cfg.head_dim)
         qkv = jnp.transpose(qkv, (2, 0, 3, 1, 4)).astype(self.dtype)
-        q, k, v = qkv[0], qkv[1], qkv[2]  # [B, heads, L, head_dim]
+        # Split, not indexed: the gradient of a split is one concatenate of dq, dk, dv, where
+        # that of three index slices is three zero-padded [3, ...] arrays summed (train step:
+        # XLA's bytes accessed 10.24 -> 9.60 GiB).
+        q, k, v = (part[0] for part in jnp.split(qkv, 3))  # [B, heads, L, head_dim]
         scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
         probs = jax.nn.softmax(scores + attention_bias, axis=-1)
         probs = _dropout(self, probs, cfg.attention_probs_dropout_prob, deterministic)
