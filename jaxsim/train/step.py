@@ -209,7 +209,9 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
 
         def update(operands):
             params, opt_state, grads = operands
-            updates, opt_state = tx.update(grads, opt_state, params)
+            # The clipping reuses grad_norm instead of reading every gradient again.
+            updates, opt_state = optax.with_extra_args_support(tx).update(
+                grads, opt_state, params, grad_norm=grad_norm)
             return optax.apply_updates(params, updates), opt_state
 
         # Only the taken branch runs: a good step updates the donated state in place, a bad
