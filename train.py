@@ -24,6 +24,11 @@ for _name, _value in {'TRANSFORMERS_NO_ADVISORY_WARNINGS': '1', 'TRANSFORMERS_VE
                       'TPU_STDERR_LOG_LEVEL': '2', 'GRPC_VERBOSITY': 'ERROR'}.items():
     os.environ.setdefault(_name, _value)
 
+if __name__ == '__main__':
+    # XLA:CPU: each step's working memory in huge pages (restarts the process once).
+    from jaxsim import runtime as _runtime  # noqa: E402
+    _runtime.restart_with_huge_page_heap()
+
 import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402

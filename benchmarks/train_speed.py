@@ -222,6 +222,7 @@ def main():
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--rss-child", nargs=2, default=None, help=argparse.SUPPRESS)
+    runtime.restart_with_huge_page_heap()  # as train.py: working memory in huge pages
     args = parser.parse_args()
     rows = parse_rows(args.rows)
     set_threads(args.threads)  # before JAX's backend and torch's pool start

@@ -26,6 +26,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import platform
 import sys
 import traceback
 from pathlib import Path
@@ -69,6 +70,34 @@ def release_host_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+# glibc's malloc backs the blocks it maps with transparent huge pages (glibc >= 2.35, read
+# when a process starts; where THP is off or the glibc older, nothing changes).
+HUGE_PAGE_HEAP_ENV = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
+
+def restart_with_huge_page_heap() -> None:
+    """Restarts this process (same interpreter, same command line) once with
+    `HUGE_PAGE_HEAP_ENV`; does nothing where GLIBC_TUNABLES is already set or the C library is
+    not glibc. For XLA:CPU programs run many times; call it first in a script's main.
+
+    XLA:CPU allocates a program's temporaries on every run (the minilm train step: about 1 GB)
+    and glibc serves such a block with a fresh mmap, unmapped when freed, so every step
+    page-faults its working memory in again: about 232,000-260,000 faults and 0.4 s of kernel
+    time a step on 2 cores (12-18% of its CPU time). In 2 MB pages that is ~1,400 faults.
+    Measured (float32 unsup step, back-to-back processes, under load): CPU per step 3.56 ->
+    2.93 s, peak RSS 1705 -> 1697 MB. (Keeping freed blocks instead, by one arena, no mmap and
+    no trim, cut the faults as well but let the heap grow by a second 1 GB block.)
+    """
+    if "GLIBC_TUNABLES" in os.environ or not sys.executable or not sys.orig_argv:
+        return
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return
+    os.environ.update(HUGE_PAGE_HEAP_ENV)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, sys.orig_argv)
 
 
 def compile_ahead(step, *args) -> None:

@@ -6,7 +6,10 @@ import ctypes.util
 import dataclasses
 import gc
 import logging
+import os
 import platform
+import subprocess
+import sys
 import subprocess
 import sys
 import weakref
@@ -129,3 +132,52 @@ def test_the_train_loop_does_not_import_torch():
     # tensorboardX would import it (installed here, for the parity tests) to accept its tensors.
     assert _imported('from jaxsim.train import loop', ('torch', 'tensorboardX')) == [
         'tensorboardX']
+
+
+# Restarts itself with the huge-page heap (unless told not to), then runs a program with
+# 128 MB of temporaries five times and prints GLIBC_TUNABLES, how many times this script
+# started, and the fewest page faults of a later run (a count, not a time).
+_FAULTS_PROBE = """
+import os, resource, sys
+os.environ['PROBE_STARTS'] = str(int(os.environ.get('PROBE_STARTS', '0')) + 1)
+from jaxsim import runtime
+if sys.argv[1] == 'restart':
+    runtime.restart_with_huge_page_heap()
+import jax, jax.numpy as jnp
+x = jnp.ones((2048, 8192))
+f = jax.jit(lambda x: jnp.sum(jnp.cumsum(jnp.sort(x, axis=1) * 2.0, axis=0)))
+compiled = f.lower(x).compile()
+faults = []
+for _ in range(5):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    compiled(x).block_until_ready()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(os.environ.get('GLIBC_TUNABLES', '-'), os.environ['PROBE_STARTS'], min(faults[2:]))
+"""
+
+
+def _probe(mode: str, **env) -> tuple[str, int, int]:
+    env = {**{k: v for k, v in os.environ.items() if k != 'GLIBC_TUNABLES'}, **env,
+           'PYTHONPATH': str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, '-c', _FAULTS_PROBE, mode], env=env, check=True,
+                         capture_output=True, text=True).stdout.split()
+    return out[0], int(out[1]), int(out[2])
+
+
+def _transparent_huge_pages() -> bool:
+    path = Path('/sys/kernel/mm/transparent_hugepage/enabled')
+    return path.exists() and '[never]' not in path.read_text()
+
+
+def test_restart_with_huge_page_heap_cuts_the_page_faults_of_a_rerun():
+    restarted, plain = _probe('restart'), _probe('plain')
+    assert plain[:2] == ('-', 1)
+    if not GLIBC:
+        assert restarted[:2] == ('-', 1)
+        return
+    assert restarted[:2] == ('glibc.malloc.hugetlb=1', 2)  # restarted exactly once
+    if _transparent_huge_pages() and tuple(map(int, platform.libc_ver()[1].split('.'))) >= (2, 35):
+        assert restarted[2] < 0.25 * plain[2], (restarted, plain)
+    # A GLIBC_TUNABLES the user set is left alone: no restart.
+    assert _probe('restart', GLIBC_TUNABLES='glibc.malloc.check=0')[:2] == (
+        'glibc.malloc.check=0', 1)
