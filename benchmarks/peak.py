@@ -4,8 +4,8 @@ benchmarks' `fraction_of_peak` figures are read against.
 For each framework and dtype (float32, bfloat16) one square `--size` product is timed
 `--repeats` times after a warm-up; the best time gives GFLOP/s = 2 n^3 / seconds / 1e9.
 Each framework's bf16 product is its fastest one, the form its models run: JAX's is
-`jaxsim.models.ops.matmul` (bf16 operands, float32 accumulation and result; on a single-device
-CPU with AMX oneMKL's kernel, `jax_bf16_kernel` in the record); PyTorch's is `a @ b` on bf16 tensors (float32 accumulation inside
+`jaxsim.models.ops.matmul` (bf16 operands, float32 accumulation and result; oneMKL's kernel
+where $JAXSIM_CPU_GEMM selects it, `jax_bf16_kernel` in the record); PyTorch's is `a @ b` on bf16 tensors (float32 accumulation inside
 oneDNN/MKL). On XLA:CPU (jaxlib 0.10) the difference matters: a bf16-result dot is upcast to
 float32 before it reaches a kernel, while a float32-result one runs YNNPACK's bf16 kernel,
 about 4x faster on an AVX512-BF16/AMX Xeon. JAX runs

@@ -9,9 +9,9 @@ laid out:
                 XLA's own choice transposed the [tokens, out] cotangent and ran the product on
                 a slower dot path (in float32 even for bf16 operands); transposing the
                 narrower operand moves fewer bytes and keeps the product on the fast one.
-                On a single-device CPU with AMX, bf16 products (forward and both gradients)
-                run oneMKL's kernel instead (jaxsim.native.blas_gemm; XLA:CPU only), which
-                reads transposed operands in place.
+                With $JAXSIM_CPU_GEMM=auto|blas, bf16 products on CPU (forward and both
+                gradients) run oneMKL's AMX kernel instead (jaxsim.native.blas_gemm; XLA:CPU
+                only, opt-in), which reads transposed operands in place.
   bias_gelu     exact (erf) GELU of `d + b`, evaluated through erf (one polynomial) rather
                 than erfc (exp and division branches). The custom VJP keeps only `d` and `b` as
                 residuals and recomputes the derivative in one backward elementwise pass.

@@ -109,6 +109,8 @@ def test_kernel_choice(monkeypatch):
     monkeypatch.setenv(blas_gemm.MODE_ENV, "auto")
     assert blas_gemm.use_blas_gemm(jnp.bfloat16) == (jax.device_count() == 1
                                                       and blas_gemm._cpu_has_amx())
+    monkeypatch.delenv(blas_gemm.MODE_ENV)
+    assert not blas_gemm.use_blas_gemm(jnp.bfloat16)  # opt-in
     monkeypatch.setenv(blas_gemm.MODE_ENV, "fast")
     with pytest.raises(blas_gemm.NativeKernelError, match="JAXSIM_CPU_GEMM='fast'"):
         blas_gemm.use_blas_gemm(jnp.bfloat16)
