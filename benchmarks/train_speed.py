@@ -222,7 +222,10 @@ def main():
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--rss-child", nargs=2, default=None, help=argparse.SUPPRESS)
-    runtime.restart_with_huge_page_heap()  # as train.py: working memory in huge pages
+    # No huge-page heap here, although train.py restarts into one (its bf16 step alone, quiet:
+    # 1.048 -> 0.847 s): with PyTorch's allocations in the same process, every jaxsim round
+    # after the first PyTorch one ran ~25% slower with it (unsup bf16 0.99 -> 0.73 steps/s),
+    # stable without it (0.92-0.94), so both sides are timed on glibc's default heap.
     args = parser.parse_args()
     rows = parse_rows(args.rows)
     set_threads(args.threads)  # before JAX's backend and torch's pool start
