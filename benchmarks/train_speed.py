@@ -135,8 +135,7 @@ def jaxsim_step(objective: str, dtype: str, arrays: dict, **config):
     """(run, flops): a no-argument callable running one jaxsim train step (blocking), built by
     `build_step` and compiled ahead, and XLA's FLOP count of that compiled step."""
     train_step, state, placed = build_step(objective, dtype, arrays, **config)
-    compiled = train_step.lower(state, placed).compile()
-    runtime.release_host_memory()  # as the train loop does after compiling its step
+    compiled = runtime.compile_ahead(train_step, state, placed)  # as the train loop does
     holder = {"state": state}
 
     def run():

@@ -100,13 +100,16 @@ def restart_with_huge_page_heap() -> None:
     os.execv(sys.executable, sys.orig_argv)
 
 
-def compile_ahead(step, *args) -> None:
+def compile_ahead(step, *args):
     """Compiles a jitted `step` for `args` (its next call with such arguments reuses the
     executable), then hands the compiler's freed heap back (`release_host_memory`), so the
-    step's working memory is not allocated on top of it. A plain function is left as it is."""
-    if hasattr(step, "lower"):
-        step.lower(*args).compile()
-        release_host_memory()
+    step's working memory is not allocated on top of it. Returns the compiled executable (for
+    its cost analysis); None for a plain function, which is left as it is."""
+    if not hasattr(step, "lower"):
+        return None
+    compiled = step.lower(*args).compile()
+    release_host_memory()
+    return compiled
 
 
 @contextlib.contextmanager

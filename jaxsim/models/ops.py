@@ -54,10 +54,15 @@ def _contract_in(x: jax.Array, w: jax.Array) -> jax.Array:
                            preferred_element_type=jnp.float32)
 
 
+def _through_blas(x: jax.Array, w: jax.Array) -> bool:
+    """Whether products of these operands run oneMKL's kernel (jaxsim.native.blas_gemm)."""
+    return x.dtype == w.dtype and blas_gemm.use_blas_gemm(w.dtype)
+
+
 def _product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w [in, out] -> [..., out] float32; bf16 products on an AMX CPU run
-    oneMKL's kernel (see jaxsim.native.blas_gemm), others XLA's dot."""
-    if x.dtype == w.dtype and blas_gemm.use_blas_gemm(x.dtype):
+    """x [..., in] @ w [in, out] -> [..., out] float32; bf16 products run oneMKL's kernel where
+    $JAXSIM_CPU_GEMM selects it, others XLA's dot."""
+    if _through_blas(x, w):
         out = blas_gemm.bf16_gemm(x.reshape(-1, x.shape[-1]), w)
         return out.reshape(x.shape[:-1] + w.shape[1:])
     return _contract_in(x, w)
@@ -103,7 +108,7 @@ def _matmul_2d_bwd(residuals, g):
     # products on the fast low-precision dot path (float32 accumulation).
     x, w = residuals
     g = g.astype(w.dtype)
-    if x.dtype == w.dtype and blas_gemm.use_blas_gemm(w.dtype):
+    if _through_blas(x, w):
         # The BLAS reads transposed operands in place: no transposed copies.
         g_rows, rows = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         dx = blas_gemm.bf16_gemm(g_rows, w, transpose_b=True).reshape(x.shape)

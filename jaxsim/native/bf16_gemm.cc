@@ -108,6 +108,11 @@ ffi::Error Bf16Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<
   if (m >= (int64_t{1} << 31) || n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31)) {
     return ffi::Error::InvalidArgument("jaxsim bf16 gemm: dimension over 2**31");
   }
+  if (m == 0 || n == 0) return ffi::Error::Success();  // before the plan: no block of size 0
+  if (k == 0) {
+    std::fill(c->typed_data(), c->typed_data() + m * n, 0.0f);
+    return ffi::Error::Success();
+  }
   auto shared = std::make_shared<Shared>();
   Plan& p = shared->plan;
   p.a = reinterpret_cast<const uint16_t*>(a.typed_data());
@@ -125,11 +130,6 @@ ffi::Error Bf16Gemm(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> a, ffi::Buffer<
   int64_t tiles = (extent + 15) / 16;
   p.block = ((tiles + p.blocks - 1) / p.blocks) * 16;
   p.blocks = (extent + p.block - 1) / p.block;
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  if (k == 0) {
-    std::fill(p.c, p.c + m * n, 0.0f);
-    return ffi::Error::Success();
-  }
   for (int64_t i = 1; i < p.blocks; ++i) {
     pool.Schedule([shared] { shared->Drain(); });
   }

@@ -49,10 +49,12 @@ def test_product_equals_float64_product_of_the_same_operands(m, k, n, transpose_
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=bound)
 
 
-def test_empty_contraction_gives_zeros_and_shapes_are_checked():
+def test_empty_operands_and_shapes_are_checked():
     a = jnp.zeros((4, 0), jnp.bfloat16)
     b = jnp.zeros((0, 3), jnp.bfloat16)
     np.testing.assert_array_equal(blas_gemm.bf16_gemm(a, b), np.zeros((4, 3), np.float32))
+    no_rows = blas_gemm.bf16_gemm(jnp.zeros((0, 5), jnp.bfloat16), jnp.ones((5, 3), jnp.bfloat16))
+    assert no_rows.shape == (0, 3) and no_rows.dtype == jnp.float32
     with pytest.raises(ValueError, match="contraction sizes differ"):
         blas_gemm.bf16_gemm(jnp.zeros((4, 5), jnp.bfloat16), jnp.zeros((6, 3), jnp.bfloat16))
 
