@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxsim.search.topk import (DEFAULT_QUERY_BATCH, Layout, _collect, _run_batches, row_axes,
-                                top_k_search)
+from jaxsim.search.topk import (DEFAULT_QUERY_BATCH, Layout, dispatch_query_batches,
+                                gather_query_batches, row_axes, top_k_search)
 
 # Rows per group (a power of two: the row within its group is packed into the score's low bits),
 # groups kept per query beyond k, and chosen groups rescored whole (those whose second best row
@@ -263,12 +263,13 @@ def bf16_top_k_search(corpus: jax.Array, bits: jax.Array, norms: Bf16Norms, layo
         if extra != BF16_EXTRA_GROUPS:
             counts["bf16_again"] = len(again)
         fn = bf16_search_fn(mesh, layout, k, extra, full)
-        results = _run_batches(lambda x: fn(corpus, bits, np.int32(n_valid), norm_args, x),
-                               queries[again], query_batch, layout.dim)
+        results = dispatch_query_batches(
+            lambda x: fn(corpus, bits, np.int32(n_valid), norm_args, x),
+            queries[again], query_batch, layout.dim)
         part_scores = np.empty((len(again), k), np.float32)
         part_rows = np.empty((len(again), k), np.int64)
         certain = np.empty(len(again), bool)
-        _collect(results, part_scores, part_rows, certain)
+        gather_query_batches(results, part_scores, part_rows, certain)
         scores[again], found[again] = part_scores, part_rows
         again = again[~certain]
     counts["float32_again"] = len(again)

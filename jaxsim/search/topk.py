@@ -208,16 +208,21 @@ def top_k_search(corpus: jax.Array, layout: Layout, mesh: Mesh, n_valid: int,
     if not 1 <= k <= n_valid:
         raise ValueError(f"k must be in [1, {n_valid}], got {k}")
     fn = search_fn(mesh, layout, k, recall_target)
-    results = _run_batches(lambda x: fn(corpus, np.int32(n_valid), x), queries, query_batch,
-                           layout.dim)
+    results = dispatch_query_batches(lambda x: fn(corpus, np.int32(n_valid), x), queries,
+                                     query_batch, layout.dim)
     scores = np.empty((len(queries), k), np.float32)
     found = np.empty((len(queries), k), np.int64)
-    _collect(results, scores, found)
+    gather_query_batches(results, scores, found)
     return scores, found
 
 
-def _run_batches(fn, queries: np.ndarray, query_batch: int, dim: int) -> list:
-    """Dispatches every chunk before fetching any, so host transfers overlap device work."""
+def dispatch_query_batches(fn, queries: np.ndarray, query_batch: int, dim: int) -> list:
+    """Calls `fn` on `queries` in chunks of `query_batch` rows; returns the pending results.
+
+    Each chunk is zero-padded to a power of two rows (`_bucket`), so few shapes compile.
+    Every chunk is dispatched before any result is fetched, so host transfers overlap device
+    work. Returns [(valid rows, fn's outputs)] in query order, for `gather_query_batches`.
+    """
     pending = []
     for start in range(0, len(queries), query_batch):
         chunk = queries[start: start + query_batch]
@@ -227,7 +232,11 @@ def _run_batches(fn, queries: np.ndarray, query_batch: int, dim: int) -> list:
     return pending
 
 
-def _collect(pending: list, *outs: np.ndarray) -> None:
+def gather_query_batches(pending: list, *outs: np.ndarray) -> None:
+    """Copies `dispatch_query_batches`'s results into `outs`, one array per output of `fn`.
+
+    Each out has one row per query; the padding rows of each chunk are dropped.
+    """
     at = 0
     for n, results in pending:
         for out, result in zip(outs, results):
