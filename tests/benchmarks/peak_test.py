@@ -43,6 +43,16 @@ def test_fraction_of_peak():
     assert peak.fraction_of_peak(0.0, 3.0, 12.0) is None  # no FLOP count from the backend
 
 
+def test_importing_loads_no_framework():
+    # A fresh interpreter: this test process has long imported jax and torch.
+    probe = ("import sys; import peak; "
+             "print(sorted(m for m in ('jax', 'jaxsim', 'torch') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT / "benchmarks",
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
+
+
 def test_refuses_a_non_positive_size(capsys):
     with pytest.raises(SystemExit):
         peak.main(["--size", "0"])
