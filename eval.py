@@ -26,7 +26,7 @@ os.environ.setdefault('TRANSFORMERS_NO_ADVISORY_WARNINGS', '1')
 
 from jaxsim import cli_io, distributed  # noqa: E402
 from jaxsim.errors import USER_ERROR_EXIT  # noqa: E402
-from jaxsim.eval import cli_checks, plots, report, runner  # noqa: E402
+from jaxsim.eval import cli_checks, plots, report, report_tb, runner  # noqa: E402
 from jaxsim.runtime import enable_compilation_cache  # noqa: E402
 
 ALL_TASKS = 'sts12,sts13,sts14,sts15,sts16,stsb,sickr'
@@ -88,10 +88,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="'dev' scores STS-B dev (model selection)")
     cli_io.add_output_flags(
         p, '--json', 'write results JSON to this file (an existing one only with --overwrite)',
-        overwrite_help='replace an existing --json file / --plots folder')
+        overwrite_help='replace an existing --json file / --plots / --tb folder')
     p.add_argument('--plots', default=None,
                    help='write PNG figures into this folder (absent or empty; an earlier '
                         'plots folder only with --overwrite)')
+    p.add_argument('--tb', default=None,
+                   help="write the scores as TensorBoard scalars into this local folder, one "
+                        "run per model, at its checkpoint's step (else 0); absent or empty, "
+                        'an earlier --tb folder only with --overwrite')
     p.add_argument('--no-diagnostics', action='store_true',
                    help='skip alignment/uniformity/anisotropy/spectrum')
     distributed.add_launch_flags(p)
@@ -111,6 +115,8 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.plots:
         cli_io.check_output_dir(args.plots, args.overwrite, '--plots',
                                 keep=plots.check_replaceable)
+    if args.tb:
+        report_tb.check_target(args.tb, args.overwrite)
     sts_tasks, transfer_tasks = runner.split_tasks(args.tasks.split(',') if args.tasks else [])
     cli_checks.check_flag_effects(args, sts_tasks, transfer_tasks)
     roots = args.data or [runner.DEFAULT_DATA]
@@ -152,6 +158,10 @@ def evaluate(args: argparse.Namespace) -> int:
         report.write_json(args.json, rows, transfer_rows, overwrite=args.overwrite)
     if args.plots and rows:
         for path in plots.write_plots(rows, args.plots, overwrite=args.overwrite):
+            print(f'wrote {path}', file=sys.stderr)
+    if args.tb:
+        for path in report_tb.write_scores(args.tb, models, rows, transfer_rows,
+                                           overwrite=args.overwrite):
             print(f'wrote {path}', file=sys.stderr)
     return 0
 

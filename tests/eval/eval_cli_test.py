@@ -11,11 +11,13 @@ import sys
 
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
 
 import eval as eval_cli
 import jaxsim
 from jaxsim.eval import cli_checks, runner
 from jaxsim.paths import SENTEVAL_ROOT
+from tests.conftest import write_tiny_workdir
 from tests.data.tiny_senteval import write_tiny_senteval
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -234,3 +236,73 @@ def test_transfer_tasks_table_and_json(tmp_path, capsys):
     assert set(record['f1']) == {'MRPC'} and 0 <= record['f1']['MRPC'] <= 100
     assert re.search(rf'\| {re.escape(record["model"])} \| {record["tasks"]["MR"]:.2f} \|',
                      table)
+
+
+def _tb_scalars(folder: pathlib.Path) -> dict:
+    """tag -> [(step, value)] of one TensorBoard run folder, read by TensorBoard's reader."""
+    acc = event_accumulator.EventAccumulator(str(folder), purge_orphaned_data=True)
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()['scalars']}
+
+
+def test_tb_scalars_match_the_json(tmp_path, bundled, capsys):
+    sts_root = write_tiny_senteval(tmp_path / 'data', sick=False)
+    transfer_root = _write_tiny_transfer(tmp_path / 'transfer')
+    workdir = tmp_path / 'run'
+    write_tiny_workdir(workdir, bundled.tokenizer, pooler='avg',
+                       steps=((3, 0.2), (7, 0.8), (9, 0.1)))  # step 7: best on dev
+    models = [str(workdir), str(jaxsim.bundled_model_path())]
+    out, tb = tmp_path / 'res.json', tmp_path / 'tb'
+    argv = ['--model', models[0], '--model', models[1], '--data', str(sts_root),
+            '--data', str(transfer_root), '--tasks', 'sts12,stsb,mrpc', '--post', 'none',
+            '--post', 'whitening:8', '--no-diagnostics', '--json', str(out), '--tb', str(tb)]
+    assert eval_cli.main(argv) == 0, capsys.readouterr().err
+    records = json.loads(out.read_text())
+    runs = {'run': (models[0], 7), jaxsim.bundled_model_path().name: (models[1], 0)}
+    assert sorted(p.name for p in tb.iterdir()) == sorted(runs)
+    for run, (model, step) in runs.items():
+        want = {}
+        for r in records:
+            if 'metric' in r:  # a transfer record, its model named with its checkpoint
+                if r['model'].startswith(model):
+                    want.update({f'transfer/{t}/accuracy': v for t, v in r['tasks'].items()})
+                    want.update({f'transfer/{t}/f1': v for t, v in r['f1'].items()})
+                    want['transfer/avg/accuracy'] = r['avg']
+            elif r['model'] == model:
+                post = r['post'].replace(':', '_')
+                want.update({f'sts_test/{post}/{t}': v for t, v in r['tasks'].items()})
+                want[f'sts_test/{post}/avg'] = r['avg']
+        # (STS12, STS-B, avg) x 2 posts; MRPC's accuracy and F1, the accuracies' average.
+        assert len(want) == 2 * 3 + 3
+        got = _tb_scalars(tb / run)
+        assert got.keys() == want.keys()
+        for tag, value in want.items():
+            assert [s for s, _ in got[tag]] == [step], tag
+            assert got[tag][0][1] == pytest.approx(value, rel=1e-6, abs=1e-6), tag
+
+    # The folder exists now: refused before any work, replaced whole with --overwrite.
+    again = ['--model', models[0], '--data', str(sts_root), '--tasks', 'stsb',
+             '--no-diagnostics', '--tb', str(tb)]
+    capsys.readouterr()
+    assert eval_cli.main(again) == 1
+    assert capsys.readouterr().err == (f'error: --tb {tb} exists; pass --overwrite to replace '
+                                       'it\n')
+    assert eval_cli.main(again + ['--overwrite']) == 0
+    assert [p.name for p in tb.iterdir()] == ['run']
+    assert set(_tb_scalars(tb / 'run')) == {'sts_test/none/STSBenchmark', 'sts_test/none/avg'}
+
+
+@pytest.mark.parametrize('target, message', [
+    ('gs://bucket/tb', 'error: --tb must be a local folder, got gs://bucket/tb'),
+    ('{tmp}/file.txt', 'error: --tb {tmp}/file.txt is a file, not a folder'),
+    ('{tmp}', 'error: --tb {tmp} holds other files (data, file.txt); it is not replaced even '
+              'with --overwrite'),
+])
+def test_tb_target_refused_before_any_work(tmp_path, monkeypatch, capsys, target, message):
+    (tmp_path / 'file.txt').write_text('x\n')
+    monkeypatch.setattr(jaxsim, 'load_pretrained', lambda *a, **k: pytest.fail('model loaded'))
+    root = write_tiny_senteval(tmp_path / 'data')
+    target = target.format(tmp=tmp_path)
+    assert eval_cli.main(['--data', str(root), '--tb', target, '--overwrite']) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(message.format(tmp=tmp_path)) and err.count('\n') == 1, err
