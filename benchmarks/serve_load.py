@@ -21,7 +21,11 @@ Finally each server gets SIGTERM while its clients are still sending, and every 
 
     python benchmarks/serve_load.py --json serve_load.json
         [--clients 32] [--duration 20] [--rounds 4] [--warmup 15]
-        [--index DIR | --corpus-size 5000] [--warm-up-tokens N]
+        [--index DIR | --corpus-size 5000] [--warm-up-tokens N] [--max-query-words N]
+
+A short check (the test suite's): a small --index, a few seconds per mode, and queries of at
+most --max-query-words words under a --warm-up-tokens that covers them, so the servers compile
+a few shapes at start-up and none while counted.
 """
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ HOST = "127.0.0.1"
 ANSWER_TIMEOUT_S = 120.0
 
 
-def sentences(name: str, limit: int) -> list[str]:
+def sentences(name: str, limit: Optional[int]) -> list[str]:
     lines = (SENTEVAL_ROOT / "SNLI" / name).read_text(encoding="utf-8").splitlines()
     return list(dict.fromkeys(s.strip() for s in lines if s.strip()))[:limit]
 
@@ -199,8 +203,19 @@ def health(port: int) -> dict:
         return json.load(response)
 
 
+def queries(max_words: Optional[int] = None) -> list[str]:
+    """The distinct SNLI test hypotheses clients send (the first 2000; of at most `max_words`
+    words when given)."""
+    found = sentences("s2.test", None)
+    if max_words:
+        found = [q for q in found if len(q.split()) <= max_words]
+    if not found:
+        raise SystemExit(f"error: no query of at most {max_words} words")
+    return found[:2000]
+
+
 async def run(index: Path, workdir: Path, args) -> dict:
-    requests = [request_bytes(q) for q in sentences("s2.test", 2000)]
+    requests = [request_bytes(q) for q in queries(args.max_query_words)]
     modes = {"batched": True, "unbatched": False}
     started = {name: start_server(index, workdir, batching, args.warm_up_tokens)
                for name, batching in modes.items()}
@@ -223,8 +238,10 @@ async def run(index: Path, workdir: Path, args) -> dict:
                 own_cpu += own_cpu_seconds() - own_before
                 windows[name].append(window)
         served = {name: health(port)["served"] for name, (_, port) in servers.items()}
-        stopped = {name: await stop_under_load(proc, port, requests, args.clients)
-                   for name, (proc, port) in servers.items()}
+        # Both at once: each has its own clients, and the check need not wait twice.
+        ends = await asyncio.gather(*(stop_under_load(proc, port, requests, args.clients)
+                                      for proc, port in servers.values()))
+        stopped = dict(zip(servers, ends))
     finally:
         for proc, _ in started.values():
             if proc.poll() is None:
@@ -268,9 +285,13 @@ def main() -> None:
     parser.add_argument("--corpus-size", type=int, default=5000)
     parser.add_argument("--warm-up-tokens", type=int, default=None,
                         help="the servers' --warm-up-tokens (default: theirs)")
+    parser.add_argument("--max-query-words", type=int, default=None,
+                        help="send only queries of at most this many words (default: all)")
     args = parser.parse_args()
-    if args.clients < 1 or args.rounds < 1 or args.duration <= 0 or args.warmup < 0:
-        parser.error("--clients and --rounds must be positive, --duration > 0, --warmup >= 0")
+    if (args.clients < 1 or args.rounds < 1 or args.duration <= 0 or args.warmup < 0
+            or (args.max_query_words is not None and args.max_query_words < 1)):
+        parser.error("--clients, --rounds and --max-query-words must be positive, "
+                     "--duration > 0, --warmup >= 0")
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -284,6 +305,7 @@ def main() -> None:
     ratio = modes["batched"]["qps"] / max(modes["unbatched"]["qps"], 1e-9)
     record = {"benchmark": "serve_load", "clients": args.clients, "duration_s": args.duration,
               "rounds": args.rounds, "warmup_s": args.warmup,
+              "max_query_words": args.max_query_words,
               "index": str(args.index or f"{args.corpus_size} SNLI test premises at most "
                                          f"(distinct), bundled model"),
               **modes, "client_cpu_ms_per_request": results["client_cpu_ms_per_request"],

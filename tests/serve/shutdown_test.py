@@ -1,13 +1,20 @@
 """A server stopped under load: every client gets an answer or an error (none hangs), the
-index files are left as they were, and --no-batching really serves one request per call."""
+index files are left as they were, and --no-batching really serves one request per call; the
+load benchmark (benchmarks/serve_load.py), which checks the same, on the same tiny index."""
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 
+import pytest
+
+from tests.conftest import REPO
 from tests.serve.conftest import Server, call
 
 
@@ -60,3 +67,38 @@ def test_stopping_under_load_answers_every_client(served_index, tmp_path):
     assert "stopped (SIGTERM)" in server.log.read_text()
     assert all(answers > 0 and how != "gave up" for answers, how in outcomes), outcomes
     assert _fingerprint(index_dir) == before
+
+
+def test_load_benchmark_short_form_writes_a_consistent_record(served_index, tmp_path):
+    """benchmarks/serve_load.py in its short form (short queries the servers' warm-up covers, a
+    second per mode): the record's rates follow from its counts, the unbatched server never
+    batches, and every client ends when the servers are stopped under load."""
+    index_dir, _, _ = served_index
+    out, clients, duration, rounds = tmp_path / "serve_load.json", 4, 1.0, 2
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "serve_load.py"), "--index",
+         str(index_dir), "--clients", str(clients), "--duration", str(duration),
+         "--rounds", str(rounds), "--warmup", "0", "--warm-up-tokens", "12",
+         "--max-query-words", "5", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert (record["clients"], record["duration_s"], record["rounds"],
+            record["max_query_words"]) == (clients, duration, rounds, 5)
+    for name in ("batched", "unbatched"):
+        mode = record[name]
+        assert mode["batching"] == (name == "batched")
+        assert mode["requests"] > 0 and mode["errors"] == 0 and mode["first_error"] is None
+        assert mode["qps"] == pytest.approx(mode["requests"] / duration)
+        assert len(mode["qps_per_round"]) == rounds
+        assert sum(mode["qps_per_round"]) * duration / rounds == pytest.approx(mode["requests"])
+        assert 0 < mode["p50_ms"] <= mode["p99_ms"]
+        assert mode["mean_batch_requests"] >= 1 and mode["largest_batch"] >= 1
+        # SIGTERM under load: the server stops gracefully and no client hangs.
+        assert mode["clients_hung_after_stop"] == 0 and mode["server_exit_status"] == 143
+        assert sum(mode["client_ends_after_stop"].values()) == clients
+    # --no-batching: one request per device call.
+    assert record["unbatched"]["largest_batch"] == 1
+    assert record["unbatched"]["mean_batch_requests"] == 1
+    assert record["ratio"] == pytest.approx(record["batched"]["qps"] / record["unbatched"]["qps"])
+    assert "ratio (batched / unbatched q/s)" in proc.stdout
