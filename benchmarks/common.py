@@ -5,6 +5,9 @@ import json
 import os
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional
@@ -55,6 +58,57 @@ def seconds(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+class ChildContender:
+    """A contender that runs in a process of its own, started from `cmd` (a script that ends in
+    `serve_contender`). Calling it runs one unit of work there and returns when it is done, so
+    `alternating` times it like an in-process callable (the pipe adds ~0.1 ms a call).
+
+    Sides in separate processes do not share a heap or thread pools: one side's allocations and
+    spinning threads cannot slow the next side's round, and each process starts from the same
+    environment (the parent's, e.g. its GLIBC_TUNABLES).
+    """
+
+    def __init__(self, cmd: list):
+        self.cmd = cmd
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._stderr, text=True, bufsize=1)
+        self.info = self._answer("READY")
+
+    def _answer(self, tag: str) -> dict:
+        for line in self._proc.stdout:
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+        self._proc.wait()
+        self._stderr.seek(0)
+        raise RuntimeError(f"benchmark child {' '.join(map(str, self.cmd))} exited "
+                           f"({self._proc.returncode}) before {tag}:\n{self._stderr.read()[-3000:]}")
+
+    def __call__(self) -> dict:
+        self._proc.stdin.write("RUN\n")
+        self._proc.stdin.flush()
+        return self._answer("DONE")
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._stderr.close()
+
+
+def serve_contender(run: Callable[[], object], info: Mapping) -> None:
+    """The child's side of `ChildContender`: prints 'READY {info}', then runs `run` once for
+    every 'RUN' line on stdin, answering 'DONE {}', until stdin closes."""
+    print("READY " + json.dumps(dict(info)), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "RUN":
+            run()
+            print("DONE {}", flush=True)
 
 
 def alternating(contenders: Mapping[str, Callable[[], object]], work: float,

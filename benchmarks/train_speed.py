@@ -1,4 +1,4 @@
-"""SimCSE train-step throughput: jaxsim's step vs the same step in PyTorch, one process (CPU).
+"""SimCSE train-step throughput: jaxsim's step vs the same step in PyTorch, same run (CPU).
 
 Both sides: all-MiniLM-L6-v2 (or a random-init `--shape`), fixed padding to `--max-len`, mean
 pooling, dropout 0.1, cosine / 0.05 InfoNCE with in-batch negatives, global-norm clipping at 1.0,
@@ -14,8 +14,10 @@ steps are timed. Rows (objective:dtype, jaxsim's compute dtype):
   sup:float32      supervised: (premise, entailment, contradiction) SNLI triplets, 3 views
 
 For each row jaxsim and both PyTorch configurations run in turn `--repeats` times, `--steps`
-steps each (`common.alternating`); each ratio is the median [min, max] of the per-round ratios
-jaxsim steps/s / PyTorch steps/s (`vs_pytorch_float32`, `vs_pytorch_bfloat16`). A row's `ratio`
+steps each (`common.alternating`), each side in a process of its own (`common.ChildContender`),
+all pinned to the same `--threads` cores and started under the heap train.py runs with
+(`runtime.restart_with_huge_page_heap`: working memory in transparent huge pages). Each ratio
+is the median [min, max] of the per-round ratios jaxsim steps/s / PyTorch steps/s (`vs_pytorch_float32`, `vs_pytorch_bfloat16`). A row's `ratio`
 is against the PyTorch of the same compute dtype; the record's headline `ratio` is unsup:bfloat16
 vs PyTorch bf16 autocast (each side's fastest configuration) when that row runs.
 
@@ -55,9 +57,9 @@ from jaxsim.train.config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch_reference  # noqa: E402
-from common import (SHAPES, alternating, available_cpus, load_average,  # noqa: E402
-                    print_peak_memory, ratio_stats, set_threads, status_mb, write_json,
-                    xla_flops)
+from common import (SHAPES, ChildContender, alternating, available_cpus,  # noqa: E402
+                    load_average, print_peak_memory, ratio_stats, serve_contender,
+                    set_threads, status_mb, write_json, xla_flops)
 from peak import describe, fraction_of_peak, measure_peaks  # noqa: E402
 
 ROWS = ("unsup:float32", "unsup:bfloat16", "sup:float32")
@@ -159,18 +161,48 @@ def memory_child(objective: str, dtype: str, shape: str, folder: Path) -> None:
     print_peak_memory(run, 3, baseline)
 
 
-def measure_row(objective: str, dtype: str, arrays: dict, torch_runs: dict, peaks: dict,
+def contender_child(side: str, objective: str, dtype: str, folder: Path, args) -> None:
+    """One side of a row in this (child) process: builds its step on the saved arrays, warms it
+    up, then runs `--steps` steps per request of the parent (`common.serve_contender`)."""
+    arrays = dict(np.load(folder / f"{objective}.npz"))
+    info = {}
+    if side == "jaxsim":
+        start = time.perf_counter()
+        step, info["flops"] = jaxsim_step(objective, dtype, arrays, **shape_config(args.shape))
+        info["compile_s"] = time.perf_counter() - start
+        step()  # first run: allocations
+    else:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        step = torch_reference.make_step(
+            torch_model(args.shape), arrays, unsup=objective == "unsup",
+            autocast_dtype=torch.bfloat16 if dtype == "bfloat16" else None)
+        for _ in range(2):  # warm-up (allocator, first-call paths)
+            step()
+    serve_contender(lambda: [step() for _ in range(args.steps)], info)
+
+
+def start_contender(side: str, objective: str, dtype: str, folder: Path,
+                    args) -> ChildContender:
+    return ChildContender([sys.executable, __file__, "--contender", side, f"{objective}:{dtype}",
+                           str(folder), "--shape", args.shape, "--threads", str(args.threads),
+                           "--steps", str(args.steps)])
+
+
+def measure_row(objective: str, dtype: str, folder: Path, torch_sides: dict, peaks: dict,
                 args) -> dict:
-    """jaxsim's step and both PyTorch steps in alternating rounds: rates, ratios, peak shares."""
-    start = time.perf_counter()
-    ours_one, flops = jaxsim_step(objective, dtype, arrays, **shape_config(args.shape))
-    compile_s = time.perf_counter() - start
-    ours_one()  # first run: allocations
-    contenders = {"jaxsim": lambda: [ours_one() for _ in range(args.steps)]}
+    """jaxsim's step and both PyTorch steps, each in its own process, in alternating rounds:
+    rates, ratios, peak shares."""
+    ours = start_contender("jaxsim", objective, dtype, folder, args)
+    flops, compile_s = ours.info["flops"], ours.info["compile_s"]
+    contenders = {"jaxsim": ours}
     for ref in REFERENCES:
-        step = torch_runs[(objective, ref)]
-        contenders[f"pytorch_{ref}"] = lambda step=step: [step() for _ in range(args.steps)]
-    rates = alternating(contenders, args.steps, args.repeats)
+        contenders[f"pytorch_{ref}"] = torch_sides[(objective, ref)]
+    try:
+        rates = alternating(contenders, args.steps, args.repeats)
+    finally:
+        ours.close()
     rows_per_step = args.batch * (2 if objective == "unsup" else 3)
     row = {"objective": objective, "dtype": dtype, "reference_dtype": dtype,
            "flops_per_step": flops, "compile_s": round(compile_s, 2), "repeats": args.repeats,
@@ -190,6 +222,20 @@ def measure_row(objective: str, dtype: str, arrays: dict, torch_runs: dict, peak
         row[f"pytorch_{ref}_fraction_of_peak"] = fraction_of_peak(
             flops, row[f"pytorch_{ref}_steps_per_s"], peaks["torch"][ref])
     return row
+
+
+def report_row(row: dict, memory: dict) -> None:
+    """Adds the row's peak-RSS figures (when measured) and prints it."""
+    objective, dtype = row["objective"], row["dtype"]
+    if memory:
+        row["jaxsim_memory"] = memory[("jaxsim", objective, dtype)]
+        for ref in REFERENCES:
+            row[f"pytorch_{ref}_memory"] = memory[("torch", objective, ref)]
+    print_row(row)
+    if memory:
+        print(f"      peak RSS jaxsim {row['jaxsim_memory']['peak_rss_mb']:.0f} MB, PyTorch "
+              f"fp32 {row['pytorch_float32_memory']['peak_rss_mb']:.0f} MB, bf16 autocast "
+              f"{row['pytorch_bfloat16_memory']['peak_rss_mb']:.0f} MB", flush=True)
 
 
 def print_row(row: dict) -> None:
@@ -221,10 +267,11 @@ def main():
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--rss-child", nargs=2, default=None, help=argparse.SUPPRESS)
-    # No huge-page heap here, although train.py restarts into one (its bf16 step alone, quiet:
-    # 1.048 -> 0.847 s): with PyTorch's allocations in the same process, every jaxsim round
-    # after the first PyTorch one ran ~25% slower with it (unsup bf16 0.99 -> 0.73 steps/s),
-    # stable without it (0.92-0.94), so both sides are timed on glibc's default heap.
+    parser.add_argument("--contender", nargs=3, default=None, help=argparse.SUPPRESS)
+    # The heap train.py runs with (working memory in huge pages); every child inherits it. Each
+    # side runs in its own process: in one process, PyTorch's allocations slowed every jaxsim
+    # round after the first PyTorch one by ~25% on this heap (unsup bf16 0.99 -> 0.73 steps/s).
+    runtime.restart_with_huge_page_heap()
     args = parser.parse_args()
     rows = parse_rows(args.rows)
     set_threads(args.threads)  # before JAX's backend and torch's pool start
@@ -232,11 +279,24 @@ def main():
         (objective, dtype), folder = args.rss_child[0].split(":"), Path(args.rss_child[1])
         memory_child(objective, dtype, args.shape, folder)
         return
+    if args.contender:
+        side, row, folder = args.contender
+        contender_child(side, *row.split(":"), Path(folder), args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        run(rows, args, Path(tmp))
+
+
+def run(rows, args, folder: Path) -> None:
+    """Every row's figures into `--json`; `folder` holds the tokenized batches the children
+    read."""
     load = load_average()
     print(f"threads {args.threads} (this process may use {available_cpus()} CPUs), shape "
           f"{args.shape}, batch {args.batch}, max_len {args.max_len}, 1-min load average before "
           f"the run {'n/a' if load is None else f'{load:.2f}'}", flush=True)
-    memory = {} if args.no_rss else measure_memory(rows, args)
+    for objective in sorted({o for o, _ in rows}):
+        np.savez(folder / f"{objective}.npz", **tokenized(objective, args.batch, args.max_len))
+    memory = {} if args.no_rss else measure_memory(rows, args, folder)
 
     import torch
 
@@ -247,28 +307,19 @@ def main():
               "steps_per_repeat": args.steps, "shape": args.shape,
               "model": "all-MiniLM-L6-v2" if args.shape == "minilm" else
               f"random init, {args.shape}", "peak_gflops": peaks, "rows": {}}
-    torch_runs = {}
-    for objective, dtype in rows:
-        arrays = tokenized(objective, args.batch, args.max_len)
-        for ref in REFERENCES:
-            if (objective, ref) not in torch_runs:
-                run = torch_reference.make_step(
-                    torch_model(args.shape), arrays, unsup=objective == "unsup",
-                    autocast_dtype=torch.bfloat16 if ref == "bfloat16" else None)
-                for _ in range(2):  # warm-up (allocator, first-call paths)
-                    run()
-                torch_runs[(objective, ref)] = run
-        row = measure_row(objective, dtype, arrays, torch_runs, peaks, args)
-        if memory:
-            row["jaxsim_memory"] = memory[("jaxsim", objective, dtype)]
+    torch_sides = {}
+    try:
+        for objective, dtype in rows:
             for ref in REFERENCES:
-                row[f"pytorch_{ref}_memory"] = memory[("torch", objective, ref)]
-        record["rows"][f"{objective}:{dtype}"] = row
-        print_row(row)
-        if memory:
-            print(f"      peak RSS jaxsim {row['jaxsim_memory']['peak_rss_mb']:.0f} MB, PyTorch "
-                  f"fp32 {row['pytorch_float32_memory']['peak_rss_mb']:.0f} MB, bf16 autocast "
-                  f"{row['pytorch_bfloat16_memory']['peak_rss_mb']:.0f} MB", flush=True)
+                if (objective, ref) not in torch_sides:
+                    torch_sides[(objective, ref)] = start_contender("pytorch", objective, ref,
+                                                                    folder, args)
+            record["rows"][f"{objective}:{dtype}"] = row = measure_row(
+                objective, dtype, folder, torch_sides, peaks, args)
+            report_row(row, memory)
+    finally:
+        for side in torch_sides.values():
+            side.close()
     headline = record["rows"].get("unsup:bfloat16") or next(iter(record["rows"].values()))
     record["ratio"] = headline["ratio"]
     record["ratio_row"] = f"{headline['objective']}:{headline['dtype']}"
@@ -277,26 +328,22 @@ def main():
     write_json(args.json, record)
 
 
-def measure_memory(rows, args) -> dict:
-    """{(side, objective, dtype): memory figures}, each side in its own subprocess."""
+def measure_memory(rows, args, folder: Path) -> dict:
+    """{(side, objective, dtype): memory figures}, each side in its own subprocess, on the
+    batches saved in `folder`."""
     out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        for objective in sorted({o for o, _ in rows}):
-            np.savez(folder / f"{objective}.npz", **tokenized(objective, args.batch,
-                                                              args.max_len))
-            for ref in REFERENCES:
-                model = (["--model", str(bundled_model_path())] if args.shape == "minilm"
-                         else ["--shape", args.shape])
-                cmd = [sys.executable, str(HERE / "torch_reference.py"), "--arrays",
-                       str(folder / f"{objective}.npz"), *model, "--tokenizer",
-                       str(bundled_model_path()), "--autocast", ref,
-                       "--threads", str(args.threads)]
-                out[("torch", objective, ref)] = _child(cmd)
-        for objective, dtype in rows:
-            cmd = [sys.executable, __file__, "--rss-child", f"{objective}:{dtype}", str(folder),
-                   "--shape", args.shape, "--threads", str(args.threads)]
-            out[("jaxsim", objective, dtype)] = _child(cmd)
+    for objective in sorted({o for o, _ in rows}):
+        for ref in REFERENCES:
+            model = (["--model", str(bundled_model_path())] if args.shape == "minilm"
+                     else ["--shape", args.shape])
+            cmd = [sys.executable, str(HERE / "torch_reference.py"), "--arrays",
+                   str(folder / f"{objective}.npz"), *model, "--tokenizer",
+                   str(bundled_model_path()), "--autocast", ref, "--threads", str(args.threads)]
+            out[("torch", objective, ref)] = _child(cmd)
+    for objective, dtype in rows:
+        cmd = [sys.executable, __file__, "--rss-child", f"{objective}:{dtype}", str(folder),
+               "--shape", args.shape, "--threads", str(args.threads)]
+        out[("jaxsim", objective, dtype)] = _child(cmd)
     return out
 
 

@@ -1,4 +1,5 @@
-"""benchmarks/common.set_threads: both sides get the same cores, XLA_FLAGS stays valid."""
+"""benchmarks/common: set_threads gives both sides the same cores (XLA_FLAGS stays valid);
+ChildContender runs a side in its own process and reports a child that dies."""
 from __future__ import annotations
 
 import json
@@ -79,3 +80,41 @@ def test_alternating_rates_keeps_its_two_sided_record():
     assert set(record) == {"ours_per_s", "reference_per_s", "ratio", "ratio_min", "ratio_max",
                            "repeats"}
     assert record["ratio_min"] <= record["ratio"] <= record["ratio_max"]
+
+
+# A contender that counts its runs in a file and says its pid; "fail" dies before READY.
+_CONTENDER = """
+import os, sys
+sys.path.insert(0, {bench!r})
+from common import serve_contender
+if sys.argv[1] == "fail":
+    sys.exit("cannot build the step: bad arrays.npz")
+count = [0]
+def run():
+    count[0] += 1
+    with open(sys.argv[1], "w") as f:
+        f.write(str(count[0]))
+serve_contender(run, {{"pid": os.getpid()}})
+"""
+
+
+def test_child_contender_runs_its_work_in_another_process_per_call(tmp_path):
+    script = tmp_path / "contender.py"
+    script.write_text(_CONTENDER.format(bench=str(ROOT / "benchmarks")))
+    counter = tmp_path / "runs"
+    side = common.ChildContender([sys.executable, str(script), str(counter)])
+    try:
+        assert side.info["pid"] != os.getpid()
+        rates = common.alternating({"child": side, "here": lambda: None}, 1.0, 3)
+        assert counter.read_text() == "3"  # one run per round, finished before the call returned
+        assert len(rates["child"]["rates"]) == 3
+    finally:
+        side.close()
+    assert side._proc.returncode == 0  # stdin closed: the child's loop ended
+
+
+def test_child_contender_that_dies_reports_its_stderr(tmp_path):
+    script = tmp_path / "contender.py"
+    script.write_text(_CONTENDER.format(bench=str(ROOT / "benchmarks")))
+    with pytest.raises(RuntimeError, match="before READY(.|\n)*bad arrays.npz"):
+        common.ChildContender([sys.executable, str(script), "fail"])
