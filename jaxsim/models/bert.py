@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsim.errors import JaxsimError
-from jaxsim.models import ops
+from jaxsim.models import attention_ops, ops
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
 
@@ -230,12 +230,15 @@ class BertSelfAttention(nn.Module):
         # that of three index slices is three zero-padded [3, ...] arrays summed (train step:
         # XLA's bytes accessed 10.24 -> 9.60 GiB).
         q, k, v = (part[0] for part in jnp.split(qkv, 3))  # [B, heads, L, head_dim]
-        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+        scores = attention_ops.attention_scores(q, k)  # [B, heads, L, L] float32
         probs = jax.nn.softmax(scores + attention_bias, axis=-1)
         probs = _dropout(self, probs, cfg.attention_probs_dropout_prob, deterministic)
-        out = jnp.einsum("bhqk,bhkd->bhqd", probs.astype(self.dtype), v,
-                         preferred_element_type=jnp.float32)
-        return jnp.transpose(out, (0, 2, 1, 3)).reshape(batch, length, cfg.hidden_size)
+        out = attention_ops.attention_mix(probs.astype(self.dtype), v)  # [B, heads, L, d]
+        # Back to token-major through a unit axis: XLA then writes the transposed gradient out
+        # in the compute dtype, where the plain transpose led it to run both gradient products
+        # of `attention_mix` in float32 (operands converted up).
+        out = jnp.transpose(out[..., None], (0, 2, 1, 3, 4))
+        return out.reshape(batch, length, cfg.hidden_size)
 
 
 class BertResidualOutput(nn.Module):
