@@ -274,9 +274,9 @@ class BertIntermediate(nn.Module):
     @nn.compact
     def __call__(self, x):
         kernel, bias = DenseParams(self.config.intermediate_size, name="dense")(x.shape[-1])
+        if self.config.hidden_act == "gelu":  # BERT's exact GELU, fused with the bias add
+            return ops.dense_bias_gelu(x, kernel, bias, self.dtype)
         d = ops.matmul(x, kernel, self.dtype)  # [B, L, intermediate] float32
-        if self.config.hidden_act == "gelu":
-            return ops.bias_gelu(d, bias)  # BERT's exact GELU, fused with the bias add
         return _ACTIVATIONS[self.config.hidden_act](d + bias)
 
 

@@ -24,6 +24,10 @@ laid out:
                 Inside `dropout_rows(offset)` the first axis counts from `offset`: a
                 micro-batch of rows [offset, offset + m) of a larger batch draws exactly the
                 masks those rows get when the whole batch is encoded at once.
+  dense_bias_gelu
+                bias_gelu(matmul(x, w, dtype), b) with its result in `dtype` and, under
+                low-precision compute, a VJP that writes the pre-activation gradient in that
+                dtype only (its products and the bias gradient read it there).
 """
 from __future__ import annotations
 
@@ -190,6 +194,44 @@ def _bias_gelu_bwd(residuals, g):
 
 
 bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
+
+
+def dense_bias_gelu(x: jax.Array, w: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """Exact GELU of `x @ w + b` (x [..., in], w [in, F], b [F]), returned in `dtype`: the
+    input of the next product. Under low-precision compute the VJP keeps the pre-activation
+    gradient in that dtype only: the two products take it, and the bias gradient sums it (in
+    float32). Chained, `matmul` and `bias_gelu` wrote it in float32, converted it, and read the
+    float32 copy again for the bias: two passes more over [tokens, F]."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return bias_gelu(matmul(x, w, dtype), b)
+    return _dense_gelu(x.astype(dtype), w.astype(dtype), b)
+
+
+@jax.custom_vjp
+def _dense_gelu(x, w, b):
+    return _gelu(_product(x, w) + b).astype(x.dtype)
+
+
+def _dense_gelu_fwd(x, w, b):
+    d = _product(x, w)
+    return _gelu(d + b).astype(x.dtype), (x, w, d, b)
+
+
+def _dense_gelu_bwd(residuals, g):
+    x, w, d, b = residuals
+    d, b = lax.optimization_barrier((d, b))  # recompute Phi here (see _bias_gelu_bwd)
+    h = d + b
+    dh = (g.astype(jnp.float32) * (_phi_cdf(h) + h * jnp.exp(-0.5 * h * h) * _INV_SQRT_2PI))
+    dh = dh.astype(x.dtype)
+    rows = dh.reshape(-1, dh.shape[-1])
+    # The bias gradient sums the rounded gradient (float32 accumulation): the reduction reads
+    # the bf16 copy the products read, instead of a float32 one written for it alone.
+    db = jnp.sum(rows.astype(jnp.float32), axis=0)
+    dx, dw = _matmul_2d_bwd((x, w), dh)
+    return dx, dw, db.astype(b.dtype)
+
+
+_dense_gelu.defvjp(_dense_gelu_fwd, _dense_gelu_bwd)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -116,3 +116,31 @@ def test_mixed_precision_dot_general_routes_only_the_dense_contraction():
     assert out.dtype == jnp.float32 and out.shape == (3, 5) and float(out[0, 0]) == 4.0
     dense = ops.mixed_precision_dot_general(a, b.T, (((1,), (0,)), ((), ())))
     assert dense.dtype == jnp.float32 and float(dense[0, 0]) == 4.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_bias_gelu_matches_the_plain_formula(dtype):
+    """gelu(x @ w + b) in `dtype` with its gradients against jax.grad of the plain float32
+    expression (exact GELU) on the same operands."""
+    rng = np.random.default_rng(4)
+    x, w, b, r = _rand(rng, 3, 5, 8), _rand(rng, 8, 12) / 3, _rand(rng, 12), _rand(rng, 3, 5, 12)
+    x, w = (a.astype(dtype).astype(jnp.float32) for a in (x, w))  # representable in dtype
+
+    def plain(x, w, b):
+        return jnp.sum(jax.nn.gelu(jnp.einsum("bli,io->blo", x, w) + b, approximate=False) * r)
+
+    def ours(x, w, b):
+        out = ops.dense_bias_gelu(x, w, b, dtype)
+        assert out.dtype == dtype and out.shape == r.shape
+        return jnp.sum(out.astype(jnp.float32) * r)
+
+    exact = dtype == jnp.float32
+    reference = jax.nn.gelu(jnp.einsum("bli,io->blo", x, w) + b, approximate=False)
+    np.testing.assert_allclose(np.asarray(ops.dense_bias_gelu(x, w, b, dtype), np.float32),
+                               reference, rtol=1e-5 if exact else 8e-3, atol=1e-6)
+    want = jax.grad(plain, argnums=(0, 1, 2))(x, w, b)
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(x, w, b)
+    for g, ref in zip(got, want):
+        assert g.dtype == jnp.float32 and g.shape == ref.shape
+        rel = float(jnp.linalg.norm(g - ref) / jnp.linalg.norm(ref))
+        assert rel < (1e-5 if exact else 1e-2), rel  # bf16: rounding of the gradient only
