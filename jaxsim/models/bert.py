@@ -213,7 +213,6 @@ class BertSelfAttention(nn.Module):
         params = [DenseParams(cfg.hidden_size, name=n)(hidden) for n in ("query", "key", "value")]
         kernel = jnp.stack([k for k, _ in params], axis=1)  # [hidden, 3, hidden]
         bias = jnp.stack([b for _, b in params])  # [3, hidden]
-        qkv = ops.matmul(x, kernel, self.dtype) + bias  # [B, L, 3, hidden] float32
         # Head-major [3, B, heads, L, head_dim] in the compute dtype, written by the pass that
         # adds the bias (and scales the queries by 1/sqrt(head_dim), so the [B, heads, L, L]
         # scores need no scaling pass). Both attention products then read contiguous per-head
@@ -223,9 +222,8 @@ class BertSelfAttention(nn.Module):
         # mask is -inf-like). MiniLM, 2 threads, XLA:CPU process time of an encode program:
         # 8 x 128 tokens bf16 -14%, float32 -10%; 16 x 64 float32 -7%; 32 x 32 about equal.
         scale = jnp.asarray([1.0 / math.sqrt(cfg.head_dim), 1.0, 1.0], jnp.float32)
-        qkv = (qkv * scale[:, None]).reshape(batch, length, 3, cfg.num_attention_heads,
-                                             cfg.head_dim)
-        qkv = jnp.transpose(qkv, (2, 0, 3, 1, 4)).astype(self.dtype)
+        qkv = attention_ops.qkv_heads(x, kernel, bias, scale, cfg.num_attention_heads,
+                                      self.dtype)
         # Split, not indexed: the gradient of a split is one concatenate of dq, dk, dv, where
         # that of three index slices is three zero-padded [3, ...] arrays summed (train step:
         # XLA's bytes accessed 10.24 -> 9.60 GiB).
