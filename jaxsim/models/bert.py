@@ -248,7 +248,7 @@ class BertResidualOutput(nn.Module):
     @nn.compact
     def __call__(self, x, residual, deterministic: bool):
         kernel, bias = DenseParams(self.config.hidden_size, name="dense")(x.shape[-1])
-        x = ops.matmul(x, kernel, self.dtype) + bias
+        x = ops.dense_bias(x, kernel, bias, self.dtype)
         x = _dropout(self, x, self.config.hidden_dropout_prob, deterministic)
         return _layer_norm(self.config, self.dtype)(x + residual)
 

@@ -24,6 +24,8 @@ laid out:
                 Inside `dropout_rows(offset)` the first axis counts from `offset`: a
                 micro-batch of rows [offset, offset + m) of a larger batch draws exactly the
                 masks those rows get when the whole batch is encoded at once.
+  dense_bias    matmul(x, w, dtype) + b whose VJP, under low-precision compute, rounds the
+                incoming gradient once for both products and the bias sum.
   dense_bias_gelu
                 bias_gelu(matmul(x, w, dtype), b) with its result in `dtype` and, under
                 low-precision compute, a VJP that writes the pre-activation gradient in that
@@ -194,6 +196,36 @@ def _bias_gelu_bwd(residuals, g):
 
 
 bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
+
+
+def dense_bias(x: jax.Array, w: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    """`matmul(x, w, dtype) + b` (float32). Under low-precision compute its VJP casts the
+    incoming float32 gradient to that dtype once: both products and the bias sum read the
+    rounded copy (XLA otherwise wrote the float32 gradient for the bias sum and a converted
+    one for the products)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return matmul(x, w, dtype) + b
+    return _dense_bias(x.astype(dtype), w.astype(dtype), b)
+
+
+@jax.custom_vjp
+def _dense_bias(x, w, b):
+    return _product(x, w) + b
+
+
+def _dense_bias_fwd(x, w, b):
+    return _product(x, w) + b, (x, w)
+
+
+def _dense_bias_bwd(residuals, g):
+    x, w = residuals
+    g = g.astype(x.dtype)
+    db = jnp.sum(g.reshape(-1, g.shape[-1]).astype(jnp.float32), axis=0)
+    dx, dw = _matmul_2d_bwd((x, w), g)
+    return dx, dw, db
+
+
+_dense_bias.defvjp(_dense_bias_fwd, _dense_bias_bwd)
 
 
 def dense_bias_gelu(x: jax.Array, w: jax.Array, b: jax.Array, dtype) -> jax.Array:

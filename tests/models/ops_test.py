@@ -144,3 +144,29 @@ def test_dense_bias_gelu_matches_the_plain_formula(dtype):
         assert g.dtype == jnp.float32 and g.shape == ref.shape
         rel = float(jnp.linalg.norm(g - ref) / jnp.linalg.norm(ref))
         assert rel < (1e-5 if exact else 1e-2), rel  # bf16: rounding of the gradient only
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_bias_matches_the_plain_formula(dtype):
+    """x @ w + b (float32 result) with its gradients against jax.grad of the plain float32
+    expression on the same operands."""
+    rng = np.random.default_rng(6)
+    x, w, b, r = _rand(rng, 3, 5, 8), _rand(rng, 8, 6), _rand(rng, 6), _rand(rng, 3, 5, 6)
+    x, w = (a.astype(dtype).astype(jnp.float32) for a in (x, w))  # representable in dtype
+
+    def plain(x, w, b):
+        return jnp.einsum("bli,io->blo", x, w) + b
+
+    def ours(x, w, b):
+        out = ops.dense_bias(x, w, b, dtype)
+        assert out.dtype == jnp.float32 and out.shape == r.shape
+        return out
+
+    np.testing.assert_allclose(ours(x, w, b), plain(x, w, b), rtol=1e-5, atol=1e-5)
+    want = jax.grad(lambda *a: jnp.sum(plain(*a) * r), argnums=(0, 1, 2))(x, w, b)
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * r), argnums=(0, 1, 2)))(x, w, b)
+    exact = dtype == jnp.float32
+    for g, ref in zip(got, want):
+        assert g.dtype == jnp.float32 and g.shape == ref.shape
+        rel = float(jnp.linalg.norm(g - ref) / jnp.linalg.norm(ref))
+        assert rel < (1e-5 if exact else 1e-2), rel  # bf16: rounding of the gradient only
