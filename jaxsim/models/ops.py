@@ -173,6 +173,11 @@ def _gelu(h: jax.Array) -> jax.Array:
     return h * _phi_cdf(h)
 
 
+def _gelu_derivative(h: jax.Array) -> jax.Array:
+    """d/dh [h Phi(h)] = Phi(h) + h phi(h), with phi the standard normal density."""
+    return _phi_cdf(h) + h * jnp.exp(-0.5 * h * h) * _INV_SQRT_2PI
+
+
 @jax.custom_vjp
 def bias_gelu(d: jax.Array, b: jax.Array) -> jax.Array:
     """Exact (erf) GELU of `d + b`; d [..., F], b [F] (BERT's "gelu", not the tanh one)."""
@@ -189,8 +194,7 @@ def _bias_gelu_bwd(residuals, g):
     # over [tokens, intermediate] to save a polynomial that is cheaper to recompute here.
     d, b = lax.optimization_barrier(residuals)
     h = d + b
-    # d/dh [h Phi(h)] = Phi(h) + h phi(h), with phi the standard normal density.
-    dh = g * (_phi_cdf(h) + h * jnp.exp(-0.5 * h * h) * _INV_SQRT_2PI)
+    dh = g * _gelu_derivative(h)
     db = jnp.sum(dh, axis=tuple(range(dh.ndim - 1)))
     return dh.astype(d.dtype), db.astype(b.dtype)
 
@@ -253,7 +257,7 @@ def _dense_gelu_bwd(residuals, g):
     x, w, d, b = residuals
     d, b = lax.optimization_barrier((d, b))  # recompute Phi here (see _bias_gelu_bwd)
     h = d + b
-    dh = (g.astype(jnp.float32) * (_phi_cdf(h) + h * jnp.exp(-0.5 * h * h) * _INV_SQRT_2PI))
+    dh = g.astype(jnp.float32) * _gelu_derivative(h)
     dh = dh.astype(x.dtype)
     rows = dh.reshape(-1, dh.shape[-1])
     # The bias gradient sums the rounded gradient (float32 accumulation): the reduction reads
