@@ -120,17 +120,21 @@ def build_step(objective: str, dtype: str, arrays: dict, mesh=None, **config):
     train_step = step_lib.make_train_step(
         encoder, functools.partial(obj.loss, **check_kwargs(obj, {"temp": ref.TEMP})), tx,
         views=obj.views, mesh=mesh, state_shardings=shardings,
-        schedule=optim.make_schedule(cfg, ref.TOTAL_STEPS), compiler_options=options)
-    placed = {k: jax.device_put(v, s) for (k, v), s in
-              zip(arrays.items(), step_lib.batch_shardings(mesh).values())}
+        schedule=optim.make_schedule(cfg, ref.TOTAL_STEPS), compiler_options=options,
+        packed=bool(cfg.pack_length))
+    arrays = build.batch_preparer(cfg, obj, sharding.batch_shards(mesh))(arrays)
+    shardings = step_lib.batch_shardings(mesh, packed=bool(cfg.pack_length))
+    placed = {k: jax.device_put(v, shardings[k]) for k, v in arrays.items()}
     return train_step, state, placed
 
 
-def shape_config(shape: str) -> dict:
-    """TrainConfig fields for `--shape`: the bundled checkpoint, or a random-init architecture."""
-    if shape == "minilm":
-        return {}
-    return {"random_init": True, "model_overrides": SHAPES[shape]}
+def jaxsim_config(args) -> dict:
+    """TrainConfig fields for `--shape` (the bundled checkpoint, or a random-init architecture)
+    and `--pack-length`."""
+    config = {"pack_length": args.pack_length}
+    if args.shape != "minilm":
+        config.update(random_init=True, model_overrides=SHAPES[args.shape])
+    return config
 
 
 def jaxsim_step(objective: str, dtype: str, arrays: dict, **config):
@@ -153,11 +157,11 @@ def torch_model(shape: str):
     return torch_reference.load_model(config=SHAPES[shape])
 
 
-def memory_child(objective: str, dtype: str, shape: str, folder: Path) -> None:
+def memory_child(objective: str, dtype: str, folder: Path, args) -> None:
     """Runs a few jaxsim steps on saved arrays and prints the process's memory figures."""
     arrays = dict(np.load(folder / f"{objective}.npz"))
     baseline = status_mb("VmRSS")
-    run, _ = jaxsim_step(objective, dtype, arrays, **shape_config(shape))
+    run, _ = jaxsim_step(objective, dtype, arrays, **jaxsim_config(args))
     print_peak_memory(run, 3, baseline)
 
 
@@ -168,7 +172,7 @@ def contender_child(side: str, objective: str, dtype: str, folder: Path, args) -
     info = {}
     if side == "jaxsim":
         start = time.perf_counter()
-        step, info["flops"] = jaxsim_step(objective, dtype, arrays, **shape_config(args.shape))
+        step, info["flops"] = jaxsim_step(objective, dtype, arrays, **jaxsim_config(args))
         info["compile_s"] = time.perf_counter() - start
         step()  # first run: allocations
     else:
@@ -187,7 +191,7 @@ def start_contender(side: str, objective: str, dtype: str, folder: Path,
                     args) -> ChildContender:
     return ChildContender([sys.executable, __file__, "--contender", side, f"{objective}:{dtype}",
                            str(folder), "--shape", args.shape, "--threads", str(args.threads),
-                           "--steps", str(args.steps)])
+                           "--steps", str(args.steps), "--pack-length", str(args.pack_length)])
 
 
 def measure_row(objective: str, dtype: str, folder: Path, torch_sides: dict, peaks: dict,
@@ -258,6 +262,9 @@ def main():
                              "init at those shapes")
     parser.add_argument("--batch", type=int, default=64, help="examples per step")
     parser.add_argument("--max-len", type=int, default=32)
+    parser.add_argument("--pack-length", type=int, default=0,
+                        help="jaxsim packs each batch's sentences into rows of this many tokens "
+                             "(TrainConfig.pack_length; 0 = padded rows, as PyTorch runs)")
     parser.add_argument("--threads", type=int, default=available_cpus(),
                         help="cores for both sides (the process is pinned to them)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -277,7 +284,7 @@ def main():
     set_threads(args.threads)  # before JAX's backend and torch's pool start
     if args.rss_child:
         (objective, dtype), folder = args.rss_child[0].split(":"), Path(args.rss_child[1])
-        memory_child(objective, dtype, args.shape, folder)
+        memory_child(objective, dtype, folder, args)
         return
     if args.contender:
         side, row, folder = args.contender
@@ -304,6 +311,7 @@ def run(rows, args, folder: Path) -> None:
     peaks = measure_peaks(args.peak_size, args.peak_repeats)
     print(describe(peaks), flush=True)
     record = {"threads": args.threads, "batch": args.batch, "max_len": args.max_len,
+              "pack_length": args.pack_length,
               "steps_per_repeat": args.steps, "shape": args.shape,
               "model": "all-MiniLM-L6-v2" if args.shape == "minilm" else
               f"random init, {args.shape}", "peak_gflops": peaks, "rows": {}}
@@ -342,7 +350,8 @@ def measure_memory(rows, args, folder: Path) -> dict:
             out[("torch", objective, ref)] = _child(cmd)
     for objective, dtype in rows:
         cmd = [sys.executable, __file__, "--rss-child", f"{objective}:{dtype}", str(folder),
-               "--shape", args.shape, "--threads", str(args.threads)]
+               "--shape", args.shape, "--threads", str(args.threads),
+               "--pack-length", str(args.pack_length)]
         out[("jaxsim", objective, dtype)] = _child(cmd)
     return out
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsim.errors import JaxsimError
-from jaxsim.models import attention_ops, ops
+from jaxsim.models import attention_ops, ops, packed
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
 
@@ -186,14 +186,15 @@ class BertEmbeddings(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, input_ids, token_type_ids, deterministic: bool):
+    def __call__(self, input_ids, token_type_ids, deterministic: bool, position_ids=None):
         cfg = self.config
         init = nn.initializers.normal(0.02)
         embed = lambda n, size: nn.Embed(size, cfg.hidden_size, embedding_init=init,
                                          param_dtype=jnp.float32, dtype=self.dtype, name=n)
+        if position_ids is None:
+            position_ids = position_ids_for(cfg, input_ids)
         x = embed("word_embeddings", cfg.vocab_size)(input_ids)
-        x = x + embed("position_embeddings", cfg.max_position_embeddings)(
-            position_ids_for(cfg, input_ids))
+        x = x + embed("position_embeddings", cfg.max_position_embeddings)(position_ids)
         x = x + embed("token_type_embeddings", cfg.type_vocab_size)(token_type_ids)
         x = _layer_norm(cfg, self.dtype)(x)
         return _dropout(self, x, cfg.hidden_dropout_prob, deterministic)
@@ -356,7 +357,7 @@ class BertModel(nn.Module):
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, token_type_ids=None,
-                 deterministic: bool = True) -> BertOutput:
+                 deterministic: bool = True, packing=None) -> BertOutput:
         """Encodes a padded batch.
 
         Args:
@@ -364,17 +365,29 @@ class BertModel(nn.Module):
           attention_mask: [batch, len], 1 for real tokens and 0 for padding.
           token_type_ids: [batch, len] segment ids; zeros when None.
           deterministic: disables dropout; pass `rngs={'dropout': key}` to `apply` otherwise.
+          packing: None, or (pack_index [R, P], unpack_index [batch, len]) from
+            `jaxsim.data.packing`: the layers run on packed rows (no padding) and the hidden
+            states come back in the padded layout.
         """
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
-        x = BertEmbeddings(self.config, self.dtype, name="embeddings")(
-            input_ids, token_type_ids, deterministic)
-        # Additive key mask [batch, 1, 1, len]: padded keys get the most negative float, so they
-        # receive exactly zero attention weight and cannot influence unpadded positions.
-        keep = attention_mask.astype(bool)[:, None, None, :]
-        attention_bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+        embeddings = BertEmbeddings(self.config, self.dtype, name="embeddings")
+        if packing is None:
+            x = embeddings(input_ids, token_type_ids, deterministic)
+            # Additive key mask [batch, 1, 1, len]: padded keys get the most negative float, so
+            # they receive exactly zero attention weight and cannot influence unpadded positions.
+            keep = attention_mask.astype(bool)[:, None, None, :]
+            attention_bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+        else:
+            pack_index, unpack_index = packing
+            x = embeddings(*(packed.gather_packed(a, pack_index) for a in (
+                input_ids, token_type_ids)), deterministic, position_ids=packed.gather_packed(
+                    position_ids_for(self.config, input_ids), pack_index))
+            attention_bias = packed.packed_attention_bias(pack_index, input_ids.shape[1])
         states = BertEncoder(self.config, self.dtype, self.remat, name="encoder")(
             x, attention_bias, deterministic)
+        if packing is not None:
+            states = tuple(packed.unpack(h, unpack_index) for h in states)
         pooled = None
         if self.add_pooler:
             pooled = BertPooler(self.config, self.dtype, name="pooler")(states[-1])

@@ -48,7 +48,8 @@ class SentenceEncoder(nn.Module):
     remat: str = "none"
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, token_type_ids=None, train: bool = False):
+    def __call__(self, input_ids, attention_mask, token_type_ids=None, train: bool = False,
+                 packing=None):
         """Sentence vectors.
 
         Args:
@@ -56,6 +57,8 @@ class SentenceEncoder(nn.Module):
           attention_mask: [batch, len] int32, 1 = real token.
           token_type_ids: [batch, len] int32, or None for zeros.
           train: dropout on (pass `rngs={'dropout': key}`) and the head always applied.
+          packing: None, or the packed layout of these rows (see `BertModel`): the same
+            vectors, computed without the padding (only the dropout masks differ).
 
         Returns:
           [batch, hidden] float32.
@@ -63,7 +66,8 @@ class SentenceEncoder(nn.Module):
         bert = BertModel(self.config, dtype=self.dtype, add_pooler=False, remat=self.remat,
                          name="bert")
         pooling = get_pooler(self.pooler).build(self.config, self.dtype, "pooler")
-        output = bert(input_ids, attention_mask, token_type_ids, deterministic=not train)
+        output = bert(input_ids, attention_mask, token_type_ids, deterministic=not train,
+                      packing=packing)
         if self.mlm and self.is_initializing():
             word_embeddings = bert.variables["params"]["embeddings"]["word_embeddings"]
             MlmHead(self.config, self.dtype, name="mlm_head")(output.hidden_states[-1],

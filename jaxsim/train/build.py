@@ -6,14 +6,16 @@ checked before any tracing (bad input fails in seconds, naming the file).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxsim.data import readers, sources
+from jaxsim.data.packing import pack_batch
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
 from jaxsim.io.pretrained import load_pretrained
 from jaxsim.models.bert import BertConfig
@@ -118,3 +120,15 @@ def check_views(source, objective: Objective) -> int:
         raise ObjectiveError(f'{source.name}: objective {objective.name!r} needs {want} '
                              f'sentence(s) per example, the data has {views}')
     return views
+
+
+def batch_preparer(cfg: TrainConfig, objective: Objective,
+                   batch_shards: int) -> Callable[[dict], dict]:
+    """What turns a host batch into the step's input: its packed layout added
+    (`cfg.pack_length`), or the batch itself."""
+    if not cfg.pack_length:
+        return lambda batch: batch
+    if batch_shards != 1:
+        raise ConfigError(f'pack_length needs one batch shard; this mesh splits the batch '
+                          f'{batch_shards} ways (set mesh_data=1, mesh_fsdp=1)')
+    return functools.partial(pack_batch, views=objective.views, pack_length=cfg.pack_length)

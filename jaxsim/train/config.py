@@ -95,6 +95,13 @@ class TrainConfig:
       (`jax.experimental.mesh_utils`). mesh_dcn_data, mesh_dcn_fsdp, mesh_dcn_tensor: the same
       axes across slices (over the data-center network); each mesh axis is the product of
       the two. Their product must equal the number of slices (processes on CPU/GPU).
+    pack_length: > 0 packs each batch's sentences end to end into rows of this many tokens
+      (at least max_len; 2 x max_len packs short text well), attention kept within each
+      sentence (`jaxsim.data.packing`): the same vectors and loss without computing padding
+      (SNLI at max_len 32: 43% of the tokens), only the dropout masks are drawn over the
+      packed rows. A batch compiles the step once per row count (a multiple of 8). 0 = off.
+      Needs one batch shard (mesh_data x mesh_fsdp = 1), grad_accum_steps 1 and no
+      micro_batch_size.
     remat: recompute activations in the backward pass, per transformer layer: 'none' (keep
       them all), 'full' (keep only each layer's input), 'dots' (keep the outputs of the
       matrix products without batch dimensions, recompute the rest).
@@ -156,6 +163,7 @@ class TrainConfig:
     mesh_dcn_data: int = 1
     mesh_dcn_fsdp: int = 1
     mesh_dcn_tensor: int = 1
+    pack_length: int = 0
     remat: str = 'none'
     senteval_root: str = str(SENTEVAL_ROOT)
     eval_every: int = 125
@@ -187,7 +195,7 @@ class TrainConfig:
                     'eval_max_len': 2, 'log_every': 1, 'keep_checkpoints': 1, 'max_examples': 0,
                     'max_steps': 0, 'warmup_steps': 0, 'eval_every': 0, 'checkpoint_every': 0,
                     'grad_replicas': 0, 'mesh_fsdp': 1, 'mesh_tensor': 1,
-                    'micro_batch_size': 0, 'mesh_dcn_data': 1, 'mesh_dcn_fsdp': 1,
+                    'micro_batch_size': 0, 'pack_length': 0, 'mesh_dcn_data': 1, 'mesh_dcn_fsdp': 1,
                     'mesh_dcn_tensor': 1}
         for name, low in at_least.items():
             if getattr(self, name) < low:
@@ -217,6 +225,12 @@ class TrainConfig:
                      'micro_batch_size already bounds the activation memory')
             if self.mlm_weight > 0:
                 _bad('micro_batch_size does not support the masked-LM term (mlm_weight > 0)')
+        if self.pack_length:
+            if self.pack_length < self.max_len:
+                _bad(f'pack_length {self.pack_length} is below max_len {self.max_len}')
+            if self.grad_accum_steps > 1 or self.micro_batch_size:
+                _bad('pack_length does not combine with grad_accum_steps > 1 or '
+                     'micro_batch_size')
         if self.max_steps == 0 and self.num_epochs == 0:
             _bad('set num_epochs > 0 or max_steps > 0')
         if self.data_format == 'tfds' and not self.tfds_name:

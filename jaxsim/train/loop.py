@@ -108,6 +108,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     mesh = sharding_lib.config_mesh(cfg)
     sharding_lib.check_global_batch(cfg.batch_size, mesh, cfg.grad_accum_steps,
                                     cfg.micro_batch_size)
+    prepare = build.batch_preparer(cfg, objective, sharding_lib.batch_shards(mesh))
     # Each process reads and tokenizes only the rows its devices hold, ahead of the step.
     it = pipeline.StreamIterator(
         source, base.tokenizer, cfg.max_len, cfg.batch_size, seed=cfg.seed,
@@ -180,11 +181,12 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             schedule=make_schedule(cfg, total), compiler_options=options,
             mlm=(MlmSettings.from_tokenizer(base.tokenizer, cfg.mlm_weight, cfg.mlm_probability,
                                             base.config.vocab_size) if encoder.mlm else None),
-            prng_impl=cfg.prng_impl, micro_batch_size=cfg.micro_batch_size)
+            prng_impl=cfg.prng_impl, micro_batch_size=cfg.micro_batch_size,
+            packed=bool(cfg.pack_length))
         log = records.MetricsLog(workdir, keep_upto=latest, enabled=main,
                                  tensorboard=cfg.tensorboard)
         loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
-                     progress and main)
+                     progress and main, prepare)
         try:
             loop.run()
             test_at_best = loop.final_test()
@@ -207,9 +209,9 @@ class _Loop:
     """The step loop's state: host-side bookkeeping around the jitted step."""
 
     def __init__(self, cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
-                 bar):
+                 bar, prepare):
         self.cfg, self.state, self.step, self.total = cfg, state, step, total
-        self.it, self.train_step, self.mesh = it, train_step, mesh
+        self.it, self.train_step, self.mesh, self.prepare = it, train_step, mesh, prepare
         self.ckpt, self.log, self.evaluator, self.say = ckpt, log, evaluator, say
         self.show_bar = bar
         self.stopped: Optional[str] = None
@@ -297,7 +299,7 @@ class _Loop:
         try:
             with deferred_signals() as stop:
                 while self.step < self.total:
-                    batch = sharding_lib.assemble_batch(next(self.it), self.mesh)
+                    batch = sharding_lib.assemble_batch(self.prepare(next(self.it)), self.mesh)
                     if self.step == start:  # compiler memory freed before the step's own
                         runtime.compile_ahead(self.train_step, self.state, batch)
                     self.state, metrics = self.train_step(self.state, batch)

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxsim import compile_options
 from jaxsim import sharding as sharding_lib
 from jaxsim.data.batching import FIELDS
+from jaxsim.data.packing import PACK_INDEX, PACKED_FIELDS, UNPACK_INDEX
 from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.objectives import LossFn, ObjectiveError
 from jaxsim.objectives.mlm import MlmSettings, mlm_term
@@ -97,8 +98,11 @@ def encode_views(encoder: SentenceEncoder, params: Any, batch: Batch, key: jax.A
         # dropout masks, since the bits differ by row.
         arrays = [jnp.repeat(x, views, axis=1) for x in arrays]
     ids, mask, types = (x.reshape(b * views, length) for x in arrays)  # [B * V, L]
+    packing = None
+    if PACK_INDEX in batch:  # the padded rows' packed layout (jaxsim.data.packing)
+        packing = (batch[PACK_INDEX], batch[UNPACK_INDEX].reshape(b * views, length))
     z = encoder.apply({'params': params}, ids, mask, types, train=True,
-                      rngs={'dropout': key})
+                      rngs={'dropout': key}, packing=packing)
     return z.reshape(b, views, -1).astype(jnp.float32)  # [B, V, H]
 
 
@@ -129,7 +133,8 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
                     schedule: Optional[optax.Schedule] = None,
                     compiler_options: Optional[dict] = None,
                     mlm: Optional[MlmSettings] = None,
-                    prng_impl: str = 'threefry2x32', micro_batch_size: int = 0) -> Callable:
+                    prng_impl: str = 'threefry2x32', micro_batch_size: int = 0,
+                    packed: bool = False) -> Callable:
     """The jitted `train_step(state, batch) -> (state, metrics)`.
 
     Args:
@@ -152,6 +157,8 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
       micro_batch_size: M > 0 computes the same gradient in micro-batches of M examples with
         cached vector gradients (`jaxsim.train.grad_cache`): every negative kept, activations
         of M examples at a time. Not with grad_accum_steps > 1 or `mlm`.
+      packed: batches carry their packed layout (`jaxsim.data.packing.pack_batch`), and the
+        encoder runs on the packed rows. Not with grad_accum_steps > 1 or micro_batch_size.
 
     The step's dropout key is `fold_in(state.rng, state.step)` (and `fold_in(., i)` for
     micro-batch i), so a run is a pure function of (config, seed, data order), whatever the mesh.
@@ -162,6 +169,9 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
       The jitted step; metrics hold 'loss', 'grad_norm' (of the divided gradient, before
       clipping), 'lr' (with `schedule`) and every aux entry the loss returns.
     """
+    if packed and (micro_batch_size or grad_accum_steps > 1):
+        raise ObjectiveError('packed batches do not combine with grad_accum_steps > 1 or '
+                             'micro_batch_size')
     if micro_batch_size:
         if grad_accum_steps > 1 or mlm is not None:
             raise ObjectiveError('micro_batch_size does not combine with grad_accum_steps > 1 '
@@ -226,11 +236,16 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
             metrics['lr'] = jnp.asarray(schedule(state.step), jnp.float32)
         return new, metrics
 
-    return jax.jit(train_step, in_shardings=(state_shardings, batch_shardings(mesh)),
+    return jax.jit(train_step, in_shardings=(state_shardings, batch_shardings(mesh, packed)),
                    out_shardings=(state_shardings, replicated), donate_argnums=0,
                    compiler_options=compiler_options)
 
 
-def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
-    """Shardings of the [batch, views, len] training arrays."""
-    return {k: sharding_lib.batch_sharding(mesh, 3) for k in FIELDS}
+def batch_shardings(mesh: Mesh, packed: bool = False) -> dict[str, NamedSharding]:
+    """Shardings of the [batch, views, len] training arrays (and, `packed`, of the packed
+    layout's [rows, pack_length] and [batch, views, len] indices)."""
+    shardings = {k: sharding_lib.batch_sharding(mesh, 3) for k in FIELDS}
+    if packed:
+        shardings.update({k: sharding_lib.batch_sharding(mesh, 2 if k == PACK_INDEX else 3)
+                          for k in PACKED_FIELDS})
+    return shardings

@@ -1,0 +1,85 @@
+"""Sequence packing: several sentences per encoder row, so a step computes no padding.
+
+A training batch holds its sentences padded to `max_len` ([B, D, L]); on natural text most of
+those tokens are padding (SNLI sentences at L=32: 43%). Packing lays the sentences out end to
+end in rows of `pack_length` tokens (first fit, longest first) and describes the layout with two
+index arrays, computed on the host:
+
+  pack_index   [R, P] int32: for each packed slot, the flat index of its token in the padded
+               sentences [N * L] (N = B * V sentences, views repeated), or N * L for a slot
+               that holds no token. The encoder gathers ids, token types and position ids
+               through it, so positions restart in every sentence.
+  unpack_index [N, L] int32: for each padded slot, the flat index of its packed slot in
+               [R * P] (0 for padding, which poolers never read).
+
+Attention is restricted to the sentence (`segment_ids`: the source sentence of each slot), so
+every sentence is encoded exactly as it is alone in its padded row; only the dropout masks
+differ (they are drawn over the packed layout). The row count R is rounded up to a multiple of
+`row_multiple`, so a run compiles its step for a handful of shapes only.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+PACK_INDEX = 'pack_index'
+UNPACK_INDEX = 'unpack_index'
+PACKED_FIELDS = (PACK_INDEX, UNPACK_INDEX)
+
+
+def first_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Bins (lists of item indices) of total length <= capacity: first fit, longest first."""
+    lengths = np.asarray(lengths, np.int64).reshape(-1)
+    if len(lengths) and int(lengths.max()) > capacity:
+        raise ValueError(f'a sentence of {int(lengths.max())} tokens does not fit a packed row '
+                         f'of {capacity}')
+    bins: list[list[int]] = []
+    free = np.zeros(len(lengths), np.int64)  # room left in each bin opened so far
+    for i in np.argsort(-lengths, kind='stable'):
+        n = int(lengths[i])
+        fits = np.flatnonzero(free[:len(bins)] >= n)
+        if len(fits):
+            b = int(fits[0])
+            bins[b].append(int(i))
+        else:
+            b = len(bins)
+            bins.append([int(i)])
+            free[b] = capacity
+        free[b] -= n
+    return bins
+
+
+def pack_layout(lengths: np.ndarray, max_len: int, pack_length: int,
+                row_multiple: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """(pack_index [R, P], unpack_index [N, L]) for N sentences of `lengths` real tokens, each
+    padded to `max_len` (see the module docstring)."""
+    lengths = np.asarray(lengths, np.int64).reshape(-1)
+    n = len(lengths)
+    bins = first_fit(lengths, pack_length)
+    rows = -(-max(len(bins), 1) // row_multiple) * row_multiple
+    pack = np.full((rows, pack_length), n * max_len, np.int32)
+    unpack = np.zeros((n, max_len), np.int32)
+    for r, members in enumerate(bins):
+        start = 0
+        for s in sorted(members):  # sentences in input order within a row
+            k = int(lengths[s])
+            pack[r, start: start + k] = s * max_len + np.arange(k)
+            unpack[s, :k] = r * pack_length + start + np.arange(k)
+            start += k
+    return pack, unpack
+
+
+def pack_batch(batch: Mapping[str, np.ndarray], views: int, pack_length: int,
+               row_multiple: int = 8) -> dict[str, np.ndarray]:
+    """`batch` ([B, D, L] arrays, D = 1 or `views`) plus its packed layout: PACK_INDEX
+    [R, pack_length] and UNPACK_INDEX [B, V, L], for the V sentences of each example as
+    `jaxsim.train.step.encode_views` lays them out (a single sentence repeated V times, each
+    copy packed on its own)."""
+    mask = np.asarray(batch['attention_mask'])
+    b, d, length = mask.shape
+    lengths = mask.sum(-1)  # [B, D]
+    if d == 1 and views > 1:
+        lengths = np.repeat(lengths, views, axis=1)
+    pack, unpack = pack_layout(lengths, length, pack_length, row_multiple)
+    return {**batch, PACK_INDEX: pack, UNPACK_INDEX: unpack.reshape(b, -1, length)}
