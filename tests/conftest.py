@@ -139,14 +139,25 @@ def write_run_data(root, corpus_source: str, corpus_lines: int, stsb_pairs: int)
     return root
 
 
-def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int = 900) -> dict:
+# What `jaxsim.compile_options.for_effort(..., 'none')` asks of XLA:CPU (-O0, classic
+# emitters), as flags for every program of a process.
+FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int = 900,
+                       fast_compile: bool = False) -> dict:
     """Runs `script` (python -c, from the repository root) in a fresh process that sees `devices`
     CPU devices, and returns the JSON it printed after "RESULT" on the last line starting so.
 
     The device count must be set before JAX starts, hence a subprocess. A failing script fails
-    the calling test with the end of its stderr.
+    the calling test with the end of its stderr. `fast_compile`: every program of the process
+    compiles as cheaply as XLA:CPU can; for scripts of tiny programs run a few times each (their
+    cost is nearly all compiling) that compare results computed inside that one process.
     """
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    flags = f"--xla_force_host_platform_device_count={devices}"
+    if fast_compile:
+        flags += " " + FAST_COMPILE_XLA_FLAGS
+    env = dict(os.environ, XLA_FLAGS=flags,
                JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=REPO,

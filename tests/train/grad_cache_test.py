@@ -19,7 +19,7 @@ from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
 from jaxsim.objectives import get_objective
 from jaxsim.train.grad_cache import make_cached_grad_fn
-from jaxsim.train.step import configure_jax, encode_views, make_loss_fn
+from jaxsim.train.step import compiler_options, configure_jax, encode_views, make_loss_fn
 from tests.conftest import run_on_cpu_devices
 
 CONFIG = BertConfig(vocab_size=80, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
@@ -50,10 +50,11 @@ def compare(objective_name: str, micro_batch_size: int, mesh_shape: tuple) -> di
     batch = jax.device_put(batch, sharding.batch_sharding(mesh, 3))
     params = jax.device_put(params, NamedSharding(mesh, P()))
     key = jax.random.key(3)
+    fast = compiler_options(True)  # XLA -O0: compiling is nearly all of these tiny programs' cost
     one_pass = jax.jit(jax.value_and_grad(make_loss_fn(encoder, loss, objective.views),
-                                          has_aux=True))
+                                          has_aux=True), compiler_options=fast)
     cached = jax.jit(make_cached_grad_fn(encoder, loss, objective.views, micro_batch_size, mesh,
-                                         encode_views))
+                                         encode_views), compiler_options=fast)
     (v1, a1), g1 = one_pass(params, batch, key)
     (v2, a2), g2 = cached(params, batch, key)
     (v3, _), _ = one_pass(params, batch, jax.random.key(4))
@@ -90,7 +91,7 @@ print('RESULT' + json.dumps(out))
 
 
 def test_cached_gradient_equals_one_pass_on_eight_devices():
-    results = run_on_cpu_devices(_SCRIPT)
+    results = run_on_cpu_devices(_SCRIPT, fast_compile=True)
     assert len(results) == 3
     for r in results.values():
         _check(r)
