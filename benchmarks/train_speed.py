@@ -122,7 +122,7 @@ def build_step(objective: str, dtype: str, arrays: dict, mesh=None, **config):
         views=obj.views, mesh=mesh, state_shardings=shardings,
         schedule=optim.make_schedule(cfg, ref.TOTAL_STEPS), compiler_options=options,
         packed=bool(cfg.pack_length))
-    arrays = build.batch_preparer(cfg, obj, sharding.batch_shards(mesh))(arrays)
+    arrays = build.batch_preparer(cfg, obj, mesh)(arrays)
     shardings = step_lib.batch_shardings(mesh, packed=bool(cfg.pack_length))
     placed = {k: jax.device_put(v, shardings[k]) for k, v in arrays.items()}
     return train_step, state, placed

@@ -96,6 +96,13 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
+def max_over_processes(value: int) -> int:
+    """The largest of every process's `value` (a collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return int(value)
+    return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int64))))
+
+
 def _digest_words(value: Any) -> np.ndarray:
     """8 uint32 words of sha256 over the canonical JSON of `value` (strings hash as such)."""
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)

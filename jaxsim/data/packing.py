@@ -3,23 +3,26 @@
 A training batch holds its sentences padded to `max_len` ([B, D, L]); on natural text most of
 those tokens are padding (SNLI sentences at L=32: 43%). Packing lays the sentences out end to
 end in rows of `pack_length` tokens (first fit, longest first) and describes the layout with two
-index arrays, computed on the host:
+index arrays, computed on the host. The batch's S shards (its split over the mesh's batch
+axes: S contiguous blocks of examples) are packed each on its own, into R rows per shard, and
+every index is local to its shard, so the encoder's gathers never cross devices:
 
-  pack_index   [R, P] int32: for each packed slot, the flat index of its token in the padded
-               sentences [N * L] (N = B * V sentences, views repeated), or N * L for a slot
-               that holds no token. The encoder gathers ids, token types and position ids
-               through it, so positions restart in every sentence.
-  unpack_index [N, L] int32: for each padded slot, the flat index of its packed slot in
-               [R * P] (0 for padding, which poolers never read).
+  pack_index   [S, R, P] int32: for each packed slot of shard s, the flat index of its token
+               in that shard's padded sentences [N/S * L] (N = B * V sentences, views
+               repeated), or N/S * L for a slot that holds no token. The encoder gathers ids,
+               token types and position ids through it, so positions restart in every
+               sentence.
+  unpack_index [B, V, L] int32: for each padded slot, the flat index of its packed slot in its
+               shard's rows [R * P] (0 for padding, which poolers never read).
 
-Attention is restricted to the sentence (`segment_ids`: the source sentence of each slot), so
-every sentence is encoded exactly as it is alone in its padded row; only the dropout masks
-differ (they are drawn over the packed layout). The row count R is rounded up to a multiple of
-`row_multiple`, so a run compiles its step for a handful of shapes only.
+Attention is restricted to the sentence (the source sentence of each slot), so every sentence
+is encoded exactly as it is alone in its padded row; only the dropout masks differ (they are
+drawn over the packed layout). R is rounded up to a multiple of `row_multiple`, so a run
+compiles its step for a handful of shapes only.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -50,14 +53,15 @@ def first_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     return bins
 
 
-def pack_layout(lengths: np.ndarray, max_len: int, pack_length: int,
-                row_multiple: int = 8) -> tuple[np.ndarray, np.ndarray]:
+def pack_layout(lengths: np.ndarray, max_len: int, pack_length: int, row_multiple: int = 8,
+                rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(pack_index [R, P], unpack_index [N, L]) for N sentences of `lengths` real tokens, each
-    padded to `max_len` (see the module docstring)."""
+    padded to `max_len` (one shard; see the module docstring). R: the rows needed rounded up to
+    `row_multiple`, or `rows` when larger."""
     lengths = np.asarray(lengths, np.int64).reshape(-1)
     n = len(lengths)
     bins = first_fit(lengths, pack_length)
-    rows = -(-max(len(bins), 1) // row_multiple) * row_multiple
+    rows = max(rows, -(-max(len(bins), 1) // row_multiple) * row_multiple)
     pack = np.full((rows, pack_length), n * max_len, np.int32)
     unpack = np.zeros((n, max_len), np.int32)
     for r, members in enumerate(bins):
@@ -70,16 +74,25 @@ def pack_layout(lengths: np.ndarray, max_len: int, pack_length: int,
     return pack, unpack
 
 
-def pack_batch(batch: Mapping[str, np.ndarray], views: int, pack_length: int,
-               row_multiple: int = 8) -> dict[str, np.ndarray]:
-    """`batch` ([B, D, L] arrays, D = 1 or `views`) plus its packed layout: PACK_INDEX
-    [R, pack_length] and UNPACK_INDEX [B, V, L], for the V sentences of each example as
-    `jaxsim.train.step.encode_views` lays them out (a single sentence repeated V times, each
-    copy packed on its own)."""
+def pack_batch(batch: Mapping[str, np.ndarray], views: int, pack_length: int, shards: int = 1,
+               row_multiple: int = 8,
+               agree: Callable[[int], int] = int) -> dict[str, np.ndarray]:
+    """`batch` ([B, D, L] arrays, D = 1 or `views`; B a multiple of `shards`) plus its packed
+    layout: PACK_INDEX [shards, R, pack_length] and UNPACK_INDEX [B, V, L], for the V
+    sentences of each example as `jaxsim.train.step.encode_views` lays them out (a single
+    sentence repeated V times, each copy packed on its own).
+
+    `agree(rows) -> rows`: settles R among the processes that feed one global batch (each
+    packs its own shards; `jaxsim.distributed.max_over_processes`)."""
     mask = np.asarray(batch['attention_mask'])
     b, d, length = mask.shape
     lengths = mask.sum(-1)  # [B, D]
     if d == 1 and views > 1:
         lengths = np.repeat(lengths, views, axis=1)
-    pack, unpack = pack_layout(lengths, length, pack_length, row_multiple)
-    return {**batch, PACK_INDEX: pack, UNPACK_INDEX: unpack.reshape(b, -1, length)}
+    per_shard = lengths.reshape(shards, -1)  # shard s: examples [s B/S, (s+1) B/S)
+    need = max(len(first_fit(x, pack_length)) for x in per_shard)
+    rows = agree(-(-max(need, 1) // row_multiple) * row_multiple)
+    layouts = [pack_layout(x, length, pack_length, row_multiple, rows) for x in per_shard]
+    pack = np.stack([p for p, _ in layouts])
+    unpack = np.concatenate([u for _, u in layouts]).reshape(b, -1, length)
+    return {**batch, PACK_INDEX: pack, UNPACK_INDEX: unpack}

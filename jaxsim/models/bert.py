@@ -365,7 +365,7 @@ class BertModel(nn.Module):
           attention_mask: [batch, len], 1 for real tokens and 0 for padding.
           token_type_ids: [batch, len] segment ids; zeros when None.
           deterministic: disables dropout; pass `rngs={'dropout': key}` to `apply` otherwise.
-          packing: None, or (pack_index [R, P], unpack_index [batch, len]) from
+          packing: None, or (pack_index [S, R, P], unpack_index [batch, len]) from
             `jaxsim.data.packing`: the layers run on packed rows (no padding) and the hidden
             states come back in the padded layout.
         """
@@ -387,7 +387,8 @@ class BertModel(nn.Module):
         states = BertEncoder(self.config, self.dtype, self.remat, name="encoder")(
             x, attention_bias, deterministic)
         if packing is not None:
-            states = tuple(packed.unpack(h, unpack_index) for h in states)
+            shards = pack_index.shape[0]
+            states = tuple(packed.unpack(h, unpack_index, shards) for h in states)
         pooled = None
         if self.add_pooler:
             pooled = BertPooler(self.config, self.dtype, name="pooler")(states[-1])

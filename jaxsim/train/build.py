@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsim import distributed, sharding
 from jaxsim.data import readers, sources
 from jaxsim.data.packing import pack_batch
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
@@ -122,13 +123,12 @@ def check_views(source, objective: Objective) -> int:
     return views
 
 
-def batch_preparer(cfg: TrainConfig, objective: Objective,
-                   batch_shards: int) -> Callable[[dict], dict]:
-    """What turns a host batch into the step's input: its packed layout added
-    (`cfg.pack_length`), or the batch itself."""
+def batch_preparer(cfg: TrainConfig, objective: Objective, mesh) -> Callable[[dict], dict]:
+    """What turns this process's host batch into the step's input: its packed layout added
+    (`cfg.pack_length`: each of the batch shards this process feeds packed on its own, the row
+    count agreed among processes), or the batch itself."""
     if not cfg.pack_length:
         return lambda batch: batch
-    if batch_shards != 1:
-        raise ConfigError(f'pack_length needs one batch shard; this mesh splits the batch '
-                          f'{batch_shards} ways (set mesh_data=1, mesh_fsdp=1)')
-    return functools.partial(pack_batch, views=objective.views, pack_length=cfg.pack_length)
+    local_shards = len(sharding.process_batch_rows(mesh, sharding.batch_shards(mesh)))
+    return functools.partial(pack_batch, views=objective.views, pack_length=cfg.pack_length,
+                             shards=local_shards, agree=distributed.max_over_processes)

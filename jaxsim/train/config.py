@@ -99,9 +99,9 @@ class TrainConfig:
       (at least max_len; 2 x max_len packs short text well), attention kept within each
       sentence (`jaxsim.data.packing`): the same vectors and loss without computing padding
       (SNLI at max_len 32: 43% of the tokens), only the dropout masks are drawn over the
-      packed rows. A batch compiles the step once per row count (a multiple of 8). 0 = off.
-      Needs one batch shard (mesh_data x mesh_fsdp = 1), grad_accum_steps 1 and no
-      micro_batch_size.
+      packed rows. Each batch shard is packed on its own (no gather crosses devices); a
+      batch compiles the step once per row count (a multiple of 8). 0 = off. Not with
+      grad_accum_steps > 1 or micro_batch_size.
     remat: recompute activations in the backward pass, per transformer layer: 'none' (keep
       them all), 'full' (keep only each layer's input), 'dots' (keep the outputs of the
       matrix products without batch dimensions, recompute the rest).

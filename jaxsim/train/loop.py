@@ -108,7 +108,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     mesh = sharding_lib.config_mesh(cfg)
     sharding_lib.check_global_batch(cfg.batch_size, mesh, cfg.grad_accum_steps,
                                     cfg.micro_batch_size)
-    prepare = build.batch_preparer(cfg, objective, sharding_lib.batch_shards(mesh))
+    prepare = build.batch_preparer(cfg, objective, mesh)
     # Each process reads and tokenizes only the rows its devices hold, ahead of the step.
     it = pipeline.StreamIterator(
         source, base.tokenizer, cfg.max_len, cfg.batch_size, seed=cfg.seed,

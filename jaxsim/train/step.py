@@ -243,9 +243,8 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
 
 def batch_shardings(mesh: Mesh, packed: bool = False) -> dict[str, NamedSharding]:
     """Shardings of the [batch, views, len] training arrays (and, `packed`, of the packed
-    layout's [rows, pack_length] and [batch, views, len] indices)."""
+    layout's [shards, rows, pack_length] and [batch, views, len] indices)."""
     shardings = {k: sharding_lib.batch_sharding(mesh, 3) for k in FIELDS}
     if packed:
-        shardings.update({k: sharding_lib.batch_sharding(mesh, 2 if k == PACK_INDEX else 3)
-                          for k in PACKED_FIELDS})
+        shardings.update({k: sharding_lib.batch_sharding(mesh, 3) for k in PACKED_FIELDS})
     return shardings

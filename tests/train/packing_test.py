@@ -21,6 +21,7 @@ from jaxsim.train.config import ConfigError, TrainConfig, base_config
 from jaxsim.train.optim import make_optimizer
 from jaxsim.train.state import create_state
 from jaxsim.train.step import compiler_options, configure_jax, make_loss_fn, make_train_step
+from tests.conftest import run_on_cpu_devices
 
 configure_jax()
 O0 = compiler_options(True)
@@ -72,7 +73,8 @@ def test_packed_encoder_gives_the_padded_vectors(model_type, pooler):
     padded = np.asarray(apply({'params': params}, ids, mask, types))
     pack, unpack = pack_layout(mask.sum(-1), L, 2 * L, row_multiple=4)
     assert pack.size < ids.size  # the packed rows are fewer tokens than the padded ones
-    packed = np.asarray(apply({'params': params}, ids, mask, types, packing=(pack, unpack)))
+    packed = np.asarray(apply({'params': params}, ids, mask, types,
+                              packing=(pack[None], unpack)))
     np.testing.assert_allclose(packed, padded, atol=2e-6, rtol=1e-5)
 
 
@@ -114,7 +116,7 @@ def test_packed_train_step_learns_with_dropout():
     ids, mask, types = (x[:, None] for x in _sentences(8, seed=3))
     batch = pack_batch({'input_ids': ids, 'attention_mask': mask, 'token_type_ids': types},
                        2, 2 * L)
-    assert batch[PACK_INDEX].shape[0] < 16  # 16 padded rows (8 sentences x 2 views)
+    assert batch[PACK_INDEX].shape[1] < 16  # 16 padded rows (8 sentences x 2 views)
     losses = []
     for _ in range(20):
         state, metrics = step(state, batch)
@@ -128,16 +130,69 @@ def test_pack_length_is_checked():
         TrainConfig(train_file='x', max_len=32, pack_length=16)
     with pytest.raises(ConfigError, match='pack_length does not combine'):
         TrainConfig(train_file='x', max_len=32, pack_length=64, micro_batch_size=8, batch_size=64)
-    cfg = TrainConfig(train_file='x', max_len=32, pack_length=64)
-    with pytest.raises(ConfigError, match='one batch shard; this mesh splits the batch 8 ways'):
-        build.batch_preparer(cfg, get_objective('unsup'), 8)
     batch = {'input_ids': np.zeros((2, 1, 32), np.int32),
              'attention_mask': np.ones((2, 1, 32), np.int32),
              'token_type_ids': np.zeros((2, 1, 32), np.int32)}
-    out = build.batch_preparer(cfg, get_objective('unsup'), 1)(batch)
-    assert out[PACK_INDEX].shape == (8, 64) and out[UNPACK_INDEX].shape == (2, 2, 32)
-    assert build.batch_preparer(TrainConfig(train_file='x'), get_objective('unsup'), 8)(batch) is batch
-    assert jnp.asarray(out[UNPACK_INDEX]).max() < 8 * 64
+    mesh = sharding.make_mesh(data=1)
+    cfg = TrainConfig(train_file='x', max_len=32, pack_length=64)
+    out = build.batch_preparer(cfg, get_objective('unsup'), mesh)(batch)
+    assert out[PACK_INDEX].shape == (1, 8, 64) and out[UNPACK_INDEX].shape == (2, 2, 32)
+    assert build.batch_preparer(TrainConfig(train_file='x'), get_objective('unsup'),
+                                mesh)(batch) is batch
+
+
+def test_shards_are_packed_each_in_its_own_rows():
+    ids, mask, types = (x.reshape(8, 1, L) for x in _sentences(8, seed=4))
+    out = pack_batch({'input_ids': ids, 'attention_mask': mask, 'token_type_ids': types},
+                     2, 2 * L, shards=4, row_multiple=1, agree=lambda r: r + 1)
+    pack, unpack = out[PACK_INDEX], out[UNPACK_INDEX]
+    assert pack.shape[0] == 4 and unpack.shape == (8, 2, L)
+    lengths = np.repeat(mask.sum(-1), 2, axis=1).reshape(4, 4)  # 4 sentences per shard
+    assert pack.shape[1] == max(len(first_fit(x, 2 * L)) for x in lengths) + 1  # agreed
+    for s in range(4):  # indices local to the shard: its 4 sentences, its own rows
+        real = pack[s][pack[s] < 4 * L]
+        assert len(real) == lengths[s].sum()
+        assert unpack[2 * s: 2 * s + 2].max() < pack.shape[1] * 2 * L
+
+
+_SHARDED = """
+import functools, json, sys
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxsim import sharding
+from jaxsim.data.packing import pack_batch
+from jaxsim.objectives import get_objective
+from jaxsim.train.step import batch_shardings, configure_jax, make_loss_fn
+from tests.train.packing_test import _encoder, _sentences, L
+from jaxsim.models.encoder import init_params
+configure_jax()
+enc = _encoder()
+params = init_params(enc, jax.random.key(0))
+ids, mask, types = (x.reshape(16, 1, L) for x in _sentences(16, seed=5))
+batch = {'input_ids': ids, 'attention_mask': mask, 'token_type_ids': types}
+grad = jax.value_and_grad(make_loss_fn(enc, get_objective('unsup').loss, 2), has_aux=True)
+(loss, _), g = jax.jit(grad)(params, batch, jax.random.key(1))
+mesh = sharding.make_mesh(data=4, fsdp=2)
+out = {'loss': float(loss)}
+for name, b in (('padded', batch), ('packed', pack_batch(batch, 2, 2 * L, shards=8))):
+    shardings = batch_shardings(mesh, packed=name == 'packed')
+    step = jax.jit(grad, in_shardings=(NamedSharding(mesh, P()), shardings, None))
+    placed = {k: jax.device_put(v, shardings[k]) for k, v in b.items()}
+    hlo = step.lower(params, placed, jax.random.key(1)).compile().as_text()
+    (l, _), gs = step(params, placed, jax.random.key(1))
+    out[name] = {'loss': float(l), 'all_gathers': hlo.count(' all-gather('),
+                 'grad_diff': max(float(np.abs(np.asarray(a) - np.asarray(c)).max())
+                                  for a, c in zip(jax.tree.leaves(gs), jax.tree.leaves(g)))}
+print('RESULT' + json.dumps(out))
+"""
+
+
+def test_packed_on_8_shards_equals_one_device_and_gathers_nothing_more():
+    out = run_on_cpu_devices(_SHARDED)
+    assert out['packed']['loss'] == pytest.approx(out['loss'], rel=1e-5)
+    assert out['packed']['grad_diff'] < 1e-5 and out['padded']['grad_diff'] < 1e-5
+    # The packing gathers stay on each device: no collective beyond the padded step's.
+    assert out['packed']['all_gathers'] <= out['padded']['all_gathers']
 
 
 def test_a_run_with_pack_length_trains_and_resumes_the_same(tmp_path):
