@@ -21,9 +21,11 @@ from jaxsim.eval import frequency_cli
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
 # What the walkthrough's steps get on top of what the README says, to take seconds: a short
-# run, small batches and a short evaluation length.
+# run, small batches, short sentences and evaluation length, and XLA's cheapest compile of the
+# train step (compiling it at full effort took longer than the whole run).
 TINY_TRAIN = ['--config.max_steps=2', '--config.batch_size=4', '--config.eval_every=2',
-              '--config.eval_max_len=16', '--config.eval_batch_size=16']
+              '--config.eval_max_len=16', '--config.eval_batch_size=16', '--config.max_len=16',
+              '--config.fast_compile=True']
 
 
 def code_blocks(text: str):
