@@ -21,6 +21,13 @@ is the median [min, max] of the per-round ratios jaxsim steps/s / PyTorch steps/
 is against the PyTorch of the same compute dtype; the record's headline `ratio` is unsup:bfloat16
 vs PyTorch bf16 autocast (each side's fastest configuration) when that row runs.
 
+Packed (`--pack-length`, default 2 x max-len; 0 skips it): a second jaxsim contender in the
+same rounds trains on the same batch with its sentences packed end to end into rows of that
+many tokens (`TrainConfig.pack_length`: the same vectors and loss, attention kept within each
+sentence, no padding computed; only the dropout masks differ). Its figures are the row's
+`packed_*` fields and the record's `packed_ratio`; PyTorch (`transformers.BertModel`, eager
+attention) has no packed form and runs the padded batch.
+
 Fraction of peak: FLOPs per step are XLA's cost analysis of the compiled step; achieved GFLOP/s
 (FLOPs x steps/s) over the matrix-product peak of the row's dtype (`peak.py`, measured in this
 process on the same threads: JAX's peak for jaxsim, PyTorch's for PyTorch, same FLOP count).
@@ -128,10 +135,10 @@ def build_step(objective: str, dtype: str, arrays: dict, mesh=None, **config):
     return train_step, state, placed
 
 
-def jaxsim_config(args) -> dict:
+def jaxsim_config(args, packed: bool = False) -> dict:
     """TrainConfig fields for `--shape` (the bundled checkpoint, or a random-init architecture)
-    and `--pack-length`."""
-    config = {"pack_length": args.pack_length}
+    and, `packed`, `--pack-length`."""
+    config = {"pack_length": args.pack_length if packed else 0}
     if args.shape != "minilm":
         config.update(random_init=True, model_overrides=SHAPES[args.shape])
     return config
@@ -170,9 +177,10 @@ def contender_child(side: str, objective: str, dtype: str, folder: Path, args) -
     up, then runs `--steps` steps per request of the parent (`common.serve_contender`)."""
     arrays = dict(np.load(folder / f"{objective}.npz"))
     info = {}
-    if side == "jaxsim":
+    if side.startswith("jaxsim"):
         start = time.perf_counter()
-        step, info["flops"] = jaxsim_step(objective, dtype, arrays, **jaxsim_config(args))
+        step, info["flops"] = jaxsim_step(objective, dtype, arrays,
+                                          **jaxsim_config(args, side == "jaxsim_packed"))
         info["compile_s"] = time.perf_counter() - start
         step()  # first run: allocations
     else:
@@ -196,17 +204,19 @@ def start_contender(side: str, objective: str, dtype: str, folder: Path,
 
 def measure_row(objective: str, dtype: str, folder: Path, torch_sides: dict, peaks: dict,
                 args) -> dict:
-    """jaxsim's step and both PyTorch steps, each in its own process, in alternating rounds:
-    rates, ratios, peak shares."""
-    ours = start_contender("jaxsim", objective, dtype, folder, args)
-    flops, compile_s = ours.info["flops"], ours.info["compile_s"]
-    contenders = {"jaxsim": ours}
+    """jaxsim's step (padded rows, as PyTorch runs; and packed with `--pack-length`) and both
+    PyTorch steps, each in its own process, in alternating rounds: rates, ratios, peak shares."""
+    ours = {side: start_contender(side, objective, dtype, folder, args)
+            for side in ("jaxsim", "jaxsim_packed")[: 2 if args.pack_length else 1]}
+    flops, compile_s = ours["jaxsim"].info["flops"], ours["jaxsim"].info["compile_s"]
+    contenders = dict(ours)
     for ref in REFERENCES:
         contenders[f"pytorch_{ref}"] = torch_sides[(objective, ref)]
     try:
         rates = alternating(contenders, args.steps, args.repeats)
     finally:
-        ours.close()
+        for side in ours.values():
+            side.close()
     rows_per_step = args.batch * (2 if objective == "unsup" else 3)
     row = {"objective": objective, "dtype": dtype, "reference_dtype": dtype,
            "flops_per_step": flops, "compile_s": round(compile_s, 2), "repeats": args.repeats,
@@ -225,6 +235,14 @@ def measure_row(objective: str, dtype: str, folder: Path, torch_sides: dict, pea
     for ref in REFERENCES:  # PyTorch against its own peak, same FLOP count
         row[f"pytorch_{ref}_fraction_of_peak"] = fraction_of_peak(
             flops, row[f"pytorch_{ref}_steps_per_s"], peaks["torch"][ref])
+    if "jaxsim_packed" in ours:  # the same examples and loss, no padding computed
+        packed_flops = ours["jaxsim_packed"].info["flops"]
+        row["packed_flops_per_step"] = packed_flops
+        row["packed_fraction_of_peak"] = fraction_of_peak(
+            packed_flops, row["jaxsim_packed_steps_per_s"], row["peak_gflops"])
+        for ref in REFERENCES:
+            row[f"packed_vs_pytorch_{ref}"] = ratio_stats(rates["jaxsim_packed"]["rates"],
+                                                          rates[f"pytorch_{ref}"]["rates"])
     return row
 
 
@@ -251,6 +269,13 @@ def print_row(row: dict) -> None:
           f"{fp32['ratio']:.2f}x [{fp32['ratio_min']:.2f}-{fp32['ratio_max']:.2f}], vs bf16 "
           f"{bf16['ratio']:.2f}x [{bf16['ratio_min']:.2f}-{bf16['ratio_max']:.2f}]  compile "
           f"{row['compile_s']:.1f} s", flush=True)
+    if "packed_vs_pytorch_bfloat16" in row:
+        fp32, bf16 = row["packed_vs_pytorch_float32"], row["packed_vs_pytorch_bfloat16"]
+        print(f"      packed: jaxsim {row['jaxsim_packed_steps_per_s']:.3f} steps/s "
+              f"({row['packed_fraction_of_peak']:.0%} of peak)  ratio vs fp32 "
+              f"{fp32['ratio']:.2f}x [{fp32['ratio_min']:.2f}-{fp32['ratio_max']:.2f}], vs bf16 "
+              f"{bf16['ratio']:.2f}x [{bf16['ratio_min']:.2f}-{bf16['ratio_max']:.2f}]",
+              flush=True)
 
 
 def main():
@@ -262,9 +287,10 @@ def main():
                              "init at those shapes")
     parser.add_argument("--batch", type=int, default=64, help="examples per step")
     parser.add_argument("--max-len", type=int, default=32)
-    parser.add_argument("--pack-length", type=int, default=0,
-                        help="jaxsim packs each batch's sentences into rows of this many tokens "
-                             "(TrainConfig.pack_length; 0 = padded rows, as PyTorch runs)")
+    parser.add_argument("--pack-length", type=int, default=None,
+                        help="also time jaxsim with each batch's sentences packed into rows of "
+                             "this many tokens (TrainConfig.pack_length; default 2 x max-len; "
+                             "0: padded rows only, as PyTorch runs)")
     parser.add_argument("--threads", type=int, default=available_cpus(),
                         help="cores for both sides (the process is pinned to them)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -280,6 +306,8 @@ def main():
     # round after the first PyTorch one by ~25% on this heap (unsup bf16 0.99 -> 0.73 steps/s).
     runtime.restart_with_huge_page_heap()
     args = parser.parse_args()
+    if args.pack_length is None:
+        args.pack_length = 2 * args.max_len
     rows = parse_rows(args.rows)
     set_threads(args.threads)  # before JAX's backend and torch's pool start
     if args.rss_child:
@@ -330,6 +358,8 @@ def run(rows, args, folder: Path) -> None:
             side.close()
     headline = record["rows"].get("unsup:bfloat16") or next(iter(record["rows"].values()))
     record["ratio"] = headline["ratio"]
+    if "packed_vs_pytorch_bfloat16" in headline:  # against PyTorch of the row's dtype
+        record["packed_ratio"] = headline[f"packed_vs_pytorch_{headline['dtype']}"]["ratio"]
     record["ratio_row"] = f"{headline['objective']}:{headline['dtype']}"
     record["ratio_reference"] = f"pytorch_{headline['reference_dtype']}"
     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

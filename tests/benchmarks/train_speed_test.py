@@ -28,20 +28,20 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
         [sys.executable, str(ROOT / "benchmarks" / "train_speed.py"), "--shape", "tiny",
          "--rows", "unsup:bfloat16", "--batch", str(BATCH), "--max-len", str(LENGTH),
          "--repeats", "2", "--steps", "1", "--peak-size", "64", "--peak-repeats", "2",
-         "--threads", "1", "--no-rss", "--pack-length", str(2 * LENGTH), "--json", str(out)],
+         "--threads", "1", "--no-rss", "--json", str(out)],
         cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
         timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["shape"] == "tiny" and record["threads"] == 1
-    assert record["pack_length"] == 2 * LENGTH  # jaxsim's side ran on packed rows
+    assert record["pack_length"] == 2 * LENGTH  # the default: rows of twice max_len
     peaks = record["peak_gflops"]
     assert peaks["size"] == 64 and all(
         peaks[fw][dt] > 0 for fw in ("jax", "torch") for dt in ("float32", "bfloat16"))
     assert set(record["rows"]) == {"unsup:bfloat16"}
     row = record["rows"]["unsup:bfloat16"]
     rates = row["rates"]
-    assert set(rates) == {"jaxsim", "pytorch_float32", "pytorch_bfloat16"}
+    assert set(rates) == {"jaxsim", "jaxsim_packed", "pytorch_float32", "pytorch_bfloat16"}
     for side in rates:
         check_rate(row[f"{side}_steps_per_s"], rates[side])
         assert row[f"{side}_sentences_per_s"] == pytest.approx(
@@ -58,13 +58,19 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
     arch = SHAPES["tiny"]
     products = products_flops(arch, tokens=BATCH * 2 * LENGTH, length=LENGTH)
     # XLA also counts the elementwise work, the embedding gradient and AdamW over every weight.
-    # Packed: the 8 sentences (all cut to LENGTH tokens) take 4 rows of 2 x LENGTH, padded to
-    # 8 rows, twice the padded batch's tokens.
-    assert products <= row["flops_per_step"] <= 8 * products + 40 * parameter_count(arch)
+    assert products <= row["flops_per_step"] <= 4 * products + 40 * parameter_count(arch)
     assert row["peak_gflops"] == peaks["jax"]["bfloat16"]
     assert row["jaxsim_gflops"] == pytest.approx(
         row["flops_per_step"] * row["jaxsim_steps_per_s"] / 1e9)
     assert row["fraction_of_peak"] == pytest.approx(row["jaxsim_gflops"] / row["peak_gflops"])
+    # The packed contender: the same rounds, its ratios and peak share from its own rates.
+    for ref in ("float32", "bfloat16"):
+        check_ratio(row[f"packed_vs_pytorch_{ref}"], rates["jaxsim_packed"],
+                    rates[f"pytorch_{ref}"])
+    assert record["packed_ratio"] == row["packed_vs_pytorch_bfloat16"]["ratio"]
+    assert row["packed_fraction_of_peak"] == pytest.approx(
+        row["packed_flops_per_step"] * row["jaxsim_packed_steps_per_s"] / 1e9
+        / row["peak_gflops"])
     assert "load_average_1min" in record  # written through common.write_json
     assert "vs bf16" in proc.stdout and "of peak" in proc.stdout
 
