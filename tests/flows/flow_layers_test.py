@@ -2,6 +2,7 @@
 the latent layout, the prior, bad dims and configs, and a user-registered layer."""
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -12,7 +13,12 @@ import pytest
 import scipy.stats
 
 from jaxsim.flows import FLOW_LAYERS, FlowConfig, FlowError, FlowOutput, layer, make_flow
+from jaxsim import compile_options
 from jaxsim.flows import couplings, layers, prior
+
+# The tiny programs here run once: XLA:CPU's cheapest compile (-O0, classic emitters).
+_jit = functools.partial(jax.jit, compiler_options=compile_options.for_effort(
+    jax.local_devices(), 'none'))
 
 # Fixed after init by design (the LU permutation and diagonal signs).
 _FROZEN = ('perm', 'sign_s')
@@ -36,12 +42,12 @@ def _perturbed(variables, scale: float = 0.3, seed: int = 7):
 
 def _init(module, x, scale: float = 0.3):
     """Jitted init + perturbation (eager init would compile every primitive on its own)."""
-    return jax.jit(lambda x: _perturbed(module.init(jax.random.key(1), x, method='forward'),
+    return _jit(lambda x: _perturbed(module.init(jax.random.key(1), x, method='forward'),
                                         scale))(x)
 
 
 def _fwd(module, v, x):
-    return jax.jit(lambda v, x: module.apply(v, x, method='forward'))(v, x)
+    return _jit(lambda v, x: module.apply(v, x, method='forward'))(v, x)
 
 
 def _check_bijector(module, variables, x, inv_atol=1e-5, ld_atol=1e-4):
@@ -56,7 +62,7 @@ def _check_bijector(module, variables, x, inv_atol=1e-5, ld_atol=1e-4):
         return z, logdet, x_back, jax.vmap(row_logabsdet)(x)
 
     # One jitted program per check: op-by-op dispatch would compile every primitive separately.
-    z, logdet, x_back, jac_logdet = jax.jit(run)(variables, x)
+    z, logdet, x_back, jac_logdet = _jit(run)(variables, x)
     assert z.shape == x.shape and logdet.shape == x.shape[:1]
     np.testing.assert_allclose(np.asarray(x_back), np.asarray(x), atol=inv_atol, rtol=0)
     np.testing.assert_allclose(np.asarray(logdet), np.asarray(jac_logdet), atol=ld_atol, rtol=0)
@@ -214,8 +220,8 @@ def test_whole_flow_inverse_and_logdet(name, config, dim):
     module = make_flow(config, dim)
     x = _data(dim, n=4)
     v = _init(module, x, scale=0.1)
-    _, v = jax.jit(lambda v, x: module.apply(v, x, method='init_from_batch',
-                                             mutable=['params']))(v, x)
+    _, v = _jit(lambda v, x: module.apply(v, x, method='init_from_batch',
+                                         mutable=['params']))(v, x)
     _check_bijector(module, v, x)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from jaxsim.models.bert import BertConfig, ConfigError, remat_layer
 from jaxsim.models.encoder import SentenceEncoder, init_params, param_shapes
+from jaxsim.train.step import compiler_options
 
 TINY = BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=3, num_attention_heads=4,
                   intermediate_size=24, max_position_embeddings=20, hidden_dropout_prob=0.1,
@@ -22,7 +23,8 @@ def _loss_and_grads(remat: str, params, ids, mask):
                           rngs={"dropout": jax.random.key(7)})
         return jnp.sum(jnp.sin(z))
 
-    return jax.jit(jax.value_and_grad(loss))(params)
+    # XLA -O0 on CPU: compiling is nearly all the cost here; both sides get the same options.
+    return jax.jit(jax.value_and_grad(loss), compiler_options=compiler_options(True))(params)
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])
