@@ -291,9 +291,10 @@ TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
 
 
 def profile(objective: str, dtype: str, batch: int, max_len: int, steps: int,
-            tiny: bool = False) -> dict:
+            tiny: bool = False, pack_length: int = 0) -> dict:
     arrays = tokenized(objective, batch, max_len)
     config = {"random_init": True, "model_overrides": TINY} if tiny else {}
+    config["pack_length"] = pack_length
     train_step, state, placed = build_step(objective, dtype, arrays, **config)
     start = time.perf_counter()
     compiled = train_step.lower(state, placed).compile()
@@ -365,6 +366,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=64, help="examples per step")
     parser.add_argument("--max-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=6, help="timed steps, then traced steps")
+    parser.add_argument("--pack-length", type=int, default=0,
+                        help="pack each batch's sentences into rows of this many tokens "
+                             "(TrainConfig.pack_length; 0: padded rows)")
     parser.add_argument("--threads", type=int, default=available_cpus(),
                         help="cores for XLA (the process is pinned to them)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -382,9 +386,9 @@ def main(argv=None):
           f"{args.threads}, 1-min load average before the run "
           f"{'n/a' if load is None else f'{load:.2f}'}", flush=True)
     record = profile(args.objective, args.dtype, args.batch, args.max_len, args.steps,
-                     args.tiny)
+                     args.tiny, args.pack_length)
     record.update({"objective": args.objective, "dtype": args.dtype, "batch": args.batch,
-                   "max_len": args.max_len, "steps": args.steps, "threads": args.threads,
+                   "max_len": args.max_len, "pack_length": args.pack_length, "steps": args.steps, "threads": args.threads,
                    "model": "tiny" if args.tiny else "all-MiniLM-L6-v2",
                    "platform": jax.default_backend()})
     report(record)
