@@ -85,15 +85,21 @@ def _params(workdir):
         return [np.asarray(x) for x in jax.tree.leaves(ckpt.restore(STEPS).state['params'])]
 
 
-MESHES = {'data': {'mesh_dcn_data': 2}, 'tensor': {'mesh_data': 1, 'mesh_tensor': 8}}
+MESHES = {'data': {'mesh_dcn_data': 2}, 'tensor': {'mesh_data': 1, 'mesh_tensor': 8},
+          # Packed batches: each process packs its own shards, the processes agree on the rows.
+          'data_packed': {'mesh_dcn_data': 2, 'pack_length': 32}}
+# The one-process run each is compared with.
+SINGLE = {'single': {}, 'single_packed': {'pack_length': 32}}
+REFERENCE = {'data': 'single', 'tensor': 'single', 'data_packed': 'single_packed'}
 
 
 def test_two_processes_match_one_process(tmp_path):
     corpus = tmp_path / 'corpus.txt'
     corpus.write_text('\n'.join((SENTEVAL_ROOT / 'SNLI' / 's2.dev').read_text().splitlines()[:64]))
-    with reserved_port() as port_a, reserved_port() as port_b:
-        runs = {'single': [_launch([corpus, tmp_path / 'single', 'none', 1, 0, '{}'], 8)]}
-        for (name, mesh), port in zip(MESHES.items(), (port_a, port_b)):
+    with reserved_port() as port_a, reserved_port() as port_b, reserved_port() as port_c:
+        runs = {name: [_launch([corpus, tmp_path / name, 'none', 1, 0, json.dumps(fields)], 8)]
+                for name, fields in SINGLE.items()}
+        for (name, mesh), port in zip(MESHES.items(), (port_a, port_b, port_c)):
             runs[name] = [_launch([corpus, tmp_path / name, f'127.0.0.1:{port}', 2, pid,
                                    json.dumps(mesh)], 4) for pid in (0, 1)]
         outs = {name: [p.communicate(timeout=900) for p in procs]
@@ -103,12 +109,13 @@ def test_two_processes_match_one_process(tmp_path):
             assert p.returncode == 0, (name, err[-3000:])
             # The tensor-sharded programs (embedding gather included) compile as sharded.
             assert 'Involuntary full rematerialization' not in err, (name, err[-3000:])
-    single_rows, ps = _rows(tmp_path / 'single'), _params(tmp_path / 'single')
-    count = sum(p.size for p in ps)
-    grad_max = max(r['grad_norm'] for r in single_rows)
-    tol = STEPS * (LR * 2 * TOKENS * U * grad_max + 2 * U * max(np.abs(p).max() for p in ps))
-    assert single_rows[0]['loss'] != single_rows[-1]['loss']  # it trained
     for name in MESHES:
+        single_rows = _rows(tmp_path / REFERENCE[name])
+        ps = _params(tmp_path / REFERENCE[name])
+        count = sum(p.size for p in ps)
+        grad_max = max(r['grad_norm'] for r in single_rows)
+        tol = STEPS * (LR * 2 * TOKENS * U * grad_max + 2 * U * max(np.abs(p).max() for p in ps))
+        assert single_rows[0]['loss'] != single_rows[-1]['loss']  # it trained
         results = [json.loads(o.split('RESULT')[1].splitlines()[0]) for o, _ in outs[name]]
         assert [r['steps'] for r in results] == [STEPS] * 2, name
         assert results[0]['loss'] == results[1]['loss']  # every process sees the global loss
@@ -124,8 +131,10 @@ def test_two_processes_match_one_process(tmp_path):
         # Only process 0 writes the run record; it names both processes and the mesh.
         run = json.loads((tmp_path / name / 'config.json').read_text())['run']
         assert (run['processes'], run['devices']) == (2, 8)
-        assert run['mesh'] == ({'data': 8, 'fsdp': 1, 'tensor': 1} if name == 'data'
-                               else {'data': 1, 'fsdp': 1, 'tensor': 8})
+        assert run['mesh'] == ({'data': 1, 'fsdp': 1, 'tensor': 8} if name == 'tensor'
+                               else {'data': 8, 'fsdp': 1, 'tensor': 1})
+    # Packing changed the run (its dropout masks), so the comparison above is not vacuous.
+    assert _rows(tmp_path / 'single_packed') != _rows(tmp_path / 'single')
 
 
 @pytest.mark.parametrize('differs', ['corpus', 'config'])
