@@ -96,11 +96,14 @@ def random_batch(rng: np.random.Generator, batch: int, views: int, length: int,
             "token_type_ids": np.zeros_like(ids)}
 
 
-def jaxsim_step(objective: str, dtype: str, arrays: dict, arch: dict, fast_compile: bool):
-    """(run one step, FLOPs per step, FLOPs source, compile seconds)."""
+def jaxsim_step(objective: str, dtype: str, arrays: dict, arch: dict, fast_compile: bool,
+                pack_length: int = 0):
+    """(run one step, FLOPs per step, FLOPs source, compile seconds); `pack_length` > 0: the
+    batch's sentences packed into rows of that many tokens (TrainConfig.pack_length)."""
     train_step, state, placed = build_step(
         objective, dtype, arrays, mesh=sharding.make_mesh(devices=jax.devices()[:1]),
-        random_init=True, model_overrides=arch, fast_compile=fast_compile)
+        random_init=True, model_overrides=arch, fast_compile=fast_compile,
+        pack_length=pack_length)
     start = time.perf_counter()
     lowered = train_step.lower(state, placed)
     compiled = lowered.compile()
@@ -138,6 +141,10 @@ def measure_setting(name: str, arrays: dict, arch: dict, peak: float | None, pea
     run, flops, source, compile_s = jaxsim_step(objective, args.dtype, arrays, arch,
                                                 fast_compile=args.tiny)
     ones = {"jaxsim": run}
+    if args.pack_length:
+        ones["jaxsim_packed"], packed_flops, _, _ = jaxsim_step(
+            objective, args.dtype, arrays, arch, fast_compile=args.tiny,
+            pack_length=args.pack_length)
     if tdev is not None:
         for ref in REFERENCES:
             ones[f"pytorch_{ref}"] = _torch_run(objective, arrays, arch, args, tdev, ref)
@@ -152,6 +159,8 @@ def measure_setting(name: str, arrays: dict, arch: dict, peak: float | None, pea
            "flops_per_step": flops, "flops_source": source, "compile_s": round(compile_s, 2),
            "rates": {k: r["rates"] for k, r in rates.items()}}
     for key, r in rates.items():
+        if key == "jaxsim_packed":
+            continue  # below, against its own FLOP count
         dtype = args.dtype if key == "jaxsim" else key.split("_", 1)[1]
         row[f"{key}_steps_per_s"] = r["per_s"]
         row[f"{key}_tflops"] = flops * r["per_s"] / 1e12
@@ -170,6 +179,16 @@ def measure_setting(name: str, arrays: dict, arch: dict, peak: float | None, pea
                                                    rates[f"pytorch_{ref}"]["rates"])
         row.update({k: row[f"vs_pytorch_{args.dtype}"][k]
                     for k in ("ratio", "ratio_min", "ratio_max")})
+    if "jaxsim_packed" in rates:  # the same examples and loss, no padding computed
+        per_s = rates["jaxsim_packed"]["per_s"]
+        row.update(jaxsim_packed_steps_per_s=per_s, packed_flops_per_step=packed_flops,
+                   packed_tflops=packed_flops * per_s / 1e12,
+                   packed_fraction_of_peak=fraction_of_peak(packed_flops, per_s,
+                                                            row["peak_gflops"]))
+        row["packed_mfu"] = row["packed_tflops"] / peak if peak else None
+        for ref in REFERENCES if tdev is not None else ():
+            row[f"packed_vs_pytorch_{ref}"] = ratio_stats(rates["jaxsim_packed"]["rates"],
+                                                          rates[f"pytorch_{ref}"]["rates"])
     return row
 
 
@@ -189,6 +208,9 @@ def main():
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's peak for the dtype (overrides the table)")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--pack-length", type=int, default=None,
+                        help="also time jaxsim on the batch packed into rows of this many tokens "
+                             "(TrainConfig.pack_length; default 2 x the length; 0: padded only)")
     parser.add_argument("--tiny", action="store_true", help="tiny model and batches (CPU test)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -204,6 +226,8 @@ def main():
     peak = args.peak_tflops or peak_tflops(kind, args.dtype, args.fp32_matmul)
     arch = TINY if args.tiny else BERT_BASE
     length = TINY_LENGTH if args.tiny else LENGTH
+    if args.pack_length is None:
+        args.pack_length = 2 * length
     tdev = None if args.no_torch else torch_device()
     if tdev == "cpu":
         import torch
@@ -235,6 +259,11 @@ def main():
             line += (f"\n      PyTorch ({tdev}, {ref}{' autocast' if ref == 'bfloat16' else ''}) "
                      f"{row[f'pytorch_{ref}_steps_per_s']:8.3f} steps/s  ratio "
                      f"{stats['ratio']:.2f}x [{stats['ratio_min']:.2f}-{stats['ratio_max']:.2f}]")
+        if "jaxsim_packed_steps_per_s" in row:
+            line += (f"\n      packed: jaxsim {row['jaxsim_packed_steps_per_s']:8.3f} steps/s "
+                     f"{row['packed_tflops']:8.3f} TFLOP/s" + "".join(
+                         f", vs PyTorch {ref} {row[f'packed_vs_pytorch_{ref}']['ratio']:.2f}x"
+                         for ref in REFERENCES if f"packed_vs_pytorch_{ref}" in row))
         print(line, flush=True)
     first = record["settings"][settings[0]]
     record["ratio"] = first.get("ratio")  # None where no PyTorch ran on this device

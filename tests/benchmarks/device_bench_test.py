@@ -42,17 +42,26 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
         # XLA counts every op (elementwise, softmax, the optimizer) on top of the products.
         assert products <= row["flops_per_step"] <= 4 * products, (name, row, products)
         rates = row["rates"]
-        assert set(rates) == {"jaxsim", "pytorch_float32", "pytorch_bfloat16"}
+        assert set(rates) == {"jaxsim", "jaxsim_packed", "pytorch_float32", "pytorch_bfloat16"}
         for side, values in rates.items():
             check_rate(row[f"{side}_steps_per_s"], values)
+        for side in ("jaxsim", "pytorch_float32", "pytorch_bfloat16"):
             assert row[f"{side}_tflops"] == pytest.approx(
                 row["flops_per_step"] * row[f"{side}_steps_per_s"] / 1e12)
+        # The packed contender (rows of 2 x length): its own FLOP count, ratios from its rounds.
+        assert row["packed_tflops"] == pytest.approx(
+            row["packed_flops_per_step"] * row["jaxsim_packed_steps_per_s"] / 1e12)
+        assert row["packed_mfu"] == pytest.approx(row["packed_tflops"] / 0.5)
+        assert row["packed_fraction_of_peak"] == pytest.approx(
+            row["packed_tflops"] * 1e3 / peaks["jax"]["float32"])
         assert row["jaxsim_mfu"] == pytest.approx(row["jaxsim_tflops"] / 0.5)
         assert row["peak_gflops"] == peaks["jax"]["float32"]
         assert row["fraction_of_peak"] == pytest.approx(
             row["jaxsim_tflops"] * 1e3 / peaks["jax"]["float32"])
         for ref in ("float32", "bfloat16"):
             check_ratio(row[f"vs_pytorch_{ref}"], rates["jaxsim"], rates[f"pytorch_{ref}"])
+            check_ratio(row[f"packed_vs_pytorch_{ref}"], rates["jaxsim_packed"],
+                        rates[f"pytorch_{ref}"])
             assert row[f"pytorch_{ref}_fraction_of_peak"] == pytest.approx(
                 row[f"pytorch_{ref}_tflops"] * 1e3 / peaks["torch"][ref])
         assert row["ratio"] == row["vs_pytorch_float32"]["ratio"]  # jaxsim's dtype: float32
