@@ -22,7 +22,7 @@ compiles its step for a handful of shapes only.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
@@ -54,13 +54,15 @@ def first_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
 
 
 def pack_layout(lengths: np.ndarray, max_len: int, pack_length: int, row_multiple: int = 8,
-                rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                rows: int = 0, bins: Optional[list[list[int]]] = None
+                ) -> tuple[np.ndarray, np.ndarray]:
     """(pack_index [R, P], unpack_index [N, L]) for N sentences of `lengths` real tokens, each
     padded to `max_len` (one shard; see the module docstring). R: the rows needed rounded up to
-    `row_multiple`, or `rows` when larger."""
+    `row_multiple`, or `rows` when larger. `bins`: `first_fit(lengths, pack_length)`, when
+    already computed."""
     lengths = np.asarray(lengths, np.int64).reshape(-1)
     n = len(lengths)
-    bins = first_fit(lengths, pack_length)
+    bins = first_fit(lengths, pack_length) if bins is None else bins
     rows = max(rows, -(-max(len(bins), 1) // row_multiple) * row_multiple)
     pack = np.full((rows, pack_length), n * max_len, np.int32)
     unpack = np.zeros((n, max_len), np.int32)
@@ -90,9 +92,11 @@ def pack_batch(batch: Mapping[str, np.ndarray], views: int, pack_length: int, sh
     if d == 1 and views > 1:
         lengths = np.repeat(lengths, views, axis=1)
     per_shard = lengths.reshape(shards, -1)  # shard s: examples [s B/S, (s+1) B/S)
-    need = max(len(first_fit(x, pack_length)) for x in per_shard)
-    rows = agree(-(-max(need, 1) // row_multiple) * row_multiple)
-    layouts = [pack_layout(x, length, pack_length, row_multiple, rows) for x in per_shard]
+    bins = [first_fit(x, pack_length) for x in per_shard]
+    need = max(max(len(b) for b in bins), 1)
+    rows = agree(-(-need // row_multiple) * row_multiple)
+    layouts = [pack_layout(x, length, pack_length, row_multiple, rows, b)
+               for x, b in zip(per_shard, bins)]
     pack = np.stack([p for p, _ in layouts])
     unpack = np.concatenate([u for _, u in layouts]).reshape(b, -1, length)
     return {**batch, PACK_INDEX: pack, UNPACK_INDEX: unpack}
