@@ -56,6 +56,7 @@ SEEDS = 20
 # The reference.
 # ---------------------------------------------------------------------------------------------
 
+@functools.cache
 def _reference_classes():
     """simcse.models' BertForCL / RobertaForCL, usable under transformers 5.
 
@@ -67,15 +68,23 @@ def _reference_classes():
         transformers 4, calls `init_weights()` from its constructor, which now needs
         post_init's bookkeeping first. A subclass routes that call through `post_init()`.
     """
+    stand_in = None
     if 'simcse.models' not in sys.modules:
         spec = importlib.util.find_spec('simcse')
         if spec is None:
             raise ImportError('the reference package is missing: '
                               '.venv/bin/pip install --no-deps simcse==0.4')
-        package = types.ModuleType('simcse')
-        package.__path__ = list(spec.submodule_search_locations)
-        sys.modules.setdefault('simcse', package)
-    import simcse.models as ref
+        if 'simcse' not in sys.modules:
+            stand_in = types.ModuleType('simcse')
+            stand_in.__path__ = list(spec.submodule_search_locations)
+            sys.modules['simcse'] = stand_in
+    try:
+        import simcse.models as ref
+    finally:
+        # Only simcse.models stays loaded: a later `import simcse` in the same process (the
+        # tool's tests) gets the real package, not the bare stand-in.
+        if stand_in is not None and sys.modules.get('simcse') is stand_in:
+            del sys.modules['simcse']
 
     def compatible(cls):
         def init_weights(self):
