@@ -388,7 +388,8 @@ def main(argv=None):
     record = profile(args.objective, args.dtype, args.batch, args.max_len, args.steps,
                      args.tiny, args.pack_length)
     record.update({"objective": args.objective, "dtype": args.dtype, "batch": args.batch,
-                   "max_len": args.max_len, "pack_length": args.pack_length, "steps": args.steps, "threads": args.threads,
+                   "max_len": args.max_len, "pack_length": args.pack_length, "steps": args.steps,
+                   "threads": args.threads,
                    "model": "tiny" if args.tiny else "all-MiniLM-L6-v2",
                    "platform": jax.default_backend()})
     report(record)

@@ -31,6 +31,11 @@ UNPACK_INDEX = 'unpack_index'
 PACKED_FIELDS = (PACK_INDEX, UNPACK_INDEX)
 
 
+def _rows_for(bins: int, row_multiple: int) -> int:
+    """Rows for `bins` filled bins: rounded up to a multiple of `row_multiple`, at least one."""
+    return -(-max(bins, 1) // row_multiple) * row_multiple
+
+
 def first_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Bins (lists of item indices) of total length <= capacity: first fit, longest first."""
     lengths = np.asarray(lengths, np.int64).reshape(-1)
@@ -63,7 +68,7 @@ def pack_layout(lengths: np.ndarray, max_len: int, pack_length: int, row_multipl
     lengths = np.asarray(lengths, np.int64).reshape(-1)
     n = len(lengths)
     bins = first_fit(lengths, pack_length) if bins is None else bins
-    rows = max(rows, -(-max(len(bins), 1) // row_multiple) * row_multiple)
+    rows = max(rows, _rows_for(len(bins), row_multiple))
     pack = np.full((rows, pack_length), n * max_len, np.int32)
     unpack = np.zeros((n, max_len), np.int32)
     for r, members in enumerate(bins):
@@ -87,16 +92,15 @@ def pack_batch(batch: Mapping[str, np.ndarray], views: int, pack_length: int, sh
     `agree(rows) -> rows`: settles R among the processes that feed one global batch (each
     packs its own shards; `jaxsim.distributed.max_over_processes`)."""
     mask = np.asarray(batch['attention_mask'])
-    b, d, length = mask.shape
+    examples, d, length = mask.shape
     lengths = mask.sum(-1)  # [B, D]
     if d == 1 and views > 1:
         lengths = np.repeat(lengths, views, axis=1)
     per_shard = lengths.reshape(shards, -1)  # shard s: examples [s B/S, (s+1) B/S)
     bins = [first_fit(x, pack_length) for x in per_shard]
-    need = max(max(len(b) for b in bins), 1)
-    rows = agree(-(-need // row_multiple) * row_multiple)
-    layouts = [pack_layout(x, length, pack_length, row_multiple, rows, b)
-               for x, b in zip(per_shard, bins)]
+    rows = agree(_rows_for(max(len(shard_bins) for shard_bins in bins), row_multiple))
+    layouts = [pack_layout(x, length, pack_length, row_multiple, rows, shard_bins)
+               for x, shard_bins in zip(per_shard, bins)]
     pack = np.stack([p for p, _ in layouts])
-    unpack = np.concatenate([u for _, u in layouts]).reshape(b, -1, length)
+    unpack = np.concatenate([u for _, u in layouts]).reshape(examples, -1, length)
     return {**batch, PACK_INDEX: pack, UNPACK_INDEX: unpack}

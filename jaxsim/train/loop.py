@@ -108,7 +108,6 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     mesh = sharding_lib.config_mesh(cfg)
     sharding_lib.check_global_batch(cfg.batch_size, mesh, cfg.grad_accum_steps,
                                     cfg.micro_batch_size)
-    prepare = build.batch_preparer(cfg, objective, mesh)
     # Each process reads and tokenizes only the rows its devices hold, ahead of the step.
     it = pipeline.StreamIterator(
         source, base.tokenizer, cfg.max_len, cfg.batch_size, seed=cfg.seed,
@@ -186,7 +185,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
         log = records.MetricsLog(workdir, keep_upto=latest, enabled=main,
                                  tensorboard=cfg.tensorboard)
         loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
-                     progress and main, prepare)
+                     progress and main, build.batch_preparer(cfg, objective, mesh))
         try:
             loop.run()
             test_at_best = loop.final_test()
