@@ -210,7 +210,7 @@ def main():
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--pack-length", type=int, default=None,
                         help="also time jaxsim on the batch packed into rows of this many tokens "
-                             "(TrainConfig.pack_length; default 2 x the length; 0: padded only)")
+                             "(TrainConfig.pack_length; default the length; 0: padded only)")
     parser.add_argument("--tiny", action="store_true", help="tiny model and batches (CPU test)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -227,7 +227,7 @@ def main():
     arch = TINY if args.tiny else BERT_BASE
     length = TINY_LENGTH if args.tiny else LENGTH
     if args.pack_length is None:
-        args.pack_length = 2 * length
+        args.pack_length = length
     tdev = None if args.no_torch else torch_device()
     if tdev == "cpu":
         import torch

@@ -21,7 +21,7 @@ is the median [min, max] of the per-round ratios jaxsim steps/s / PyTorch steps/
 is against the PyTorch of the same compute dtype; the record's headline `ratio` is unsup:bfloat16
 vs PyTorch bf16 autocast (each side's fastest configuration) when that row runs.
 
-Packed (`--pack-length`, default 2 x max-len; 0 skips it): a second jaxsim contender in the
+Packed (`--pack-length`, default max-len; 0 skips it): a second jaxsim contender in the
 same rounds trains on the same batch with its sentences packed end to end into rows of that
 many tokens (`TrainConfig.pack_length`: the same vectors and loss, attention kept within each
 sentence, no padding computed; only the dropout masks differ). Its figures are the row's
@@ -289,8 +289,8 @@ def main():
     parser.add_argument("--max-len", type=int, default=32)
     parser.add_argument("--pack-length", type=int, default=None,
                         help="also time jaxsim with each batch's sentences packed into rows of "
-                             "this many tokens (TrainConfig.pack_length; default 2 x max-len; "
-                             "0: padded rows only, as PyTorch runs)")
+                             "this many tokens (TrainConfig.pack_length; default max-len: the "
+                             "least attention work; 0: padded rows only, as PyTorch runs)")
     parser.add_argument("--threads", type=int, default=available_cpus(),
                         help="cores for both sides (the process is pinned to them)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -307,7 +307,7 @@ def main():
     runtime.restart_with_huge_page_heap()
     args = parser.parse_args()
     if args.pack_length is None:
-        args.pack_length = 2 * args.max_len
+        args.pack_length = args.max_len
     rows = parse_rows(args.rows)
     set_threads(args.threads)  # before JAX's backend and torch's pool start
     if args.rss_child:

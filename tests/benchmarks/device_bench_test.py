@@ -48,7 +48,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
         for side in ("jaxsim", "pytorch_float32", "pytorch_bfloat16"):
             assert row[f"{side}_tflops"] == pytest.approx(
                 row["flops_per_step"] * row[f"{side}_steps_per_s"] / 1e12)
-        # The packed contender (rows of 2 x length): its own FLOP count, ratios from its rounds.
+        # The packed contender (rows of the length): its own FLOPs, ratios from its rounds.
         assert row["packed_tflops"] == pytest.approx(
             row["packed_flops_per_step"] * row["jaxsim_packed_steps_per_s"] / 1e12)
         assert row["packed_mfu"] == pytest.approx(row["packed_tflops"] / 0.5)

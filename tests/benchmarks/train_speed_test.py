@@ -34,7 +34,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["shape"] == "tiny" and record["threads"] == 1
-    assert record["pack_length"] == 2 * LENGTH  # the default: rows of twice max_len
+    assert record["pack_length"] == LENGTH  # the default: rows of max_len
     peaks = record["peak_gflops"]
     assert peaks["size"] == 64 and all(
         peaks[fw][dt] > 0 for fw in ("jax", "torch") for dt in ("float32", "bfloat16"))
