@@ -24,7 +24,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.linalg
 
 from jaxsim.registry import Registry
 
@@ -265,6 +264,7 @@ def _lu_init(key: jax.Array, features: int) -> dict[str, jax.Array]:
 
     def host(key_data):
         w = _host_rotation(key_data, features)
+        import scipy.linalg  # on first use: ~0.15 s of every command's start-up otherwise
         with single_threaded_blas():
             p, l, u = scipy.linalg.lu(w)
         s = np.diag(u)
