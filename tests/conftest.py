@@ -176,15 +176,15 @@ def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int =
 # `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile
 # --no-loadscope-reorder`): a test file is one unit of work, so its module fixtures are built
 # once. The files that take longest go first, so that none starts when the other worker is
-# nearly done (the order: per-file sums of a full run's `--durations`).
-RUN_FIRST = ("tests/cli_process_test.py", "tests/encode_test.py", "tests/docs_test.py",
-             "tests/benchmarks/input_scale_test.py", "tests/train/resume_test.py",
-             "tests/train/packing_test.py", "tests/benchmarks/train_speed_test.py",
-             "tests/io/export_test.py", "tests/cli_outputs_test.py",
-             "tests/train/multiprocess_test.py", "tests/benchmarks/encode_speed_test.py",
-             "tests/flows/flow_layers_test.py", "tests/multiprocess_commands_test.py",
-             "tests/io/remote_test.py", "tests/serve/shutdown_test.py",
-             "tests/flows/flow_mesh_test.py")
+# nearly done (the order: per-file sums of `--durations`, each file run on its own).
+RUN_FIRST = ("tests/train/multiprocess_test.py", "tests/cli_process_test.py",
+             "tests/encode_test.py", "tests/benchmarks/train_speed_test.py",
+             "tests/cli_outputs_test.py", "tests/train/resume_test.py",
+             "tests/benchmarks/input_scale_test.py", "tests/io/export_test.py",
+             "tests/docs_test.py", "tests/train/packing_test.py",
+             "tests/benchmarks/encode_speed_test.py", "tests/multiprocess_commands_test.py",
+             "tests/flows/flow_layers_test.py", "tests/io/remote_test.py",
+             "tests/serve/shutdown_test.py", "tests/flows/flow_mesh_test.py")
 
 
 def _start_rank(nodeid: str) -> int:
