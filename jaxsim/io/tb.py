@@ -71,7 +71,7 @@ class ScalarWriter:
         self._writer = None
         if jax.process_index() == 0 and not store.is_remote(folder):
             self._writer = summary_writer_class()(str(folder), purge_step=int(purge_step),
-                                         filename_suffix=f'.{time.time_ns()}')
+                                                  filename_suffix=f'.{time.time_ns()}')
 
     @property
     def active(self) -> bool:

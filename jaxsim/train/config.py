@@ -96,13 +96,13 @@ class TrainConfig:
       axes across slices (over the data-center network); each mesh axis is the product of
       the two. Their product must equal the number of slices (processes on CPU/GPU).
     pack_length: > 0 packs each batch's sentences end to end into rows of this many tokens
-      (at least max_len; max_len is the least attention work, as each row's tokens attend over
-      the row: at max_len 32 rows of 32 trained faster than rows of 64), attention kept within each
-      sentence (`jaxsim.data.packing`): the same vectors and loss without computing padding
-      (SNLI at max_len 32: 43% of the tokens), only the dropout masks are drawn over the
-      packed rows. Each batch shard is packed on its own (no gather crosses devices); a
-      batch compiles the step once per row count (a multiple of 8). 0 = off. Not with
-      grad_accum_steps > 1 or micro_batch_size.
+      (at least max_len; max_len is the least attention work, as each row's scores cover the
+      whole row before the mask keeps them to each sentence: at max_len 32, rows of 32 trained
+      faster than rows of 64), attention kept within each sentence (`jaxsim.data.packing`):
+      the same vectors and loss without computing padding (SNLI at max_len 32: 43% of the
+      tokens), only the dropout masks are drawn over the packed rows. Each batch shard is
+      packed on its own (no gather crosses devices); a batch compiles the step once per row
+      count (a multiple of 8). 0 = off. Not with grad_accum_steps > 1 or micro_batch_size.
     remat: recompute activations in the backward pass, per transformer layer: 'none' (keep
       them all), 'full' (keep only each layer's input), 'dots' (keep the outputs of the
       matrix products without batch dimensions, recompute the rest).
