@@ -98,19 +98,23 @@ def pass_flops(model, sentences: list[str], batch_size: int, dtype: str) -> floa
     from jaxsim.encode import _batches, default_mesh, make_encode_fn, token_budget
 
     mesh = default_mesh()
-    # The batches jaxsim.encode itself makes, so the count matches the timed work.
+    # The batches jaxsim.encode itself makes (padded or packed), so the count matches the
+    # timed work.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
         shapes = collections.Counter(
-            batch.input_ids.shape for _, batch in _batches(
-                model, sentences, batch_size, model.max_length(), executor,
-                sharding.batch_shards(mesh), token_budget(mesh)))
+            (batch.tokens.input_ids.shape,
+             None if batch.packing is None else tuple(x.shape for x in batch.packing))
+            for _, batch in _batches(model, sentences, batch_size, model.max_length(),
+                                     executor, sharding.batch_shards(mesh), token_budget(mesh)))
     params = jax.tree.map(lambda p: jnp.asarray(p, dtype), model.params)
     fn = make_encode_fn(model.encoder.clone(dtype=jnp.dtype(dtype)), True, False, mesh)
     total = 0.0
-    for (rows, length), count in shapes.items():
-        ids = jax.ShapeDtypeStruct((rows, length), jnp.int32)
-        batch = TokenBatch(input_ids=ids, attention_mask=ids, token_type_ids=ids)
-        total += count * xla_flops(fn.lower(params, batch, jax.random.key(0)).compile())
+    for (tokens, packing), count in shapes.items():
+        batch = TokenBatch(*(jax.ShapeDtypeStruct(tokens, jnp.int32),) * 3)
+        packing = None if packing is None else tuple(
+            jax.ShapeDtypeStruct(shape, jnp.int32) for shape in packing)
+        total += count * xla_flops(
+            fn.lower(params, batch, jax.random.key(0), packing).compile())
     return total
 
 

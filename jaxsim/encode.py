@@ -2,10 +2,13 @@
 
 `jaxsim.encode`, evaluation, the dev evaluation inside training, search and flow fitting all
 call `encode`. Why it is fast on XLA:
-  - sentences are sorted by token length, so a batch pads to little more than its own longest;
+  - short sentences of mixed lengths are packed end to end in rows, attention kept within each
+    sentence, so almost no padding is computed; otherwise sentences are sorted by token
+    length, so a batch pads to little more than its own longest (`jaxsim.data.encode_layout`
+    plans either, per chunk, whichever computes fewer tokens);
   - lengths are padded up to a few buckets (`bucket_length`) and every batch of a bucket has
-    the same row count, so XLA compiles only a handful of shapes, once each (the jitted
-    function is cached);
+    the same row count (a packed chunk: one shape), so XLA compiles only a handful of shapes,
+    once each (the jitted function is cached);
   - on CPU a batch holds at most `CPU_TOKENS_PER_BATCH` padded tokens (fewer rows for long
     texts), so the layer's intermediates stay in cache;
   - tokenization of the next chunk runs in a background thread while the devices compute, and
@@ -23,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxsim import sharding as sharding_lib
-from jaxsim.data.tokenize import TokenBatch, bucket_length, check_sentences, pad_batch, token_ids
+from jaxsim.data import encode_layout
+from jaxsim.data.tokenize import TokenBatch, check_sentences, token_ids
 from jaxsim.errors import JaxsimError
 from jaxsim.model import SentenceModel
 from jaxsim.models.encoder import SentenceEncoder
@@ -62,13 +66,14 @@ def check_finite(vectors: np.ndarray, sentences: Sequence[str], model: str) -> N
 @functools.lru_cache(maxsize=None)
 def make_encode_fn(encoder: SentenceEncoder, normalize: bool, train: bool,
                    mesh: Mesh) -> Callable:
-    """A jitted `(params, TokenBatch, key) -> [batch, hidden]`, replicated output, cached."""
+    """A jitted `(params, TokenBatch, key, packing=None) -> [batch, hidden]` (packing: the
+    batch's packed layout, see `jaxsim.data.encode_layout`), replicated output, cached."""
     replicated = NamedSharding(mesh, P())
 
-    def encode_batch(params, batch: TokenBatch, key):
+    def encode_batch(params, batch: TokenBatch, key, packing=None):
         rngs = {"dropout": key} if train else {}
         vectors = encoder.apply({"params": params}, batch.input_ids, batch.attention_mask,
-                                batch.token_type_ids, train=train, rngs=rngs)
+                                batch.token_type_ids, train=train, rngs=rngs, packing=packing)
         if normalize:
             vectors = vectors / jnp.maximum(jnp.linalg.norm(vectors, axis=-1, keepdims=True),
                                             1e-12)
@@ -100,10 +105,13 @@ def _place_params(params: Any, mesh: Mesh) -> Any:
     return jax.tree.map(put, params, specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def _to_mesh(batch: TokenBatch, mesh: Mesh) -> TokenBatch:
-    sharding = sharding_lib.batch_sharding(mesh, 2)
-    put = lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])  # noqa
-    return jax.tree.map(put, batch)
+def _to_mesh(tree: Any, mesh: Mesh) -> Any:
+    """Host arrays [batch, ...] split over the mesh's batch axes."""
+    def put(x):
+        sharding = sharding_lib.batch_sharding(mesh, x.ndim)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    return jax.tree.map(put, tree)
 
 
 def token_budget(mesh: Mesh) -> Optional[int]:
@@ -114,53 +122,46 @@ def token_budget(mesh: Mesh) -> Optional[int]:
     return CPU_TOKENS_PER_BATCH * sharding_lib.batch_shards(mesh)
 
 
-def rows_per_batch(length: int, batch_size: int, shards: int, budget: Optional[int]) -> int:
-    """Rows of a batch padded to `length`: `batch_size` (a multiple of `shards`), cut to the
-    token budget when there is one, never below `shards` rows."""
-    if budget is None:
-        return batch_size
-    return min(batch_size, max(shards, budget // length // shards * shards))
+def _chunk_batches(model: SentenceModel, sentences: list[str], batch_size: int,
+                   max_length: int, shards: int, budget: Optional[int],
+                   pack: bool) -> list[encode_layout.Batch]:
+    """Tokenizes a chunk and lays it out in batches (run in the background thread)."""
+    ids = token_ids(model.tokenizer, sentences, max_length=max_length)
+    return encode_layout.plan_batches(ids, model.config.pad_token_id, batch_size, max_length,
+                                      shards, budget, pack)
 
 
 def _batches(model: SentenceModel, sentences: list[str], batch_size: int, max_length: int,
              executor: concurrent.futures.Executor, shards: int = 1,
-             budget: Optional[int] = None) -> Iterator[tuple[np.ndarray, TokenBatch]]:
-    """Yields (original indices, padded batch) in length-sorted order, chunk by chunk.
-
-    A batch padded to bucket length L has `rows_per_batch(L, ...)` rows, so each bucket is one
-    shape."""
-    pad_id = model.config.pad_token_id
-    tokenize = functools.partial(token_ids, model.tokenizer, max_length=max_length)
+             budget: Optional[int] = None,
+             pack: bool = True) -> Iterator[tuple[np.ndarray, encode_layout.Batch]]:
+    """Yields (the sentence index of each padded row, -1 for padding; the batch), chunk by
+    chunk, each chunk's batches planned while the devices encode the previous ones."""
+    plan = functools.partial(_chunk_batches, model, batch_size=batch_size,
+                             max_length=max_length, shards=shards, budget=budget, pack=pack)
     starts = range(0, len(sentences), _CHUNK)
-    futures = [executor.submit(tokenize, sentences[s: s + _CHUNK]) for s in starts[:2]]
+    futures = [executor.submit(plan, sentences[s: s + _CHUNK]) for s in starts[:2]]
     for n, start in enumerate(starts):
-        ids = futures[n].result()
+        batches = futures[n].result()
         if n + 2 < len(starts):  # keep two chunks in flight ahead of the devices
             nxt = starts[n + 2]
-            futures.append(executor.submit(tokenize, sentences[nxt: nxt + _CHUNK]))
-        lengths = np.array([len(s) for s in ids])
-        order = np.argsort(lengths, kind="stable")
-        b = 0
-        while b < len(order):
-            # Sorted ascending, so fewer rows never need a longer bucket: shrink until the
-            # rows fit their own bucket's row count.
-            n = batch_size
-            while True:
-                length = bucket_length(int(lengths[order[b: b + n]].max()), max_length)
-                rows = rows_per_batch(length, batch_size, shards, budget)
-                if rows >= n:
-                    break
-                n = rows
-            picked = order[b: b + n]
-            b += n
-            yield start + picked, pad_batch([ids[i] for i in picked], pad_id, length, rows=rows)
+            futures.append(executor.submit(plan, sentences[nxt: nxt + _CHUNK]))
+        for batch in batches:
+            yield np.where(batch.indices >= 0, start + batch.indices, -1), batch
+
+
+def _store(out: np.ndarray, indices: np.ndarray, result: jax.Array, bar) -> None:
+    """Copies a batch's vectors (padding rows dropped) into their sentences' rows of `out`."""
+    real = indices >= 0
+    out[indices[real]] = np.asarray(result)[real]
+    bar.update(int(real.sum()))
 
 
 def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[str] = None,
            batch_size: int = 64, max_length: Optional[int] = None, normalize: bool = False,
            progress: Optional[bool] = None, params: Any = None, dtype=jnp.float32,
            mesh: Optional[Mesh] = None, dropout_key: Optional[jax.Array] = None,
-           finite: bool = True) -> np.ndarray:
+           finite: bool = True, pack: bool = True) -> np.ndarray:
     """Encodes sentences into vectors, in input order.
 
     Args:
@@ -180,6 +181,9 @@ def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[s
         per-batch keys folded from this one; None encodes deterministically.
       finite: raise NonFiniteVectorsError, naming the first sentence, when a vector holds NaN
         or inf (False returns them as they are).
+      pack: allow packed rows (several sentences a row; the same vectors up to float
+        rounding) where they compute fewer tokens; never with `dropout_key` (the masks would
+        be drawn over another layout).
 
     Returns:
       float32 array [len(sentences), hidden].
@@ -211,20 +215,30 @@ def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[s
     show = len(items) >= _PROGRESS_THRESHOLD if progress is None else progress
     bar = progress_bar(len(items), "encode", unit="sent", enable=show)
     pending = None  # (indices, device result) of the previous batch: fetched after the next
+    packed = np.zeros(len(items), bool)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
         batches = _batches(model, items, batch_size, max_length, executor, shards,
-                           token_budget(mesh))
+                           token_budget(mesh), pack and not train)
         for n, (indices, batch) in enumerate(batches):
-            result = encode_batch(params, _to_mesh(batch, mesh), jax.random.fold_in(key, n))
+            packing = None if batch.packing is None else _to_mesh(batch.packing, mesh)
+            packed[indices[indices >= 0]] = packing is not None
+            result = encode_batch(params, _to_mesh(batch.tokens, mesh),
+                                  jax.random.fold_in(key, n), packing)
             if pending is not None:
-                out[pending[0]] = np.asarray(pending[1])[: len(pending[0])]
-                bar.update(len(pending[0]))
+                _store(out, *pending, bar)
             pending = (indices, result)
-        out[pending[0]] = np.asarray(pending[1])[: len(pending[0])]
-        bar.update(len(pending[0]))
+        _store(out, *pending, bar)
     bar.close()
     if model.head:  # a sentence-transformers folder's Dense / Normalize, as it applies them
         out = apply_head(model.head + ((Normalize(),) if normalize else ()), out)
+    redo = np.flatnonzero(packed & ~np.isfinite(out).all(axis=1))
+    if len(redo):
+        # In a packed row a NaN / inf token reaches the other sentences through attention
+        # (a zero weight times NaN is NaN): those sentences are encoded again, each alone in
+        # its own padded row, so only the sentences that are non-finite by themselves stay so.
+        out[redo] = encode(model, [items[i] for i in redo], batch_size=batch_size,
+                           max_length=max_length, normalize=normalize, progress=False,
+                           params=params, dtype=dtype, mesh=mesh, finite=False, pack=False)
     if finite:
         check_finite(out, items, model.path or "the model")
     return out
