@@ -110,6 +110,22 @@ def test_packed_rows_give_the_padded_vectors(bundled):
     assert (half * padded).sum(1).min() > 0.99
 
 
+def test_two_batches_at_once_give_the_vectors_of_one_at_a_time(bundled, monkeypatch):
+    import importlib
+
+    encode_module = importlib.import_module("jaxsim.encode")
+    assert encode_module.concurrent_batches(encode_module.default_mesh()) == 2  # one CPU device
+    rng = np.random.default_rng(2)
+    words = "cat dog man runs the a red big in park river house".split()
+    sents = [" ".join(rng.choice(words, rng.integers(1, 30))) for _ in range(200)]
+    for pack in (True, False):
+        two = jaxsim.encode(bundled, sents, batch_size=8, pack=pack)
+        with monkeypatch.context() as m:
+            m.setattr(encode_module, "concurrent_batches", lambda mesh: 1)
+            one = jaxsim.encode(bundled, sents, batch_size=8, pack=pack)
+        np.testing.assert_array_equal(two, one)
+
+
 def test_order_and_batch_invariance(bundled):
     full = jaxsim.encode(bundled, SENTENCES, pooler="avg", batch_size=64, max_length=128)
     assert full.shape == (len(SENTENCES), 384) and full.dtype == np.float32
@@ -180,6 +196,7 @@ import jax, numpy as np
 from transformers import AutoTokenizer
 import jaxsim
 from jaxsim import sharding
+import importlib
 from jaxsim.data import encode_layout
 from jaxsim.data.tokenize import token_ids
 from tests.encode_test import tiny_model
@@ -192,6 +209,9 @@ sents = [" ".join(rng.choice(words, rng.integers(3, 7))) for _ in range(29)]
 meshes = {"single": sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]),
           "data8": None,  # the default: every device on the data axis
           "data4_fsdp2": sharding.make_mesh(4, 2, 1)}
+# Programs over several devices (collectives) run one at a time; one device, two at once.
+lanes = importlib.import_module("jaxsim.encode").concurrent_batches
+assert lanes(meshes["single"]) == 2 and lanes(sharding.make_mesh()) == 1
 out = {}
 for pooler in ("cls",):  # the pooler with parameters (split over fsdp on data4_fsdp2)
     model = tiny_model(tok, pooler=pooler)
