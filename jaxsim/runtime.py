@@ -160,7 +160,7 @@ def ignore_orphaned_loop_callbacks() -> None:
 def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path:
     """Turns on JAX's persistent compilation cache.
 
-    Encoding compiles one XLA program per length bucket and a flow fit compiles its whole
+    Encoding compiles one XLA program per batch shape and a flow fit compiles its whole
     network; on CPU that is seconds per program, paid again by every new process. With the
     cache on disk a second run of the same command reuses them. Directory: `directory`, else
     $JAXSIM_CACHE_DIR, else ~/.cache/jaxsim/xla.
