@@ -50,7 +50,8 @@ def test_mixed_short_sentences_are_packed_each_once(shards):
     # Mostly short sentences and a few long ones, as in STS: padded batches of the longest
     # pad their short rows, packed rows take the short sentences in the long ones' gaps.
     rng = np.random.default_rng(0)
-    lengths = rng.permutation(np.concatenate([rng.integers(3, 20, 1900), rng.integers(30, 40, 100)]))
+    lengths = rng.permutation(np.concatenate([rng.integers(3, 20, 1900),
+                                              rng.integers(30, 40, 100)]))
     ids = _ids(lengths)
     batches = encode_layout.plan_batches(ids, 0, 64, 128, shards, 1024 * shards)
     assert all(b.packing is not None for b in batches)
