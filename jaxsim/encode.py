@@ -187,8 +187,9 @@ def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[s
       model: a loaded encoder (`jaxsim.load_pretrained`).
       sentences: strings; empty strings are allowed, longer texts are truncated to max_length.
       pooler: a registered pooler name; default: the model's own.
-      batch_size: sentences per global batch at most (rounded up to a multiple of the mesh's
-        batch shards); on CPU, long texts get fewer (`CPU_TOKENS_PER_BATCH`).
+      batch_size: rows per global batch at most, a sentence each or several in a packed row
+        (rounded up to a multiple of the mesh's batch shards); on CPU, long rows get fewer
+        (`CPU_TOKENS_PER_BATCH`).
       max_length: token limit including special tokens; default: `model.max_length()`.
       normalize: L2-normalize the vectors (after the model's own head, if any).
       progress: show progress (a bar on a terminal, else periodic lines on stderr); default:

@@ -28,10 +28,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxsim.data.packing import first_fit
+from jaxsim.data.packing import first_fit, pack_layout
 from jaxsim.data.tokenize import TokenBatch, bucket_length, pad_batch
 
-# Pack a chunk when that computes at most this fraction of the padded layout's slots.
+# Pack a chunk when that saves at least this fraction of the padded layout's slots.
 PACK_SAVING = 0.1
 # Sentences a shard of a packed batch holds at least (rounded up to the length-bucket grid,
 # so a run compiles few shapes).
@@ -153,24 +153,22 @@ def _padded_batch(ids, picked: np.ndarray, length: int, rows: int, pad_id: int) 
 def _packed_batch(ids, lengths: np.ndarray, groups: list, plan: PackedPlan,
                   pad_id: int) -> Batch:
     shards, width = len(groups), plan.row_length
-    k_max, r_max = plan.sentences_per_shard, plan.rows_per_shard
+    k_max = plan.sentences_per_shard
     indices = np.full(shards * k_max, -1, np.int64)
-    # Empty packed slots point past the shard's sentences: they gather padding and form a
-    # group of their own in the attention mask.
-    pack = np.full((shards, r_max, width), k_max * width, np.int32)
-    unpack = np.zeros((shards * k_max, width), np.int32)
+    layouts = []
     for s, rows in enumerate(groups):
-        k = 0
-        for r, members in enumerate(rows):
-            start = 0
-            for i in sorted(members):
-                n = int(lengths[i])
-                indices[s * k_max + k] = i
-                pack[s, r, start: start + n] = k * width + np.arange(n)
-                # Padding positions read the sentence's own first slot, never a neighbour's.
-                unpack[s * k_max + k] = r * width + start
-                unpack[s * k_max + k, :n] += np.arange(n)
-                start += n
-                k += 1
+        members = [i for row in rows for i in sorted(row)]
+        indices[s * k_max: s * k_max + len(members)] = members
+        # The shard's sentences in that order, then empty ones up to k_max: every empty packed
+        # slot points past them (it gathers padding and forms a group of its own in the
+        # attention mask).
+        shard_lengths = np.zeros(k_max, np.int64)
+        shard_lengths[: len(members)] = lengths[members]
+        bounds = np.cumsum([0] + [len(row) for row in rows])
+        bins = [list(range(bounds[r], bounds[r + 1])) for r in range(len(rows))]
+        layouts.append(pack_layout(shard_lengths, width, width, row_multiple=1,
+                                   rows=plan.rows_per_shard, bins=bins))
+    pack = np.stack([p for p, _ in layouts])
+    unpack = np.concatenate([u for _, u in layouts])
     rows_ids = [ids[i] if i >= 0 else [] for i in indices]
     return Batch(indices, pad_batch(rows_ids, pad_id, width), (pack, unpack))

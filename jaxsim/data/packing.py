@@ -13,7 +13,7 @@ every index is local to its shard, so the encoder's gathers never cross devices:
                token types and position ids through it, so positions restart in every
                sentence.
   unpack_index [B, V, L] int32: for each padded slot, the flat index of its packed slot in its
-               shard's rows [R * P] (0 for padding, which poolers never read).
+               shard's rows [R * P] (for padding, the sentence's own first slot).
 
 Attention is restricted to the sentence (the source sentence of each slot), so every sentence
 is encoded exactly as it is alone in its padded row; only the dropout masks differ (they are
@@ -76,7 +76,10 @@ def pack_layout(lengths: np.ndarray, max_len: int, pack_length: int, row_multipl
         for s in sorted(members):  # sentences in input order within a row
             k = int(lengths[s])
             pack[r, start: start + k] = s * max_len + np.arange(k)
-            unpack[s, :k] = r * pack_length + start + np.arange(k)
+            # Padding positions read the sentence's own first slot: the poolers mask them, and
+            # no other sentence's state is read (a NaN there would reach them as 0 x NaN).
+            unpack[s] = r * pack_length + start
+            unpack[s, :k] += np.arange(k)
             start += k
     return pack, unpack
 
