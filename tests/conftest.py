@@ -150,6 +150,15 @@ def write_run_data(root, corpus_source: str, corpus_lines: int, stsb_pairs: int)
 FAST_COMPILE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
+def cpu_devices_env(devices: int, fast_compile: bool = False) -> dict:
+    """This process's environment for a subprocess that sees `devices` CPU devices;
+    `fast_compile`: every program compiled at XLA:CPU's cheapest (see `run_on_cpu_devices`)."""
+    flags = f"--xla_force_host_platform_device_count={devices}"
+    if fast_compile:
+        flags += " " + FAST_COMPILE_XLA_FLAGS
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+
+
 def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int = 900,
                        fast_compile: bool = False) -> dict:
     """Runs `script` (python -c, from the repository root) in a fresh process that sees `devices`
@@ -160,12 +169,8 @@ def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int =
     compiles as cheaply as XLA:CPU can; for scripts of tiny programs run a few times each (their
     cost is nearly all compiling) that compare results computed inside that one process.
     """
-    flags = f"--xla_force_host_platform_device_count={devices}"
-    if fast_compile:
-        flags += " " + FAST_COMPILE_XLA_FLAGS
-    env = dict(os.environ, XLA_FLAGS=flags,
-               JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = cpu_devices_env(devices, fast_compile)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]

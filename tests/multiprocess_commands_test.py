@@ -2,7 +2,6 @@
 loopback) give what one process gives: each process feeds its devices' rows of every batch,
 the vectors are gathered on all, and only process 0 prints and writes."""
 import json
-import os
 import re
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.conftest import FAST_COMPILE_XLA_FLAGS, write_run_data
+from tests.conftest import cpu_devices_env, write_run_data
 from tests.train.multiprocess_test import reserved_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,9 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _run(command, devices, launch=()):
     # Fast compile: a tiny model's programs at XLA -O0, the one-process and the two-process
     # runs compiled alike (their cost is nearly all compiling and start-up).
-    env = dict(os.environ, JAX_PLATFORMS='cpu',
-               XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} '
-                         f'{FAST_COMPILE_XLA_FLAGS}')
+    env = cpu_devices_env(devices, fast_compile=True)
     return subprocess.Popen([sys.executable, *command, *launch], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

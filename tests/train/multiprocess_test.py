@@ -23,7 +23,7 @@ import pytest
 
 from jaxsim.io.checkpoint import Checkpointer
 from jaxsim.paths import SENTEVAL_ROOT
-from tests.conftest import FAST_COMPILE_XLA_FLAGS
+from tests.conftest import cpu_devices_env
 
 REPO = Path(__file__).resolve().parents[2]
 U = 2.0 ** -24
@@ -73,9 +73,7 @@ def reserved_port(low: int = 0):
 def _launch(args, devices):
     # Fast compile: every program at XLA -O0 (the tiny config's train step already is), the one-
     # and the two-process runs compiled alike; the sharded init compiled for 2.5 s of a 3-step run.
-    env = dict(os.environ, JAX_PLATFORMS='cpu',
-               XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} '
-                         f'{FAST_COMPILE_XLA_FLAGS}')
+    env = cpu_devices_env(devices, fast_compile=True)
     return subprocess.Popen([sys.executable, '-c', _SCRIPT, str(REPO), *map(str, args)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
