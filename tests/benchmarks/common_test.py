@@ -75,6 +75,27 @@ def test_ratio_stats_are_per_round_ratios():
     assert stats == {"ratio": 2.0, "ratio_min": 1.0, "ratio_max": 3.0, "repeats": 3}
 
 
+def test_best_vs_best_pairs_each_sides_fastest_configuration():
+    # Ours: bf16 faster; theirs: float32 faster (bf16 autocast emulated on this CPU).
+    rates = {"ours_f32": {"per_s": 10.0, "rates": [10.0, 9.0, 11.0]},
+             "ours_bf16": {"per_s": 20.0, "rates": [20.0, 18.0, 30.0]},
+             "ref_f32": {"per_s": 8.0, "rates": [8.0, 9.0, 10.0]},
+             "ref_bf16": {"per_s": 2.0, "rates": [2.0, 2.0, 2.0]}}
+    best = common.best_vs_best(rates, ["ours_f32", "ours_bf16"], ["ref_f32", "ref_bf16"])
+    assert (best["ours"], best["reference"]) == ("ours_bf16", "ref_f32")
+    assert (best["ratio"], best["ratio_min"], best["ratio_max"]) == (2.5, 2.0, 3.0)
+
+
+def test_cpu_description_names_the_bf16_instruction_sets():
+    cpu = common.cpu_description()
+    assert set(cpu) == {"model", "avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    flags = next((line.split(":", 1)[1].split() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
+                 [])
+    assert cpu["amx_bf16"] == ("amx_bf16" in flags)
+    assert cpu["avx512_bf16"] == ("avx512_bf16" in flags)
+
+
 def test_alternating_rates_keeps_its_two_sided_record():
     record = common.alternating_rates(lambda: None, lambda: None, work=1.0, repeats=2)
     assert set(record) == {"ours_per_s", "reference_per_s", "ratio", "ratio_min", "ratio_max",

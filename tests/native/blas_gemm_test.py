@@ -99,7 +99,13 @@ def test_encoder_matmul_through_the_blas_equals_xla_values_and_gradients(monkeyp
         results[mode] = step(x, w)
     for xla, blas in zip(jax.tree.leaves(results["xla"]), jax.tree.leaves(results["blas"])):
         scale = float(jnp.max(jnp.abs(xla)))
-        np.testing.assert_allclose(blas, xla, rtol=0, atol=1e-5 * scale)
+        # The input gradient is rounded to bf16 after its float32 sum: a different summation
+        # order may land on the neighbouring bf16 value (2**-7 of the value at most). On a CPU
+        # without bf16 instructions XLA emulates its bf16 dot and rounds at other points, so a
+        # few elements that cancel differ by more (seen: 4e-5 of the leaf's largest value).
+        np.testing.assert_allclose(blas, xla, rtol=2.0**-7, atol=2e-4 * scale)
+        off = np.abs(np.asarray(blas) - np.asarray(xla)) > 1e-5 * scale
+        assert off.mean() < 0.01  # only rare neighbours
 
 
 def test_kernel_choice(monkeypatch):
