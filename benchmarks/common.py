@@ -157,20 +157,10 @@ def best_vs_best(rates: Mapping[str, Mapping], ours: list, theirs: list) -> dict
 
 def cpu_description() -> dict:
     """The CPU's model name and the instruction sets that decide which dtype is fastest."""
-    info = {"model": None, **{flag: False for flag in _CPU_FLAGS}}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and info["model"] is None:
-            info["model"] = value.strip()
-        elif key.strip() == "flags":
-            flags = set(value.split())
-            info.update({flag: flag in flags for flag in _CPU_FLAGS})
-            break
-    return info
+    from jaxsim.cpu import cpu_flags, cpu_model  # the parent only (it has JAX loaded)
+
+    flags = cpu_flags() or frozenset()
+    return {"model": cpu_model(), **{flag: flag in flags for flag in _CPU_FLAGS}}
 
 
 _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")

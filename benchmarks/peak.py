@@ -43,6 +43,28 @@ def best_seconds(run: Callable[[], object], repeats: int) -> float:
     return best
 
 
+# A product predicted to take longer than this at the asked size is timed at a smaller one.
+SLOW_PRODUCT_S = 5.0
+_PROBE_SIZE = 256
+
+
+def timed_size(make: Callable[[int], Callable[[], object]], size: int) -> int:
+    """`size`, or the largest half of it whose product is predicted (from one at 256, scaled by
+    n^3) to take at most `SLOW_PRODUCT_S`: a product with no fast kernel on this machine
+    (PyTorch's bf16 `a @ b` on a CPU without bf16 instructions, 0.3 GFLOP/s: a minute per
+    2048^3) would otherwise hold a benchmark for many minutes. Such a loop's rate hardly depends
+    on the size."""
+    probe = min(size, _PROBE_SIZE)
+    run = make(probe)
+    run()
+    start = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - start
+    while size > probe and seconds * (size / probe) ** 3 > SLOW_PRODUCT_S:
+        size //= 2
+    return size
+
+
 def jax_product(size: int, dtype: str) -> Callable[[], object]:
     import jax
     import jax.numpy as jnp
@@ -102,21 +124,21 @@ def measure_peaks(size: int = 2048, repeats: int = 10, torch_too: bool = True) -
     """{'jax': {dtype: GFLOP/s}, 'torch': {...}, 'best_s': {framework: {dtype: s}}, ...}.
 
     The threads are whatever this process may use (pin them first with common.set_threads)."""
-    flops = 2.0 * size ** 3
-    record = {"size": size, "repeats": repeats, "flops_per_product": flops,
-              "jax": {}, "best_s": {"jax": {}}, "jax_bf16_kernel": jax_bf16_kernel()}
-    for dtype in DTYPES:
-        best = best_seconds(jax_product(size, dtype), repeats)
-        record["best_s"]["jax"][dtype] = best
-        record["jax"][dtype] = flops / best / 1e9
+    record = {"size": size, "repeats": repeats, "flops_per_product": 2.0 * size ** 3,
+              "jax_bf16_kernel": jax_bf16_kernel(), "best_s": {}, "sizes": {}}
+    makers = {"jax": jax_product}
     if torch_too:
-        device = torch_device()
-        record["torch_device"] = device
-        record["torch"], record["best_s"]["torch"] = {}, {}
+        device = record["torch_device"] = torch_device()
+        makers["torch"] = lambda n, dtype: torch_product(n, dtype, device)
+    for framework, make in makers.items():
+        for part in (record, record["best_s"], record["sizes"]):
+            part[framework] = {}
         for dtype in DTYPES:
-            best = best_seconds(torch_product(size, dtype, device), repeats)
-            record["best_s"]["torch"][dtype] = best
-            record["torch"][dtype] = flops / best / 1e9
+            n = timed_size(lambda n: make(n, dtype), size)
+            best = best_seconds(make(n, dtype), repeats)
+            record["best_s"][framework][dtype] = best
+            record["sizes"][framework][dtype] = n
+            record[framework][dtype] = 2.0 * n ** 3 / best / 1e9
     return record
 
 
@@ -129,8 +151,14 @@ def fraction_of_peak(flops_per_unit: float, units_per_s: float,
 
 
 def describe(peaks: dict) -> str:
-    parts = [f"{fw} {dt} {peaks[fw][dt]:.0f}" for fw in ("jax", "torch") if fw in peaks
-             for dt in DTYPES]
+    sizes = peaks.get("sizes", {})
+
+    def at(fw, dt):  # the size where a slow product was timed at a smaller one
+        n = sizes.get(fw, {}).get(dt, peaks["size"])
+        return "" if n == peaks["size"] else f" (at {n}^3)"
+
+    parts = [f"{fw} {dt} {peaks[fw][dt]:.{0 if peaks[fw][dt] >= 10 else 2}f}{at(fw, dt)}"
+             for fw in ("jax", "torch") if fw in peaks for dt in DTYPES]
     return (f"matrix-product peak ({peaks['size']}x{peaks['size']}, best of {peaks['repeats']}, "
             f"GFLOP/s): " + ", ".join(parts))
 

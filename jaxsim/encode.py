@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxsim import sharding as sharding_lib
+from jaxsim.cpu import warn_if_bf16_emulated
 from jaxsim.data import encode_layout
 from jaxsim.data.tokenize import TokenBatch, check_sentences, token_ids
 from jaxsim.errors import JaxsimError
@@ -219,6 +220,7 @@ def encode(model: SentenceModel, sentences: Sequence[str], *, pooler: Optional[s
     if not items:
         return np.zeros((0, output_size(model.head, model.hidden_size)), np.float32)
     mesh = default_mesh() if mesh is None else mesh
+    warn_if_bf16_emulated(dtype, {d.platform for d in mesh.devices.flat})
     shards = sharding_lib.batch_shards(mesh)
     batch_size = -(-batch_size // shards) * shards
     params = _place_params(model.params if params is None else params, mesh)

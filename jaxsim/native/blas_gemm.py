@@ -42,6 +42,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxsim.cpu import cpu_flags
 from jaxsim.errors import JaxsimError
 
 MODE_ENV = "JAXSIM_CPU_GEMM"
@@ -67,14 +68,7 @@ def mode() -> str:
 
 
 def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split()
-    except OSError:
-        pass
-    return False
+    return "amx_bf16" in (cpu_flags() or ())
 
 
 def _mkl_library() -> Path | None:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsim import distributed, sharding
+from jaxsim.cpu import warn_if_bf16_emulated
 from jaxsim.data import readers, sources
 from jaxsim.data.packing import pack_batch
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
@@ -83,6 +84,7 @@ def make_encoder(cfg: TrainConfig, config: BertConfig) -> SentenceEncoder:
     """The SentenceEncoder trained (compute dtype from the config; params stay float32)."""
     get_pooler(cfg.pooler)
     dtype = jnp.bfloat16 if cfg.dtype == 'bfloat16' else jnp.float32
+    warn_if_bf16_emulated(dtype, {d.platform for d in jax.devices()})
     return SentenceEncoder(config, pooler=cfg.pooler, mlp_only_train=cfg.mlp_only_train,
                            mlm=cfg.mlm_weight > 0,
                            dtype=dtype, remat=cfg.remat)

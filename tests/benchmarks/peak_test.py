@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
     record = json.loads(out.read_text())
     assert record["size"] == 64 and record["repeats"] == 2 and record["threads"] == 1
     assert record["flops_per_product"] == 2 * 64 ** 3
+    assert record["sizes"] == {fw: {"float32": 64, "bfloat16": 64} for fw in ("jax", "torch")}
     assert record["torch_device"] == "cpu" and record["cpus_used"] == 1
     for framework in ("jax", "torch"):
         for dtype in ("float32", "bfloat16"):
@@ -34,6 +36,24 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
     assert record["ratio"] == pytest.approx(record["jax"]["float32"] / record["torch"]["float32"])
     assert "load_average_1min" in record  # written through common.write_json
     assert "matrix-product peak (64x64, best of 2, GFLOP/s): jax float32" in proc.stdout
+
+
+def test_a_slow_product_is_timed_at_a_smaller_size(monkeypatch):
+    made = []
+
+    def make(rate_flops_per_s):
+        def make_at(n):
+            made.append(n)
+            return lambda: time.sleep(2 * n ** 3 / rate_flops_per_s)
+        return make_at
+
+    monkeypatch.setattr(peak, "SLOW_PRODUCT_S", 0.05)
+    # 2 * 256^3 = 33.6 MFLOP at 1 GFLOP/s: 34 ms at 256, so 2048^3 would take 17 s and 512^3
+    # 0.27 s; 256 is the largest size within 0.05 s.
+    assert peak.timed_size(make(1e9), 2048) == 256
+    assert made == [256]  # only the probe was run
+    assert peak.timed_size(make(1e13), 2048) == 2048  # a fast kernel keeps the asked size
+    assert peak.timed_size(make(1e9), 64) == 64  # below the probe: the size itself
 
 
 def test_fraction_of_peak():
