@@ -33,10 +33,11 @@ demo: .venv/.demo
 	$(BIN)/python eval.py --post none --post whitening --post whitening:256
 
 # Two pytest-xdist workers, each running whole test files (module fixtures built once), the
-# longest first (tests/conftest.py). TEST_WORKERS=0 runs the suite in this one process.
+# longest first (tests/conftest.py); the 15 slowest tests are listed at the end. TEST_WORKERS=0
+# runs the suite in this one process.
 TEST_WORKERS ?= 2
 test: .venv/.test
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # Plants each fault of tests/faults/table.py in a temporary copy and runs the tests that must
 # catch it; fails if one survives or a fault's snippet no longer matches the source.
