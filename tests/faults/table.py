@@ -222,6 +222,19 @@ FAULTS = (
           'per_shard = lengths.reshape(shards, -1)',
           'per_shard = lengths.reshape(1, -1).repeat(shards, 0)',
           (f'{PACKING}::test_shards_are_packed_each_in_its_own_rows',)),
+    # ---- benchmarks and the CPU's bf16 instructions
+    Fault('each side paired at its slowest configuration', 'benchmarks/common.py',
+          'best = {side: max(names, key=lambda name: rates[name]["per_s"])',
+          'best = {side: min(names, key=lambda name: rates[name]["per_s"])',
+          ('tests/benchmarks/common_test.py::'
+           'test_best_vs_best_pairs_each_sides_fastest_configuration',)),
+    Fault('a CPU with AMX taken for one that emulates bf16', 'jaxsim/cpu.py',
+          'BF16_FLAGS = ("avx512_bf16", "amx_bf16")', 'BF16_FLAGS = ("avx512_bf16",)',
+          ('tests/cpu_test.py::test_bf16_is_emulated_only_on_x86_cpus_without_bf16_instructions',)),
+    Fault('a slow product timed at the asked size', 'benchmarks/peak.py',
+          'while size > probe and seconds * (size / probe) ** 3 > SLOW_PRODUCT_S:',
+          'while size > probe and seconds * (size / probe) ** 3 > 1e9:',
+          ('tests/benchmarks/peak_test.py::test_a_slow_product_is_timed_at_a_smaller_size',)),
     # ---- the MLM term
     Fault('MLM term does not reach the encoder', 'jaxsim/objectives/mlm.py',
           'logits = mlm_logits(encoder, params, masked,',
