@@ -119,7 +119,11 @@ def search_fn(mesh: Mesh, layout: Layout, k: int, recall_target: Optional[float]
             rows = start + offsets  # [block]
             # HIGHEST: float32 products on every backend (GPUs/TPUs default to lower precision).
             scores = jnp.dot(queries, block.T, precision=jax.lax.Precision.HIGHEST)  # [q, block]
-            scores = jnp.where(rows[None, :] < n_valid, scores, -jnp.inf)
+            # Only a block that reaches past the valid rows needs the mask (most blocks do
+            # not): the others skip a pass over their scores.
+            scores = jax.lax.cond(start + layout.block_rows > n_valid,
+                                  lambda s: jnp.where(rows[None, :] < n_valid, s, -jnp.inf),
+                                  lambda s: s, scores)
             if recall_target is not None:
                 top, pos = jax.lax.approx_max_k(scores, block_k, recall_target=recall_target)
             elif group:

@@ -190,6 +190,10 @@ FAULTS = (
           'top, pos = jax.lax.approx_max_k(scores, block_k, recall_target=recall_target)',
           'top, pos = jax.lax.top_k(scores, block_k)',
           ('tests/search/search_test.py::test_approximate_search_selects_with_the_recall_target',)),
+    Fault('the block where the valid rows end is left unmasked', 'jaxsim/search/topk.py',
+          'scores = jax.lax.cond(start + layout.block_rows > n_valid,',
+          'scores = jax.lax.cond(start > n_valid,',
+          ('tests/search/search_test.py::test_padding_rows_never_outscore_real_rows',)),
     # ---- the bf16 BLAS kernel (C++ handler and its use in the encoder's products)
     Fault('row blocks of a transposed first operand all read its first columns',
           'jaxsim/native/bf16_gemm.cc',

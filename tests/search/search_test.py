@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jaxsim
+from jaxsim import sharding
 from jaxsim.__main__ import main as cli_main
 from jaxsim.search import topk
 from jaxsim.search import (IndexFileError, IndexInfo, ModelMismatchError, SearchError,
@@ -67,6 +68,25 @@ def test_exact_search_equals_numpy_brute_force(block_rows, k, grouped):
     np.testing.assert_array_equal(hits.rows, want_rows)
     np.testing.assert_allclose(hits.scores, want_scores, atol=2e-6, rtol=0)
     assert hits.scores.dtype == np.float32 and hits.rows.shape == (37, k)
+
+
+@pytest.mark.parametrize("block_rows,k", [(16, 5), (256, 3)])  # whole block, group maxima
+def test_padding_rows_never_outscore_real_rows(block_rows, k):
+    # Every real row scores about -1 against the query, the zero padding rows would score 0: only
+    # the mask keeps them out, in the block where the valid rows end and in the blocks past it.
+    query = np.zeros((1, 16), np.float32)
+    query[0, 0] = 1.0
+    corpus = -query + 0.01 * _gaussian(90, 16, 4)
+    corpus /= np.linalg.norm(corpus, axis=1, keepdims=True)
+    mesh = sharding.make_mesh()
+    layout = topk.plan_layout(300, 16, 1, block_rows)  # room for 300 rows, 90 in use
+    assert layout.blocks >= 2 and layout.capacity - 90 > layout.block_rows
+    placed = topk.place_corpus(corpus, mesh, layout)
+    scores, rows = topk.top_k_search(placed, layout, mesh, len(corpus), query, k)
+    want_scores, want_rows = _brute_force(corpus, query, k)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_allclose(scores, want_scores, atol=2e-6, rtol=0)
+    assert (scores < -0.9).all()
 
 
 @pytest.mark.parametrize("block_rows", [40, 2048])  # whole-block and group-maxima selection
