@@ -173,9 +173,11 @@ def _is_matmul_call(target: str) -> bool:
 
 
 def classify(info: dict, body_ops: set, body_names: set, body_targets: set,
-             in_rng_loop: bool = False) -> str:
+             in_rng_loop: bool = False, forward_only: bool = False) -> str:
     """The category of one instruction, from its own opcode and op_name, those of what it
-    calls (fusion or loop bodies), and whether it runs inside a random-bits loop."""
+    calls (fusion or loop bodies), and whether it runs inside a random-bits loop.
+    `forward_only`: a program without gradients or optimizer (an encode pass), whose op_names
+    carry no 'jvp(' scope."""
     own, opcode = info.get("op_name", ""), info.get("opcode", "")
     names = " ".join([own, *body_names])
     ops = set(body_ops) or {opcode}  # a fusion is what it fuses
@@ -183,8 +185,8 @@ def classify(info: dict, body_ops: set, body_names: set, body_targets: set,
     if (ops | {opcode}) & DENSE_OPS or any(_is_matmul_call(t) for t in targets if t):
         direction = own or next((n for n in body_names if n), "")
         return DENSE_BWD if "transpose(jvp" in direction else DENSE_FWD
-    if any(k in own for k in OPTAX_NAMES) or (own and "jvp(" not in own and "threefry" not in own
-                                             and "_take" not in own):
+    if not forward_only and (any(k in own for k in OPTAX_NAMES) or (
+            own and "jvp(" not in own and "threefry" not in own and "_take" not in own)):
         return OPTIMIZER
     if (in_rng_loop or "threefry" in names or "_dropout" in names or "random_bits" in names
             or "rng-bit-generator" in ops
@@ -227,8 +229,10 @@ def op_times_ns(xplane: Path, module: str) -> collections.Counter:
     return times
 
 
-def breakdown(times: collections.Counter, hlo_text: str, steps: int) -> dict:
-    """Per-step category table and top instructions from op times and the optimized HLO."""
+def breakdown(times: collections.Counter, hlo_text: str, steps: int,
+              forward_only: bool = False) -> dict:
+    """Per-step category table and top instructions from op times and the optimized HLO
+    (`forward_only`: see `classify`)."""
     instructions = parse_hlo(hlo_text)
     bodies = _bodies(instructions)
     rng_loops = _rng_loop_computations(instructions, bodies)
@@ -244,7 +248,7 @@ def breakdown(times: collections.Counter, hlo_text: str, steps: int) -> dict:
             o, n, t = bodies.get(callee, (set(), set(), set()))
             ops, names, targets = ops | o, names | n, targets | t
         category = classify(info, ops, names - {""}, targets - {""},
-                            info.get("computation") in rng_loops)
+                            info.get("computation") in rng_loops, forward_only)
         ms = ns / 1e6 / steps
         per_category[category] += ms
         rows.append({"instruction": name, "category": category, "ms_per_step": ms,
