@@ -11,6 +11,7 @@ import pytest
 
 import jaxsim
 from jaxsim import cpu
+from jaxsim.search import SearchIndex
 
 
 def _flags_in_proc() -> frozenset | None:
@@ -68,3 +69,15 @@ def test_encode_in_bf16_warns_on_such_a_cpu(host, bundled, caplog):
         jaxsim.encode(bundled, ["a sentence"])
     assert np.isfinite(vectors).all()
     assert len([r for r in caplog.records if "emulated" in r.getMessage()]) == 1
+
+
+def test_a_bf16_corpus_index_warns_on_such_a_cpu(host, caplog):
+    host(frozenset({"avx2"}))
+    vectors = np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32)
+    with caplog.at_level(logging.WARNING, logger="jaxsim.cpu"):
+        SearchIndex.from_vectors(vectors)
+        assert not caplog.records  # a float32 corpus says nothing
+        index = SearchIndex.from_vectors(vectors, corpus_dtype="bfloat16")
+    assert [r.getMessage() for r in caplog.records] == [
+        "bf16 compute is emulated on this CPU (no AVX512_BF16 or AMX): float32 runs faster here"]
+    assert index.search_vectors(vectors[:3], top_k=1).rows[:, 0].tolist() == [0, 1, 2]

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxsim.cpu import warn_if_bf16_emulated
 from jaxsim.data.readers import read_sentences
 from jaxsim.search import ann
 from jaxsim.search.storage import IndexFileError, read_ann, read_index, write_index
@@ -92,6 +93,7 @@ class SearchIndex:
         self.mesh = make_mesh() if mesh is None else mesh
         self.block_rows, self.query_batch = block_rows, query_batch
         self.corpus_dtype = corpus_dtype
+        warn_if_bf16_emulated(corpus_dtype, {d.platform for d in self.mesh.devices.flat})
         self.last_search_stats: dict = {}  # e.g. queries the bf16 pass sent back to float32
         self._buffer = np.empty((0, info.dim), np.float32)  # [capacity, dim], rows [:size] used
         self._size = 0

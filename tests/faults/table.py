@@ -240,6 +240,10 @@ FAULTS = (
           'if (any(k in own for k in',
           ('tests/benchmarks/encode_profile_test.py::'
            'test_forward_only_ops_are_classified_by_their_scope',)),
+    Fault('a bf16 corpus index on such a CPU says nothing', 'jaxsim/search/index.py',
+          'warn_if_bf16_emulated(corpus_dtype, {d.platform for d in self.mesh.devices.flat})',
+          'warn_if_bf16_emulated("float32", {d.platform for d in self.mesh.devices.flat})',
+          ('tests/cpu_test.py::test_a_bf16_corpus_index_warns_on_such_a_cpu',)),
     Fault('a slow product timed at the asked size', 'benchmarks/peak.py',
           'while size > probe and seconds * (size / probe) ** 3 > SLOW_PRODUCT_S:',
           'while size > probe and seconds * (size / probe) ** 3 > 1e9:',
