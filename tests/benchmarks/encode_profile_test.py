@@ -11,34 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.records import products_flops
+from tests.benchmarks.records import dot_and_erf_bodies, metadata, products_flops
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import step_profile as sp  # noqa: E402
 
 SCOPE = "jit(encode_batch)/SentenceEncoder/bert/encoder/layer_0"
+POOLER = "jit(encode_batch)/SentenceEncoder/pooler/add"
 DOT, MUL, STACK = "/dot_general", "/intermediate/mul", "/attention/self/stack"
 MINILM = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 6}
 
 
-def _md(op_name: str) -> str:
-    return f'metadata={{op_name="{op_name}"}}'
-
-
 HLO = f"""HloModule jit_encode_batch, entry_computation_layout={{()->f32[]}}
 
-%fused_dot (p0: f32[8,4], p1: f32[4,6]) -> f32[8,6] {{
-  %p0 = f32[8,4] parameter(0)
-  %p1 = f32[4,6] parameter(1)
-  ROOT %dot.1 = f32[8,6] dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
-}}
-
-%fused_erf (p0: f32[8,6]) -> f32[8,6] {{
-  %p0 = f32[8,6] parameter(0)
-  ROOT %erf.1 = f32[8,6] erf(%p0), {_md(SCOPE + "/intermediate/mul")}
-}}
-
+{dot_and_erf_bodies(SCOPE)}
 %fused_stack (p0: f32[4,6], p1: f32[4,6]) -> f32[4,12] {{
   %p0 = f32[4,6] parameter(0)
   %p1 = f32[4,6] parameter(1)
@@ -48,12 +35,12 @@ HLO = f"""HloModule jit_encode_batch, entry_computation_layout={{()->f32[]}}
 ENTRY %main (a: f32[8,4], w: f32[4,6]) -> f32[8,6] {{
   %a = f32[8,4] parameter(0)
   %w = f32[4,6] parameter(1)
-  %dot_fusion = f32[8,6] fusion(%a, %w), kind=kOutput, calls=%fused_dot, {_md(SCOPE + DOT)}
-  %gelu = f32[8,6] fusion(%dot_fusion), kind=kLoop, calls=%fused_erf, {_md(SCOPE + MUL)}
-  %stack = f32[4,12] fusion(%w, %w), kind=kLoop, calls=%fused_stack, {_md(SCOPE + STACK)}
-  %ln = f32[8,6] multiply(%gelu, %gelu), {_md(SCOPE + "/output/LayerNorm/mul")}
-  %soft = f32[8,6] exponential(%ln), {_md(SCOPE + "/attention/self/softmax/exp")}
-  ROOT %add.2 = f32[8,6] add(%soft, %soft), {_md("jit(encode_batch)/SentenceEncoder/pooler/add")}
+  %dot_fusion = f32[8,6] fusion(%a, %w), kind=kOutput, calls=%fused_dot, {metadata(SCOPE + DOT)}
+  %gelu = f32[8,6] fusion(%dot_fusion), kind=kLoop, calls=%fused_erf, {metadata(SCOPE + MUL)}
+  %stack = f32[4,12] fusion(%w, %w), kind=kLoop, calls=%fused_stack, {metadata(SCOPE + STACK)}
+  %ln = f32[8,6] multiply(%gelu, %gelu), {metadata(SCOPE + "/output/LayerNorm/mul")}
+  %soft = f32[8,6] exponential(%ln), {metadata(SCOPE + "/attention/self/softmax/exp")}
+  ROOT %add.2 = f32[8,6] add(%soft, %soft), {metadata(POOLER)}
 }}
 """
 

@@ -36,3 +36,24 @@ def parameter_count(arch: dict) -> int:
     embeddings = (arch["vocab_size"] + arch["max_position_embeddings"]
                   + arch["type_vocab_size"]) * h
     return embeddings + arch["num_hidden_layers"] * (4 * h * h + 2 * h * inner)
+
+
+def metadata(op_name: str) -> str:
+    """An HLO instruction's metadata attribute naming its JAX op."""
+    return f'metadata={{op_name="{op_name}"}}'
+
+
+def dot_and_erf_bodies(scope: str) -> str:
+    """Two fusion bodies of XLA:CPU's optimized text (layouts left out): `fused_dot` (a product)
+    and `fused_erf` (GELU's erf, under `scope`'s intermediate layer)."""
+    return f"""%fused_dot (p0: f32[8,4], p1: f32[4,6]) -> f32[8,6] {{
+  %p0 = f32[8,4] parameter(0)
+  %p1 = f32[4,6] parameter(1)
+  ROOT %dot.1 = f32[8,6] dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+%fused_erf (p0: f32[8,6]) -> f32[8,6] {{
+  %p0 = f32[8,6] parameter(0)
+  ROOT %erf.1 = f32[8,6] erf(%p0), {metadata(scope + "/intermediate/mul")}
+}}
+"""

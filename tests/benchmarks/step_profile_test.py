@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.records import dot_and_erf_bodies, metadata
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import step_profile as sp  # noqa: E402
@@ -19,25 +21,11 @@ FWD = "jit(train_step)/jvp(SentenceEncoder)/bert/encoder/layer_0"
 BWD = "jit(train_step)/transpose(jvp(SentenceEncoder))/bert/encoder/layer_0"
 
 
-def _md(op_name: str) -> str:
-    return f'metadata={{op_name="{op_name}"}}'
-
-
 # The shapes of XLA:CPU's optimized text (layouts left out): fusions calling their bodies, the
 # threefry hash's rolled loop over uint32 bits, the update in a conditional's branch.
 HLO = f"""HloModule jit_train_step, entry_computation_layout={{()->f32[]}}
 
-%fused_dot (p0: f32[8,4], p1: f32[4,6]) -> f32[8,6] {{
-  %p0 = f32[8,4] parameter(0)
-  %p1 = f32[4,6] parameter(1)
-  ROOT %dot.1 = f32[8,6] dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
-}}
-
-%fused_erf (p0: f32[8,6]) -> f32[8,6] {{
-  %p0 = f32[8,6] parameter(0)
-  ROOT %erf.1 = f32[8,6] erf(%p0), {_md(FWD + "/intermediate/mul")}
-}}
-
+{dot_and_erf_bodies(FWD)}
 %fused_cast (p0: f32[8,6]) -> bf16[8,6] {{
   %p0 = f32[8,6] parameter(0)
   ROOT %convert.1 = bf16[8,6] convert(%p0)
@@ -45,40 +33,40 @@ HLO = f"""HloModule jit_train_step, entry_computation_layout={{()->f32[]}}
 
 %fused_ln (p0: f32[8,6]) -> f32[8,6] {{
   %p0 = f32[8,6] parameter(0)
-  ROOT %multiply.9 = f32[8,6] multiply(%p0, %p0), {_md(FWD + "/output/LayerNorm/mul")}
+  ROOT %multiply.9 = f32[8,6] multiply(%p0, %p0), {metadata(FWD + "/output/LayerNorm/mul")}
 }}
 
 %hash_body (t: (s32[], u32[8,6])) -> (s32[], u32[8,6]) {{
   %t = (s32[], u32[8,6]) parameter(0)
   %i = s32[] get-tuple-element(%t), index=0
   %bits = u32[8,6] get-tuple-element(%t), index=1
-  %rot = u32[8,6] shift-left(%bits, %bits), {_md(FWD + "/output/while/body/shift_left")}
+  %rot = u32[8,6] shift-left(%bits, %bits), {metadata(FWD + "/output/while/body/shift_left")}
   ROOT %out = (s32[], u32[8,6]) tuple(%i, %rot)
 }}
 
 %hash_cond (t: (s32[], u32[8,6])) -> pred[] {{
   %t = (s32[], u32[8,6]) parameter(0)
   %i = s32[] get-tuple-element(%t), index=0
-  ROOT %lt = pred[] compare(%i, %i), direction=LT, {_md(FWD + "/output/while/cond/lt")}
+  ROOT %lt = pred[] compare(%i, %i), direction=LT, {metadata(FWD + "/output/while/cond/lt")}
 }}
 
 %update (p: f32[8,6]) -> f32[8,6] {{
   %p = f32[8,6] parameter(0)
-  ROOT %divide.3 = f32[8,6] divide(%p, %p), {_md("jit(train_step)/cond/branch_1_fun/div")}
+  ROOT %divide.3 = f32[8,6] divide(%p, %p), {metadata("jit(train_step)/cond/branch_1_fun/div")}
 }}
 
 ENTRY %main (a: f32[8,4], w: f32[4,6], s: (s32[], u32[8,6])) -> f32[8,6] {{
   %a = f32[8,4] parameter(0)
   %w = f32[4,6] parameter(1)
   %s = (s32[], u32[8,6]) parameter(2)
-  %fwd_dot = f32[8,6] fusion(%a, %w), calls=%fused_dot, {_md(FWD + "/output/dot_general")}
-  %bwd_dot = f32[8,6] fusion(%a, %w), calls=%fused_dot, {_md(BWD + "/output/dot_general")}
-  %gelu = f32[8,6] fusion(%fwd_dot), calls=%fused_erf, {_md(FWD + "/intermediate/mul")}
-  %cast = bf16[8,6] fusion(%gelu), calls=%fused_cast, {_md(FWD + "/output/convert")}
-  %ln = f32[8,6] fusion(%gelu), calls=%fused_ln, {_md(FWD + "/output/add")}
+  %fwd_dot = f32[8,6] fusion(%a, %w), calls=%fused_dot, {metadata(FWD + "/output/dot_general")}
+  %bwd_dot = f32[8,6] fusion(%a, %w), calls=%fused_dot, {metadata(BWD + "/output/dot_general")}
+  %gelu = f32[8,6] fusion(%fwd_dot), calls=%fused_erf, {metadata(FWD + "/intermediate/mul")}
+  %cast = bf16[8,6] fusion(%gelu), calls=%fused_cast, {metadata(FWD + "/output/convert")}
+  %ln = f32[8,6] fusion(%gelu), calls=%fused_ln, {metadata(FWD + "/output/add")}
   %while.1 = (s32[], u32[8,6]) while(%s), condition=%hash_cond, body=%hash_body
   %cond.1 = f32[8,6] conditional(%fwd_dot), branch_computations={{%update}}
-  ROOT %add.2 = f32[8,6] add(%ln, %bwd_dot), {_md(FWD + "/pooler/add")}
+  ROOT %add.2 = f32[8,6] add(%ln, %bwd_dot), {metadata(FWD + "/pooler/add")}
 }}
 """
 
