@@ -5,31 +5,24 @@ The step is jaxsim's train step on the bundled all-MiniLM-L6-v2, built as `train
 AdamW), on the first `--batch` SNLI dev sentences (unsup) or triplets (sup), padded to
 `--max-len`. It reports:
 
-  totals     from the compiled step, so they do not move with the machine's load: XLA's FLOP
-             count and bytes accessed (`compiled.cost_analysis()`), the temporary buffer size
-             (`compiled.memory_analysis()`); beside them the measured wall time per step (median
-             of `--steps` steps after a warm-up step).
-  breakdown  `--steps` more steps run under `jax.profiler.trace`; the duration of every XLA op
-             event (XLA:CPU runs each HLO instruction as a thunk) is summed per instruction and
-             divided by the steps. Control-flow instructions (while, conditional, call) are
-             left out: the instructions of their bodies are events of their own. Each
-             instruction is classified from the optimized HLO (`compiled.as_text()`): its
-             opcode, the instructions it calls (fusion bodies, loop bodies) and their
-             `op_name` metadata. Categories: dense products forward / backward (dots, matmul
-             custom calls, fusions containing a dot; backward when the op_name holds
-             'transpose(jvp'), dropout masks (threefry bits, including the hash's rolled
-             loop), embedding lookup and gradient (take, scatter), copies / transposes / casts
-             (data movement and dtype converts only), GELU (erf), layer norm, attention softmax
-             + layout (scale, mask, softmax, the q/k/v bias and split), gradient norm + AdamW
-             update (the update runs inside the step's lax.cond), other. A fusion goes to the
-             first of these that matches, so e.g. a product fused with the softmax's max counts
-             as a product.
+  totals     from the compiled step (independent of the machine's load): XLA's FLOPs and
+             bytes accessed (`cost_analysis()`), temporary buffers (`memory_analysis()`); and
+             the wall time per step (median of `--steps` steps after a warm-up step).
+  breakdown  `--steps` more steps run under `jax.profiler.trace`; each XLA op event's duration is
+             summed per HLO instruction and divided by the steps (control flow left out: its
+             bodies' instructions are events of their own). Each instruction is classified from the
+             optimized HLO: its opcode, what it calls (fusion and loop bodies) and their
+             `op_name`s. Categories: dense products forward / backward (dots, matmul custom calls,
+             fusions with a dot; backward under 'transpose(jvp'), dropout masks (threefry bits, the
+             hash's rolled loop too), embedding lookup and gradient (take, scatter), copies /
+             transposes / casts, GELU (erf), layer norm, attention softmax + layout (scale, mask,
+             softmax, the q/k/v bias and split), gradient norm + AdamW update (in the step's
+             lax.cond), other; the first that matches wins (a product fused with the softmax's max
+             is a product).
 
-The threads of XLA's pool run ops at the same time, so the summed op time is not the wall
-time; shares are of the summed op time. "ratio" in the --json record is the share of op time
-spent in dense products (forward + backward): how close the step is to being bound by its
-matrix products (1.0 = nothing else costs time). On a backend whose trace has no per-op events
-the totals are still reported and the breakdown is marked unavailable.
+XLA's threads run ops at the same time, so summed op time is not wall time (shares are of it).
+The --json record's "ratio" is the dense products' share (forward + backward; 1.0 = bound by its
+products). Without per-op events in the trace the totals are still reported, the breakdown not.
 
     python benchmarks/step_profile.py [--objective unsup|sup] [--dtype float32|bfloat16]
         [--batch 64] [--max-len 32] [--steps 6] [--threads N] [--json PATH]
@@ -175,9 +168,8 @@ def _is_matmul_call(target: str) -> bool:
 def classify(info: dict, body_ops: set, body_names: set, body_targets: set,
              in_rng_loop: bool = False, forward_only: bool = False) -> str:
     """The category of one instruction, from its own opcode and op_name, those of what it
-    calls (fusion or loop bodies), and whether it runs inside a random-bits loop.
-    `forward_only`: a program without gradients or optimizer (an encode pass), whose op_names
-    carry no 'jvp(' scope."""
+    calls (fusion or loop bodies), and whether it runs inside a random-bits loop
+    (`forward_only`: a program without gradients or optimizer, e.g. an encode pass)."""
     own, opcode = info.get("op_name", ""), info.get("opcode", "")
     names = " ".join([own, *body_names])
     ops = set(body_ops) or {opcode}  # a fusion is what it fuses
