@@ -12,8 +12,7 @@ Reported per pass: XLA's FLOPs (cost analysis), the wall time of the one-batch-a
 category, the dense products' share of op time, their rate (the pass's FLOPs over their op time:
 the products hold nearly all FLOPs) and `bound`: op time over the products' op time, the most
 the pass could gain if nothing but the products took time. The --json record's 'ratio' is the
-dense share. XLA's pool runs ops at the same time,
-so summed op time is not wall time.
+dense share. XLA's pool runs ops at the same time, so summed op time is not wall time.
 
     python benchmarks/encode_profile.py [--set stsb_test] [--dtype float32] [--limit N]
         [--batch-size 64] [--threads N] [--json PATH]
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import sys
 import tempfile
 import time
@@ -33,39 +31,24 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import available_cpus, load_average, set_threads, write_json, xla_flops  # noqa: E402
+from encode_speed import batches_by_shape, long_texts, stsb_test_sentences  # noqa: E402
 import step_profile as sp  # noqa: E402
 
 SETS = ("stsb_test", "long_64_128")
 
 
 def sentence_set(name: str, model) -> list[str]:
-    from encode_speed import long_texts, stsb_test_sentences
-
     from jaxsim.paths import SENTEVAL_ROOT
 
-    root = SENTEVAL_ROOT
-    return stsb_test_sentences(root) if name == "stsb_test" else long_texts(root, model.tokenizer)
-
-
-def programs(model, sentences: list[str], batch_size: int) -> tuple:
-    """(mesh, {batch shape: [batches]}) as `jaxsim.encode` lays the sentences out."""
-    from jaxsim import sharding
-    from jaxsim.encode import _batches, default_mesh, token_budget
-
-    mesh = default_mesh()
-    groups = collections.defaultdict(list)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
-        for _, batch in _batches(model, sentences, batch_size, model.max_length(), executor,
-                                 sharding.batch_shards(mesh), token_budget(mesh)):
-            packing = None if batch.packing is None else tuple(x.shape for x in batch.packing)
-            groups[(batch.tokens.input_ids.shape, packing)].append(batch)
-    return mesh, groups
+    if name == "stsb_test":
+        return stsb_test_sentences(SENTEVAL_ROOT)
+    return long_texts(SENTEVAL_ROOT, model.tokenizer)
 
 
 def profile(model, sentences: list[str], batch_size: int, dtype: str) -> dict:
     from jaxsim.encode import _place_params, _to_mesh, make_encode_fn
 
-    mesh, groups = programs(model, sentences, batch_size)
+    mesh, groups = batches_by_shape(model, sentences, batch_size)
     params = jax.tree.map(lambda p: p.astype(dtype), _place_params(model.params, mesh))
     fn = make_encode_fn(model.encoder.clone(dtype=jnp.dtype(dtype)), True, False, mesh)
     key = jax.random.key(0)

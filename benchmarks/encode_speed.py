@@ -90,6 +90,22 @@ def random_model_folder(shape: str, folder: Path) -> Path:
     return folder / "st"
 
 
+def batches_by_shape(model, sentences: list[str], batch_size: int) -> tuple:
+    """(mesh, {(token shape, packing shapes or None): [batches]}): the batches `jaxsim.encode`
+    itself makes of `sentences` (padded or packed), grouped by the program each compiles."""
+    from jaxsim import sharding
+    from jaxsim.encode import _batches, default_mesh, token_budget
+
+    mesh = default_mesh()
+    groups = collections.defaultdict(list)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
+        for _, batch in _batches(model, sentences, batch_size, model.max_length(), executor,
+                                 sharding.batch_shards(mesh), token_budget(mesh)):
+            packing = None if batch.packing is None else tuple(x.shape for x in batch.packing)
+            groups[(batch.tokens.input_ids.shape, packing)].append(batch)
+    return mesh, groups
+
+
 def pass_flops(model, sentences: list[str], batch_size: int, dtype: str) -> float:
     """XLA's FLOPs of one `jaxsim.encode(..., normalize=True)` pass over `sentences`: the
     compiled encode program's count for each batch shape, times the batches of that shape."""
@@ -97,26 +113,18 @@ def pass_flops(model, sentences: list[str], batch_size: int, dtype: str) -> floa
     import jax.numpy as jnp
 
     from jaxsim.data.tokenize import TokenBatch
-    from jaxsim import sharding
-    from jaxsim.encode import _batches, default_mesh, make_encode_fn, token_budget
+    from jaxsim.encode import make_encode_fn
 
-    mesh = default_mesh()
-    # The batches jaxsim.encode itself makes (padded or packed), so the count matches the
-    # timed work.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
-        shapes = collections.Counter(
-            (batch.tokens.input_ids.shape,
-             None if batch.packing is None else tuple(x.shape for x in batch.packing))
-            for _, batch in _batches(model, sentences, batch_size, model.max_length(),
-                                     executor, sharding.batch_shards(mesh), token_budget(mesh)))
+    # The batches jaxsim.encode itself makes, so the count matches the timed work.
+    mesh, groups = batches_by_shape(model, sentences, batch_size)
     params = jax.tree.map(lambda p: jnp.asarray(p, dtype), model.params)
     fn = make_encode_fn(model.encoder.clone(dtype=jnp.dtype(dtype)), True, False, mesh)
     total = 0.0
-    for (tokens, packing), count in shapes.items():
+    for (tokens, packing), batches in groups.items():
         batch = TokenBatch(*(jax.ShapeDtypeStruct(tokens, jnp.int32),) * 3)
         packing = None if packing is None else tuple(
             jax.ShapeDtypeStruct(shape, jnp.int32) for shape in packing)
-        total += count * xla_flops(
+        total += len(batches) * xla_flops(
             fn.lower(params, batch, jax.random.key(0), packing).compile())
     return total
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.records import dot_and_erf_bodies, metadata
+from tests.benchmarks.records import dot_and_erf_bodies, metadata, products_flops
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -92,13 +92,6 @@ def test_classifies_a_hand_written_module():
     assert table["top_instructions"][0]["instruction"] == "fwd_dot"
 
 
-def _products_flops(arch: dict, tokens: int, length: int) -> float:
-    """Forward + backward (3x forward) FLOPs of the encoder's products alone."""
-    h, inner, layers = arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]
-    per_token = 2 * (4 * h * h + 2 * h * inner)  # q, k, v, attention output; the two FFN dense
-    return 3 * layers * tokens * (per_token + 2 * 2 * length * h)
-
-
 def test_tiny_run_writes_a_consistent_record(tmp_path):
     out = tmp_path / "profile.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -111,7 +104,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
     record = json.loads(out.read_text())
     arch = sp.TINY
     assert record["model"] == "tiny"
-    products = _products_flops(arch, tokens=8 * 2 * 32, length=32)
+    products = products_flops(arch, tokens=8 * 2 * 32, length=32)
     # XLA also counts the elementwise work and AdamW over all 2M parameters.
     assert products <= record["flops"] <= 2 * products, (record["flops"], products)
     assert record["bytes_accessed"] > 0 and record["temp_bytes"] > 0
