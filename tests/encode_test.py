@@ -244,7 +244,7 @@ print("RESULT" + json.dumps(out))
 
 
 def test_mesh_of_8_devices_matches_one_device():
-    result = run_on_cpu_devices(textwrap.dedent(_MESH_SCRIPT), timeout=600, fast_compile=True)
+    result = run_on_cpu_devices(textwrap.dedent(_MESH_SCRIPT), timeout=600)
     for name, diffs in result.items():
         for mesh, diff in diffs.items():
             if mesh == "vs_plain":

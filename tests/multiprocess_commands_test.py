@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _run(command, devices, launch=()):
     # Fast compile: a tiny model's programs at XLA -O0, the one-process and the two-process
     # runs compiled alike (their cost is nearly all compiling and start-up).
-    env = cpu_devices_env(devices, fast_compile=True)
+    env = cpu_devices_env(devices)
     return subprocess.Popen([sys.executable, *command, *launch], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -376,7 +376,7 @@ def test_sharded_search_equals_single_device(tmp_path):
             "ties": _four_hot(4777, 16, 16), "ties_q": _four_hot(13, 16, 17)}
     np.savez(tmp_path / "data.npz", **data)
     out = run_on_cpu_devices(_SHARDED, str(ROOT), str(tmp_path / "data.npz"), "256",
-                             timeout=600, fast_compile=True)
+                             timeout=600)
     for kind in ("gauss", "ties"):
         want_scores, want_rows = _brute_force(data[kind], data[kind + "_q"], 9)
         for mesh in ("single", "data8", "data4_fsdp2", "data2_tensor4"):

@@ -91,7 +91,7 @@ print('RESULT' + json.dumps(out))
 
 
 def test_cached_gradient_equals_one_pass_on_eight_devices():
-    results = run_on_cpu_devices(_SCRIPT, fast_compile=True)
+    results = run_on_cpu_devices(_SCRIPT)
     assert len(results) == 3
     for r in results.values():
         _check(r)

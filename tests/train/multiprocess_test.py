@@ -73,7 +73,7 @@ def reserved_port(low: int = 0):
 def _launch(args, devices):
     # Fast compile: every program at XLA -O0 (the tiny config's train step already is), the one-
     # and the two-process runs compiled alike; the sharded init compiled for 2.5 s of a 3-step run.
-    env = cpu_devices_env(devices, fast_compile=True)
+    env = cpu_devices_env(devices)
     return subprocess.Popen([sys.executable, '-c', _SCRIPT, str(REPO), *map(str, args)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -190,7 +190,7 @@ print('RESULT' + json.dumps(out))
 def test_packed_on_8_shards_equals_one_device_and_gathers_nothing_more():
     # Fast compile: the same programs at XLA -O0 (the partitioner, which places the gathers,
     # runs as at full effort), every side of the comparison compiled alike.
-    out = run_on_cpu_devices(_SHARDED, fast_compile=True)
+    out = run_on_cpu_devices(_SHARDED)
     assert out['packed']['loss'] == pytest.approx(out['loss'], rel=1e-5)
     assert out['packed']['grad_diff'] < 1e-5 and out['padded']['grad_diff'] < 1e-5
     # The packing gathers stay on each device: no collective beyond the padded step's.

@@ -172,7 +172,7 @@ _SCRIPT = textwrap.dedent('''
 
 
 def test_meshes_compute_the_single_device_step_up_to_float32_rounding():
-    out = run_on_cpu_devices(_SCRIPT, str(REPO), fast_compile=True)
+    out = run_on_cpu_devices(_SCRIPT, str(REPO))
     print(json.dumps(out, indent=1))
     lr, steps = 0.1, 3
     for objective, res in out.items():

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from flax import traverse_util
 
 from jaxsim.data.batching import FIELDS, tokenize_examples
@@ -439,6 +440,9 @@ def compare_training(cfg: TrainConfig, model_type: str, rows, views: int,
 # ---------------------------------------------------------------------------------------------
 # Tests.
 # ---------------------------------------------------------------------------------------------
+
+pytestmark = pytest.mark.usefixtures("xla_defaults")  # agreement to the last rounding
+
 
 def test_unsup_steps_match_reference():
     """all-MiniLM-L6-v2, unsupervised SimCSE, the paper's optimizer, dropout off: the two
