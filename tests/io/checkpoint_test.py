@@ -16,6 +16,7 @@ import pytest
 
 from jaxsim.io.checkpoint import (CheckpointError, CheckpointOptions, Checkpointer,
                                   abstract_target, restore_or_none)
+from tests.conftest import cpu_devices_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -113,10 +114,7 @@ def test_errors_are_clear(tmp_path):
 
 
 def _run(script: str, devices: int, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    # Must be set before jax is imported in the child.
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
+    env = cpu_devices_env(devices)  # the device count must be set before jax starts
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=env,
                           capture_output=True, text=True, timeout=120)

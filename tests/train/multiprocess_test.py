@@ -10,7 +10,6 @@ keeps that a bound on the parameters too.
 """
 import contextlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -149,8 +148,7 @@ def test_processes_that_see_different_inputs_are_refused_in_one_line(tmp_path, d
         folder.mkdir()
         changed = differs == 'corpus' and pid == 1
         (folder / 'corpus.txt').write_text('\n'.join(lines[:-1] + [lines[-1] + ' x' * changed]))
-    env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=str(REPO),
-               XLA_FLAGS='--xla_force_host_platform_device_count=4')
+    env = dict(cpu_devices_env(4), PYTHONPATH=str(REPO))
     # 'config' starts as under SLURM (--distributed auto reads the job's variables; JAX takes
     # the coordinator port from the job id, in [61440, 65535]); 'corpus' with explicit flags.
     with reserved_port(61440 if differs == 'config' else 0) as port:

@@ -10,7 +10,6 @@ asynchronous save. Children share one persistent compilation cache: only the fir
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -24,7 +23,7 @@ import pytest
 
 import jaxsim
 from jaxsim.io.checkpoint import Checkpointer
-from tests.conftest import write_run_data
+from tests.conftest import cpu_devices_env, write_run_data
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 20  # 120 sentences / 16 = 7 batches an epoch: the run crosses two epoch boundaries
@@ -112,8 +111,7 @@ def _args(setup: Path, workdir: Path) -> list[str]:
 
 
 def _start(setup, workdir, mode='none', at=0, signame='SIGKILL', delay=0.0):
-    env = dict(os.environ, JAX_PLATFORMS='cpu', JAXSIM_CACHE_DIR=str(setup / 'cache'),
-               XLA_FLAGS='--xla_force_host_platform_device_count=1')
+    env = dict(cpu_devices_env(1), JAXSIM_CACHE_DIR=str(setup / 'cache'))
     return subprocess.Popen(
         [sys.executable, '-c', textwrap.dedent(_CHILD), mode, str(at), signame, str(delay),
          *_args(setup, workdir)], cwd=REPO, env=env, stdout=subprocess.PIPE,
