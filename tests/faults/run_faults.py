@@ -86,6 +86,9 @@ def main(argv=None) -> int:
     parser.add_argument('--keep', action='store_true', help='keep the temporary copies')
     args = parser.parse_args(argv)
     faults = [f for f in FAULTS if args.only is None or any(o in f.name for o in args.only)]
+    if not faults:
+        print(f'error: no fault name contains any of {args.only}')
+        return 2
     workdir = Path(tempfile.mkdtemp(prefix='jaxsim-faults-'))
     try:
         jobs = max(1, min(args.jobs, len(faults)))
