@@ -15,16 +15,28 @@ from pathlib import Path
 from typing import Sequence
 
 from jaxsim import cli_io
+from jaxsim.data.tokenize import token_ids
+from jaxsim.io.hf_folder import ModelLoadError
 from jaxsim.io.pretrained import bundled_model_path, load_pretrained
 from jaxsim.search.ann import METHODS
 from jaxsim.search.index import build_index, load_index
 from jaxsim.search.storage import check_replaceable_index
-from jaxsim.search.vectors import SearchError
+from jaxsim.search.vectors import SearchError, sentence_list
 
 
 def _one_line(text: str) -> str:
     """A sentence printable on one output line (line breaks and tabs escaped)."""
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+
+
+def _warn_truncated(model, sentences: Sequence[str], what: str) -> None:
+    """One warning counting the texts over the model's token limit: they are encoded by their
+    first tokens only (as by `jaxsim encode`), which a search would otherwise not reveal."""
+    limit = model.max_length()
+    over = sum(len(ids) > limit for ids in token_ids(model.tokenizer, sentences, limit + 1))
+    if over:
+        print(f"warning: {what}: {over} of {len(sentences)} sentences are longer than {limit} "
+              f"tokens and are truncated to {limit}", file=sys.stderr)
 
 
 def index_parser() -> argparse.ArgumentParser:
@@ -49,9 +61,13 @@ def index_parser() -> argparse.ArgumentParser:
 def index_main(argv: Sequence[str]) -> int:
     args = index_parser().parse_args(argv)
     # Cheap checks first: the input, then the output, before the model loads.
-    sentences, _, _ = cli_io.input_sentences(args.input)
+    sentences, skipped, name = cli_io.input_sentences(args.input)
     cli_io.check_output_dir(args.out, args.overwrite, "--out", keep=check_replaceable_index)
+    if skipped:
+        print(f"note: {name}: skipped {skipped} blank line{'s' * (skipped > 1)}; row i of the "
+              f"index is the i-th non-blank line", file=sys.stderr)
     model = load_pretrained(args.model or bundled_model_path())
+    _warn_truncated(model, sentences, name)
     index = build_index(model, sentences, pooler=args.pooler, batch_size=args.batch_size,
                         method=args.method)
     index.save(args.out, overwrite=args.overwrite, what="--out")
@@ -86,14 +102,23 @@ def search_main(argv: Sequence[str]) -> int:
         queries += cli_io.input_sentences(args.queries)[0]
     if not queries:
         raise SearchError("no query: pass --query TEXT (repeatable) or --queries FILE")
+    sentence_list(queries, "queries", allow_blank=False)  # before the index and model load
     index = load_index(args.index)  # a bad folder fails before a model is loaded
     model_path = args.model or index.info.model
     if model_path is None:
         raise SearchError(f"{args.index}: the index records no model (built from bare "
                           f"vectors): pass --model")
-    model = load_pretrained(model_path)
+    try:
+        model = load_pretrained(model_path)
+    except ModelLoadError as e:
+        if args.model is not None:
+            raise
+        # A model folder moved or deleted since indexing: say where the path came from.
+        raise ModelLoadError(f"{e} (the model the index records; pass --model to encode "
+                             f"the queries with that model from elsewhere)") from None
     results = index.search(model, queries, threshold=args.threshold, top_k=args.top_k,
                            batch_size=args.batch_size)
+    _warn_truncated(model, queries, "queries")
     for query, hits in zip(queries, results):
         if len(queries) > 1:
             print(f"query: {_one_line(query)}")

@@ -278,9 +278,10 @@ class SearchIndex:
           first); for a list of queries, one such list per query.
         """
         single = isinstance(queries, str)
-        items = [queries] if single else sentence_list(queries, "queries")
-        if threshold is not None and not np.isfinite(threshold):
-            raise SearchError(f"threshold must be a finite number or None, got {threshold}")
+        items = sentence_list([queries] if single else queries, "queries", allow_blank=False)
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(
+                threshold, (int, float, np.integer, np.floating)) or not np.isfinite(threshold)):
+            raise SearchError(f"threshold must be a finite number or None, got {threshold!r}")
         check_top_k(top_k)
         if self._sentences is None:
             raise SearchError("this index stores bare vectors, no sentences: use search_vectors")

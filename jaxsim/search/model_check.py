@@ -49,7 +49,7 @@ def encode_checked(info: Any, model: Any, sentences: Sequence[str], *,
     if info.probe is not None:
         probe = np.asarray(info.probe, np.float32)
         cos = float(normalize_rows(vecs[:1])[0] @ normalize_rows(probe[None])[0])
-        if cos < PROBE_MIN_COSINE:
+        if not cos >= PROBE_MIN_COSINE:  # NaN (a non-finite vector) is a mismatch too
             raise ModelMismatchError(
                 f"{ref.path} (pooler {ref.pooler}) is not the model that built the index, "
                 f"{built}: their vectors of a probe sentence differ (cosine {cos:.4f}); "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -141,9 +142,10 @@ def _read_meta(folder: Path) -> dict:
                              f"{meta['ann']!r:.40}")
     if meta["dim"] < 1:
         raise IndexFileError(f"{path}: field 'dim' must be positive, got {meta['dim']}")
+    # json reads NaN / Infinity; a non-finite probe would make every model check pass.
     if meta["probe"] is not None and (len(meta["probe"]) != meta["dim"] or not all(
-            isinstance(x, (int, float)) for x in meta["probe"])):
-        raise IndexFileError(f"{path}: field 'probe' must hold {meta['dim']} numbers")
+            isinstance(x, (int, float)) and math.isfinite(x) for x in meta["probe"])):
+        raise IndexFileError(f"{path}: field 'probe' must hold {meta['dim']} finite numbers")
     return meta
 
 
@@ -180,6 +182,8 @@ def _read_sentences(path: Path, count: int) -> list[str]:
         raise IndexFileError(f"{path}: missing") from None
     except UnicodeDecodeError:
         raise IndexFileError(f"{path}: not UTF-8 text") from None
+    except OSError as e:  # a folder in its place, no permission
+        raise IndexFileError(f"{path}: unreadable ({e.strerror or e})") from None
     if len(sentences) != count:
         raise IndexFileError(f"{path}: {len(sentences)} sentences, but {INDEX_FILE} says {count}")
     return sentences

@@ -87,12 +87,36 @@ def normalize_rows(x: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarra
     return out
 
 
-def sentence_list(x: Any, what: str) -> list[str]:
-    if isinstance(x, str) or not isinstance(x, Sequence):
+def text_problem(s: str, allow_blank: bool = True) -> Optional[str]:
+    """Why `s` cannot be encoded as a sentence, or None.
+
+    A lone surrogate (e.g. a shell argument holding bytes that are not UTF-8, or a JSON
+    "\\ud800") makes the tokenizer fail deep inside `encode`, and the index file could not
+    store it; a blank query has no words to search by.
+    """
+    if not allow_blank and not s.strip():
+        return "blank"
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"not valid Unicode text ({e.reason}, character {e.start}: {s[e.start]!r})"
+    return None
+
+
+def sentence_list(x: Any, what: str, allow_blank: bool = True) -> list[str]:
+    """`x` as a list of encodable strings; `allow_blank=False` refuses blank ones (queries).
+
+    Raises:
+      SearchError: not a list of strings, or an item `text_problem` refuses (named by index).
+    """
+    if isinstance(x, (str, bytes)) or not isinstance(x, Sequence):
         raise SearchError(f"{what} must be a list of strings, got {type(x).__name__}")
     for i, s in enumerate(x):
         if not isinstance(s, str):
             raise SearchError(f"{what}[{i}] is a {type(s).__name__}, not a string: {s!r:.60}")
+        problem = text_problem(s, allow_blank)
+        if problem is not None:
+            raise SearchError(f"{what}[{i}] is {problem}")
     return list(x)
 
 
@@ -141,6 +165,8 @@ def similarity(model: Any, queries: TextsOrVectors, keys: TextsOrVectors, *,
       SearchError: sentences given without a model.
     """
     q_text, k_text = _texts(queries), _texts(keys)
+    q_text = None if q_text is None else sentence_list(q_text, "queries")
+    k_text = None if k_text is None else sentence_list(k_text, "keys")
     texts = (q_text or []) + (k_text or [])
     if (q_text is not None or k_text is not None) and model is None:
         raise SearchError("similarity of sentences needs a model (got model=None)")

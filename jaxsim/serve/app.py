@@ -26,6 +26,7 @@ from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from jaxsim.search.vectors import text_problem
 from jaxsim.serve.batcher import BatcherBusy, BatcherClosed
 from jaxsim.serve.service import SearchService, ServeLimits
 
@@ -62,7 +63,9 @@ class SimilarityRequest(BaseModel):
 
 
 def _check_sentences(limits: ServeLimits, **fields: list[str]) -> None:
-    """Each field non-empty, all of them together within max_sentences, each within max_chars."""
+    """Each field non-empty, all of them together within max_sentences, each within max_chars,
+    none blank or holding a lone surrogate (JSON "\\ud800" parses to one, and the tokenizer
+    would then fail the whole merged batch, every other request in it included)."""
     for name, sentences in fields.items():
         if not sentences:
             raise FieldError(name, "must hold at least one sentence")
@@ -70,6 +73,9 @@ def _check_sentences(limits: ServeLimits, **fields: list[str]) -> None:
             if len(s) > limits.max_chars:
                 raise FieldError(f"{name}[{i}]", f"{len(s)} characters, the limit is "
                                                  f"{limits.max_chars}")
+            problem = text_problem(s, allow_blank=False)
+            if problem is not None:
+                raise FieldError(f"{name}[{i}]", problem)
     total = sum(len(s) for s in fields.values())
     if total > limits.max_sentences:
         raise FieldError(" + ".join(fields), f"{total} sentences, the limit is "
@@ -204,7 +210,15 @@ def create_app(service: SearchService) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def on_http(_request: Request, exc: HTTPException):
+        if exc.status_code == 400:  # FastAPI could not decode the body (bytes not UTF-8)
+            return _error(400, "body: not valid JSON (JSON text must be UTF-8)", "body")
         return _error(exc.status_code, str(exc.detail))
+
+    # Anything else is a server fault: the client gets JSON like every other answer, without
+    # the traceback, which the server's log keeps.
+    @app.exception_handler(Exception)
+    async def on_fault(_request: Request, exc: Exception):
+        return _error(500, f"internal error ({type(exc).__name__}); see the server log")
 
     @app.get("/", response_class=HTMLResponse)
     async def index_page():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import math
 import threading
 import time
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -77,9 +78,11 @@ class Batcher:
           max_queue: most requests waiting; more are refused with BatcherBusy.
           enabled: False serves one request per device call (for comparison).
         """
-        if window_s < 0 or max_batch < 1 or max_queue < 1:
-            raise ValueError(f"window_s must be >= 0 and max_batch, max_queue positive; got "
-                             f"{window_s}, {max_batch}, {max_queue}")
+        # `not 0 <= w < inf` also refuses NaN: a window that never ends would keep the worker
+        # waiting for ever after a lone request.
+        if not 0 <= window_s < math.inf or max_batch < 1 or max_queue < 1:
+            raise ValueError(f"window_s must be a finite number >= 0 and max_batch, max_queue "
+                             f"positive; got {window_s}, {max_batch}, {max_queue}")
         self._encode, self._search = encode, search
         self.window_s, self.max_batch, self.max_queue = window_s, max_batch, max_queue
         self.enabled = enabled

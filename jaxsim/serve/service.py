@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 from typing import Any, Optional, Union
 
 import numpy as np
 
 from jaxsim.data.tokenize import bucket_length
+from jaxsim.io.hf_folder import ModelLoadError
 from jaxsim.io.pretrained import load_pretrained
 from jaxsim.search.index import SearchIndex, load_index
 from jaxsim.search.vectors import SearchError, embed, normalize_rows
@@ -47,6 +49,11 @@ class ServeLimits:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
+            # NaN passes every comparison, and a NaN or infinite window keeps the batcher
+            # waiting for ever: no request would be answered.
+            if not math.isfinite(getattr(self, field.name)):
+                raise ValueError(f"{field.name} must be a finite number, got "
+                                 f"{getattr(self, field.name)}")
             if getattr(self, field.name) < (0 if field.name == "window_ms" else 1):
                 raise ValueError(f"{field.name} must be positive, got {getattr(self, field.name)}")
         if self.max_sentences > self.max_batch:
@@ -163,6 +170,13 @@ def open_service(index_dir: Union[str, os.PathLike], model: Optional[str] = None
     if index.info.pooler is None or index.sentences is None:
         raise SearchError(f"{index_dir}: the index was built from bare vectors; serve an index "
                           f"built with `python -m jaxsim index`")
-    encoder = load_pretrained(model or index.info.model, pooler=index.info.pooler)
+    try:
+        encoder = load_pretrained(model or index.info.model, pooler=index.info.pooler)
+    except ModelLoadError as e:
+        if model is not None:
+            raise
+        # A model folder moved or deleted since indexing: say where the path came from.
+        raise ModelLoadError(f"{e} (the model {index_dir} records; pass --model to serve "
+                             f"with that model from elsewhere)") from None
     index.encode_checked(encoder, [])  # encodes the probe: refuses another model now
     return SearchService(index, encoder, limits=limits, batching=batching)

@@ -22,7 +22,7 @@ from jaxsim.search import topk
 from jaxsim.search import (IndexFileError, IndexInfo, ModelMismatchError, SearchError,
                            SearchIndex, VectorError, build_index, load_index, similarity)
 from jaxsim.io.store import OutputExistsError
-from tests.conftest import run_on_cpu_devices
+from tests.conftest import run_on_cpu_devices, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -223,6 +223,23 @@ def test_load_refuses_broken_folders(tmp_path):
         load_index(tmp_path)
 
 
+
+def test_load_refuses_a_nan_probe_and_a_folder_in_place_of_a_file(tmp_path):
+    index = SearchIndex(IndexInfo(dim=4, model="m", pooler="avg", probe=(1.0, 0.0, 0.0, 0.0)))
+    index.add_vectors(_gaussian(3, 4, 14), ["a", "b", "c"])
+    index.save(tmp_path / "ix")
+    meta_path = tmp_path / "ix" / "index.json"
+    meta = json.loads(meta_path.read_text())
+    # A NaN probe would pass every model check (NaN < 0.999 is false): refused on load.
+    meta_path.write_text(json.dumps(dict(meta, probe=[float("nan"), 0.0, 0.0, 0.0])))
+    with pytest.raises(IndexFileError, match=r"index.json: field 'probe' must hold 4 finite"):
+        load_index(tmp_path / "ix")
+    meta_path.write_text(json.dumps(meta))
+    (tmp_path / "ix" / "sentences.jsonl").unlink()
+    (tmp_path / "ix" / "sentences.jsonl").mkdir()
+    with pytest.raises(IndexFileError, match=r"ix/sentences.jsonl: unreadable \(.*directory"):
+        load_index(tmp_path / "ix")
+
 # --- with the bundled model -----------------------------------------------------------------
 
 CORPUS = ["A man is playing a guitar.", "A woman is slicing onions.", "A man plays the violin.",
@@ -303,6 +320,33 @@ def test_mismatched_model_is_refused(bundled, tmp_path):
         cls_index.search(bundled, QUERIES[0], pooler="avg")
 
 
+
+def test_blank_and_undecodable_queries_are_refused_by_position(bundled, tmp_path, capsys):
+    index = build_index(bundled, CORPUS[:4])
+    for queries, message in ((["A man.", "  "], r"queries\[1\] is blank"),
+                             ("", r"queries\[0\] is blank"),
+                             (["caf\udcff"], r"queries\[0\] is not valid Unicode")):
+        with pytest.raises(SearchError, match=message):
+            index.search(bundled, queries)
+    with pytest.raises(SearchError, match=r"sentences\[1\] is not valid Unicode"):
+        index.add(bundled, ["A dog.", "\ud800"])
+    with pytest.raises(SearchError, match=r"sentences\[0\] is not valid Unicode"):
+        SearchIndex.from_vectors(np.ones((1, 3)), ["\ud800"])
+    with pytest.raises(SearchError, match=r"keys\[1\] is not valid Unicode"):
+        similarity(bundled, "A man.", ["A dog.", "caf\udcff"])
+    with pytest.raises(SearchError, match="queries must be a list of strings, got bytes"):
+        index.search(bundled, b"A man.")
+    with pytest.raises(SearchError, match="threshold must be a finite number or None, got '0.5'"):
+        index.search(bundled, "A man.", threshold="0.5")
+    assert len(index) == 4
+    index.save(tmp_path / "ix")
+    # A shell passes bytes that are not UTF-8 as surrogate escapes, e.g. --query $'caf\xff'.
+    for query, message in (("", "queries[0] is blank"),
+                           ("caf\udcff", "queries[0] is not valid Unicode")):
+        assert cli_main(["search", "--index", str(tmp_path / "ix"), "--query", query]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
 def test_command_lines_end_to_end(tmp_path, capsys):
     corpus_file = tmp_path / "corpus.txt"
     corpus_file.write_text("\n".join(CORPUS[:7]) + "\n\n", encoding="utf-8")
@@ -336,6 +380,32 @@ def test_command_lines_end_to_end(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
+
+
+def test_index_and_search_say_when_texts_are_truncated(tmp_path, capsys):
+    corpus_file = tmp_path / "corpus.txt"
+    long = " ".join(["guitar"] * 300)  # over all-MiniLM-L6-v2's 256 tokens
+    corpus_file.write_text(f"{CORPUS[0]}\n\n{long}\n{CORPUS[1]}\n", encoding="utf-8")
+    assert cli_main(["index", "--input", str(corpus_file), "--out", str(tmp_path / "ix")]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 blank line" in err
+    assert "1 of 3 sentences are longer than 256 tokens and are truncated to 256" in err
+    assert cli_main(["search", "--index", str(tmp_path / "ix"), "--query", long,
+                     "--query", "A guitar."]) == 0
+    assert "1 of 2 sentences are longer than 256 tokens" in capsys.readouterr().err
+
+
+def test_a_moved_model_is_named_as_the_one_the_index_records(tmp_path, capsys):
+    write_tiny_model(tmp_path / "model")
+    build_index(jaxsim.load_pretrained(tmp_path / "model"), CORPUS[:3]).save(tmp_path / "ix")
+    (tmp_path / "model").rename(tmp_path / "moved")
+    capsys.readouterr()  # the tiny model's save output
+    assert cli_main(["search", "--index", str(tmp_path / "ix"), "--query", "A man."]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such model folder" in err[0], err
+    assert "the model the index records" in err[0] and "pass --model" in err[0], err
+    assert cli_main(["search", "--index", str(tmp_path / "ix"), "--query", "A man.",
+                     "--model", str(tmp_path / "moved")]) == 0
 
 # --- sharded over 8 devices -----------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 free localhost port, every route and every error, results checked against the library."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import http.client
 import json
@@ -12,6 +13,8 @@ import pytest
 
 import jaxsim
 from jaxsim.search import load_index
+from jaxsim.serve.app import create_app
+from jaxsim.serve.service import ServeLimits
 from tests.serve.conftest import CORPUS_SIZE, call
 
 
@@ -98,6 +101,61 @@ def test_concurrent_requests_share_batches_and_keep_their_own_results(server, lo
     assert batches < requests and after["served"]["largest_batch"] > 1
 
 
+def test_a_bad_request_among_concurrent_ones_fails_alone(server, local):
+    model, index, sentences = local
+    bodies = [{"queries": [q], "top_k": 2, "threshold": None} for q in sentences[:12]]
+    bodies[5] = {"queries": ["\ud800"], "top_k": 2}  # would fail the tokenizer for its batch
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: call(server.url, "/search", b), bodies))
+    assert answers[5][0] == 422 and answers[5][1]["field"] == "queries[0]"
+    expected = index.search(model, sentences[:12], threshold=None, top_k=2)
+    for i, ((status, body), want) in enumerate(zip(answers, expected)):
+        if i != 5:
+            assert status == 200, body
+            assert [h["sentence"] for h in body["results"][0]] == [s for s, _ in want]
+
+
+def _post_in_process(app, path: str, body: bytes) -> tuple[int, bytes]:
+    """(status, body) of one POST through the ASGI app itself, no server."""
+    sent, messages = [], []
+
+    async def receive():
+        if sent:
+            return {"type": "http.disconnect"}
+        sent.append(True)
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        messages.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+    try:
+        asyncio.run(app(scope, receive, send))
+    except RuntimeError:
+        pass  # the app answers, then re-raises the error for the server's log
+    start = next(m for m in messages if m["type"] == "http.response.start")
+    return start["status"], b"".join(m.get("body", b"") for m in messages[1:])
+
+
+def test_an_unexpected_failure_is_a_json_500_without_traceback():
+    class Broken:
+        limits = ServeLimits()
+
+        async def search(self, queries, top_k, threshold):
+            raise RuntimeError("device lost")
+
+    status, body = _post_in_process(create_app(Broken()), "/search", b'{"queries": ["a"]}')
+    assert status == 500
+    answer = json.loads(body)
+    assert answer["error"].startswith("internal error (RuntimeError")
+    assert "Traceback" not in body.decode()
+
+
 def test_the_page_is_served(server):
     status, page = call(server.url, "/")
     assert status == 200 and '<form id="search-form">' in page and 'id="results"' in page
@@ -120,6 +178,10 @@ def test_the_page_is_served(server):
     ("/encode", {"sentence": ["a"]}, 422, "sentences"),
     ("/similarity", {"queries": ["a"]}, 422, "keys"),
     ("/similarity", {"queries": ["a"] * 40, "keys": ["b"] * 40}, 422, "queries + keys"),
+    ("/search", {"queries": ["a", " "]}, 422, "queries[1]"),
+    ("/search", {"queries": ["caf\udcff"]}, 422, "queries[0]"),  # a lone surrogate
+    ("/encode", {"sentences": [""]}, 422, "sentences[0]"),
+    ("/similarity", {"queries": ["a"], "keys": ["b", "\ud800"]}, 422, "keys[1]"),
 ])
 def test_bad_requests_name_the_field(server, path, body, status, field):
     got, answer = call(server.url, path, body)
@@ -130,6 +192,8 @@ def test_bad_requests_name_the_field(server, path, body, status, field):
 def test_bad_bodies_get_json_errors(server):
     assert call(server.url, "/search", raw=b'{"queries": [') == (
         400, {"error": "body: not valid JSON", "field": "body"})
+    status, answer = call(server.url, "/search", raw=b'{"queries": ["caf\xe9"]}')  # Latin-1
+    assert status == 400 and answer["field"] == "body" and "UTF-8" in answer["error"], answer
     status, answer = call(server.url, "/search", raw=b'{"queries": ["a"], "threshold": NaN}')
     assert status == 422 and answer["field"] == "threshold"
     status, answer = call(server.url, "/search", raw=b"queries=a",

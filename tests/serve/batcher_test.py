@@ -114,3 +114,10 @@ def test_an_encode_failure_reaches_every_caller_of_that_batch_only():
             with pytest.raises(RuntimeError, match="device lost"):
                 f.result(10)
         assert futures[2].result(10).vectors.shape == (2, 4)
+
+
+@pytest.mark.parametrize("window_s", [float("nan"), float("inf"), -0.001])
+def test_a_window_that_would_never_end_is_refused(window_s):
+    # NaN passes `< 0`; with it (or inf) the worker would wait for ever for a lone request.
+    with pytest.raises(ValueError, match="window_s must be a finite number >= 0"):
+        Batcher(Device().encode, Device().search, window_s=window_s)

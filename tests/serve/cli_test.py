@@ -1,7 +1,9 @@
 """`python -m jaxsim serve` refuses bad input in one line, before any port is opened."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -21,6 +23,9 @@ def _serve(*args: str) -> subprocess.CompletedProcess:
     (["--index", "{tmp}", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
     (["--index", "{tmp}", "--max-sentences", "300"], "must not exceed max_batch"),
     (["--index", "{tmp}", "--max-queue", "0"], "max_queue must be positive"),
+    # A NaN or infinite window would leave the batcher waiting forever: every request hangs.
+    (["--index", "{tmp}", "--batch-window-ms", "nan"], "window_ms must be a finite number"),
+    (["--index", "{tmp}", "--batch-window-ms", "inf"], "window_ms must be a finite number"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path, args, message):
     proc = _serve(*[a.format(tmp=tmp_path) for a in args])
@@ -28,3 +33,15 @@ def test_bad_options_are_one_line_errors(tmp_path, args, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     assert proc.stdout == ""  # never got as far as serving
+
+
+def test_a_moved_model_is_named_as_the_one_the_index_records(served_index, tmp_path):
+    index_dir, model_dir, _ = served_index
+    shutil.copytree(index_dir, tmp_path / "index")
+    meta = json.loads((tmp_path / "index" / "index.json").read_text())
+    meta["model"] = str(tmp_path / "moved-away")  # index.json is outside the checksum
+    (tmp_path / "index" / "index.json").write_text(json.dumps(meta))
+    proc = _serve("--index", str(tmp_path / "index"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert "moved-away: no such model folder" in lines[0] and "pass --model" in lines[0], lines
