@@ -25,7 +25,6 @@ os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')
 os.environ.setdefault('TRANSFORMERS_NO_ADVISORY_WARNINGS', '1')
 
 from jaxsim import cli_io, distributed  # noqa: E402
-from jaxsim.errors import USER_ERROR_EXIT  # noqa: E402
 from jaxsim.eval import cli_checks, plots, report, report_tb, runner  # noqa: E402
 from jaxsim.runtime import enable_compilation_cache  # noqa: E402
 
@@ -33,17 +32,9 @@ ALL_TASKS = 'sts12,sts13,sts14,sts15,sts16,stsb,sickr'
 TRANSFER_TASKS = 'mr,cr,subj,mpqa,sst2,trec,mrpc'
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with the command lines' one error format: `error: ...`, exit 1."""
-
-    def error(self, message):
-        print(f'error: {message}', file=sys.stderr)
-        sys.exit(USER_ERROR_EXIT)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(prog='python eval.py', description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli_io.ArgumentParser(prog='python eval.py', description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--model', action='append', default=None,
                    help='HF folder, hub id or train workdir; repeat for several models '
                         '(default: the bundled all-MiniLM-L6-v2)')

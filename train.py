@@ -35,7 +35,7 @@ import sys  # noqa: E402
 
 from absl import logging as absl_logging  # noqa: E402
 
-from jaxsim import distributed, interrupts, runtime  # noqa: E402
+from jaxsim import cli_io, distributed, interrupts, runtime  # noqa: E402
 from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS  # noqa: E402
 from jaxsim.train.config import TrainConfig  # noqa: E402
 from jaxsim.train.config_files import apply_overrides, load_config_file  # noqa: E402
@@ -47,7 +47,7 @@ from jaxsim.train.step import configure_jax  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog='train.py', description=__doc__.split('\n')[0])
+    p = cli_io.ArgumentParser(prog='train.py', description=__doc__.split('\n')[0])
     p.add_argument('--config', required=True, help='configs/NAME.py (or NAME.py:ARG)')
     p.add_argument('--workdir', required=True, help='the run folder (becomes a loadable model)')
     p.add_argument('--allow-change', default='', metavar='KEYS',
@@ -130,9 +130,13 @@ def run(args, overrides) -> int:
 
 def parse_seeds(text: str) -> list[int]:
     try:
-        return [int(s) for s in text.split(',') if s.strip()]
+        seeds = [int(s) for s in text.split(',') if s.strip()]
     except ValueError:
         raise ValueError(f'--seeds {text}: expected comma-separated integers') from None
+    # A repeated seed would rerun (in fact skip) DIR/seed_N and count it twice in the mean/std.
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f'--seeds {text}: expected distinct comma-separated integers')
+    return seeds
 
 
 if __name__ == '__main__':

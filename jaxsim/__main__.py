@@ -108,7 +108,8 @@ def encode_main(argv: Sequence[str]) -> int:
     if skipped:
         print(f"note: {name}: skipped {skipped} blank line{'s' * (skipped > 1)}; row i "
               f"of the output is the i-th non-blank line", file=sys.stderr)
-    model = load_pretrained(args.model or bundled_model_path(), pooler=args.pooler)
+    model = load_pretrained(bundled_model_path() if args.model is None else args.model,
+                            pooler=args.pooler)
     limit = model.max_length() if args.max_length is None else args.max_length
     if not 2 <= limit <= model.config.max_length:
         raise UsageError(f"--max-length must be in [2, {model.config.max_length}] for "

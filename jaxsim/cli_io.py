@@ -17,6 +17,15 @@ from jaxsim.io import store
 STDIN = "-"
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the command lines' one error format: a single `error: ...` line and exit 1,
+    not argparse's usage block and exit 2."""
+
+    def error(self, message):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+
+
 def read_input_text(path: Union[str, Path]) -> tuple[str, str]:
     """(text, name for messages) of a sentence input: a file, or standard input for `-`."""
     if str(path) == STDIN:

@@ -6,6 +6,7 @@ missing `get_config` the same way, each through its own error class.
 from __future__ import annotations
 
 import importlib.util
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,20 @@ def run_get_config(path: Path, error: type[JaxsimError], what: str, arg: str = '
         module_spec.loader.exec_module(module)
     except SyntaxError as e:
         raise error(f'{path}:{e.lineno}: syntax error: {e.msg}') from None
+    except Exception as e:  # the file's own code failed (a typo'd name, a bad import)
+        raise error(_failure(path, e)) from None
     get_config = getattr(module, 'get_config', None)
     if get_config is None:
         raise error(f'{path}: defines no get_config()')
-    return get_config(arg) if arg else get_config()
+    try:
+        return get_config(arg) if arg else get_config()
+    except Exception as e:
+        raise error(_failure(path, e)) from None
+
+
+def _failure(path: Path, e: Exception) -> str:
+    """'path:line: Type: message', the line being the file's deepest one in the traceback."""
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+             if Path(f.filename).resolve() == path.resolve()]
+    where = f'{path}:{lines[-1]}' if lines else str(path)
+    return f'{where}: {type(e).__name__}: {e}'

@@ -132,6 +132,9 @@ def test_index_rows_reordered_after_saving_are_refused(tmp_path):
     (['--fit-on', 'task'], '--fit-on task has no effect'),
     (['--post', 'whitening', '--seeds', '1,2'], '--seeds 1,2 has no effect'),
     (['--flow-checkpoint', 'cal'], '--flow-checkpoint cal has no effect without --post flow'),
+    (['--tasks', 'mr', '--post', 'whitening'], '--post whitening has no effect: calibrations '
+                                               'apply to STS tasks'),
+    (['--tasks', 'mr,cr', '--split', 'dev'], '--split dev has no effect'),
 ])
 def test_eval_refuses_flags_without_effect_before_loading(tmp_path, capsys, monkeypatch, args,
                                                           message):

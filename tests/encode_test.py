@@ -329,6 +329,11 @@ def test_cli_bad_input_files(tmp_path, capsys):
         assert code == 1 and message in err and err.count("\n") == 1, err
     code, err = _cli(capsys, "--input", str(tmp_path / "missing.txt"), "--output", out)
     assert code == 1 and "missing.txt: sentence file not found" in err
+    # `--model "$M"` with M unset: an error, not the bundled model's vectors.
+    (tmp_path / "ok.txt").write_text("a line\n")
+    code, err = _cli(capsys, "--model", "", "--input", str(tmp_path / "ok.txt"), "--output", out)
+    assert code == 1 and err == "error: the model path is empty; give a folder, a hub id or " \
+                                "'bundled'\n", err
     assert not (tmp_path / "x.npy").exists()
 
 

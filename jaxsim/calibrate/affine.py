@@ -69,7 +69,7 @@ class AffineCalibration(Calibration, flax.struct.PyTreeNode):
 
     def apply(self, x: Any) -> np.ndarray:
         """x [N, D] -> [N, K] float64 numpy."""
-        arr = check_embeddings(x, f'{self.spec or "calibration"} input')
+        arr = check_embeddings(x, f'{self.spec or "calibration"} input', min_rows=0)
         check_dim(arr, self.dim_in, self.spec or type(self).__name__)
         return (arr - np.asarray(self.mu, np.float64)) @ np.asarray(self.W, np.float64)
 
@@ -125,7 +125,7 @@ class Identity(AffineCalibration):
         return cls(mu=np.zeros(d), W=np.eye(d))
 
     def apply(self, x: Any) -> np.ndarray:
-        arr = check_embeddings(x, 'none input')
+        arr = check_embeddings(x, 'none input', min_rows=0)
         check_dim(arr, self.dim_in, 'none')
         return arr
 
@@ -153,8 +153,8 @@ class Whitening(AffineCalibration):
         """
         x = _check_matrix(x, 'whitening')
         n, d = x.shape
-        if eps < 0:
-            raise CalibrationError(f'whitening: eps must be >= 0, got {eps}')
+        if not 0 <= eps < np.inf:  # NaN would pass `eps < 0` and poison every vector
+            raise CalibrationError(f'whitening: eps must be a finite number >= 0, got {eps}')
         if arg is not None and not 1 <= int(arg) <= d:
             raise CalibrationError(f'whitening: k must be in [1, {d}], got {arg}')
         k = d if arg is None else int(arg)
@@ -191,8 +191,8 @@ class StandardNormalization(AffineCalibration):
         """Constant columns (zero std) are dropped with a note unless eps > 0 regularizes."""
         x = _check_matrix(x, 'sn')
         d = x.shape[1]
-        if eps < 0:
-            raise CalibrationError(f'sn: eps must be >= 0, got {eps}')
+        if not 0 <= eps < np.inf:  # NaN would pass `eps < 0` and poison every vector
+            raise CalibrationError(f'sn: eps must be a finite number >= 0, got {eps}')
         mu = x.mean(axis=0)
         std = x.std(axis=0)
         if eps > 0:

@@ -118,7 +118,7 @@ def check_embeddings(x: Any, what: str = 'embeddings', dtype=np.float64,
         raise CalibrationError(
             f'{what}: expected a [num_sentences, dim] matrix, got shape {arr.shape}')
     if arr.shape[0] < min_rows:
-        raise CalibrationError(f'{what}: need at least {min_rows} sentences to fit, got '
+        raise CalibrationError(f'{what}: need at least {min_rows} sentences, got '
                                f'{arr.shape[0]}')
     bad = ~np.isfinite(arr)
     if bad.any():
@@ -307,6 +307,6 @@ def load(folder: Union[str, pathlib.Path]) -> Calibration:
     try:
         arrays = safetensors.numpy.load_file(str(arrays_path))
         cal = cls.from_state(meta, arrays)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, safetensors.SafetensorError) as e:
         raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
     return _stamp(cal, spec=spec, note=note)

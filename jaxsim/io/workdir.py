@@ -25,6 +25,7 @@ from jaxsim.io.hf_folder import load_tokenizer
 from jaxsim.model import SentenceModel
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, check_params
+from jaxsim.models.poolers import get_pooler
 
 MODEL_FILE = "model.json"
 TOKENIZER_DIR = "tokenizer"
@@ -78,10 +79,18 @@ def encoder_from_record(record: Mapping, source: str) -> tuple[SentenceEncoder, 
     """The SentenceEncoder (float32) and token limit described by a model.json record."""
     if record.get("format") != _FORMAT or not isinstance(record.get("config"), Mapping):
         raise WorkdirError(f"{source}: not a jaxsim model record")
-    config = BertConfig.from_hf_dict(record["config"])
-    encoder = SentenceEncoder(config, pooler=str(record.get("pooler") or "avg"),
-                              mlp_only_train=bool(record.get("mlp_only_train")))
-    return encoder, record.get("max_seq_length")
+    max_len = record.get("max_seq_length")
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int)
+                                or max_len < 2):
+        raise WorkdirError(f"{source}: max_seq_length: expected int >= 2, got {max_len!r}")
+    try:
+        config, pooler = BertConfig.from_hf_dict(record["config"]), record.get("pooler") or "avg"
+        get_pooler(pooler)
+        encoder = SentenceEncoder(config, pooler=str(pooler),
+                                  mlp_only_train=bool(record.get("mlp_only_train")))
+    except (JaxsimError, TypeError) as e:  # the file at fault, not just the key
+        raise WorkdirError(f"{source}: {e}") from None
+    return encoder, max_len
 
 
 def load_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "best"

@@ -56,6 +56,11 @@ class BertConfig:
     model_type: str = "bert"
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # a hand-edited "32", null or 0: named, not in flax
+            v, kinds = getattr(self, f.name), {"int": (int,), "float": (int, float)}.get(f.type)
+            least = int(f.type == "int" and f.name != "pad_token_id")  # a pad id may be 0
+            if kinds and (isinstance(v, bool) or not isinstance(v, kinds) or not v >= least):
+                raise ConfigError(f"{f.name}: expected {f.type} >= {least}, got {v!r}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
                 f"unknown model_type {self.model_type!r}; jaxsim supports {SUPPORTED_MODEL_TYPES}")

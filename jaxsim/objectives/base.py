@@ -120,4 +120,11 @@ def check_kwargs(objective: Objective, kwargs: Mapping[str, Any]) -> dict[str, A
     if missing:
         raise ObjectiveError(f"objective {objective.name!r} needs objective_kwargs "
                              f"{', '.join(map(repr, missing))}")
+    for name, value in kwargs.items():
+        # A number given as text ('0.05' in a config file) would fail only inside the traced
+        # loss, with a TypeError naming no argument.
+        if isinstance(known.get(name), (int, float)) and not isinstance(known[name], bool) and (
+                isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ObjectiveError(f"objective {objective.name!r}: {name} must be a number, got "
+                                 f"{value!r}")
     return dict(kwargs)

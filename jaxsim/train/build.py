@@ -20,7 +20,7 @@ from jaxsim.data import readers, sources
 from jaxsim.data.packing import pack_batch
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
 from jaxsim.io.pretrained import load_pretrained
-from jaxsim.models.bert import BertConfig
+from jaxsim.models.bert import BertConfig, ConfigError as ModelConfigError
 from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.models.poolers import get_pooler
 from jaxsim.objectives import Objective, ObjectiveError
@@ -75,7 +75,15 @@ def load_base(cfg: TrainConfig) -> BaseModel:
                           'random_init=True (pretrained weights fix it)')
     if cfg.dropout >= 0:
         overrides.update({k: cfg.dropout for k in _DROPOUT_FIELDS})
-    config = dataclasses.replace(config, **overrides)
+    try:
+        config = dataclasses.replace(config, **overrides)
+    except ModelConfigError as e:
+        raise ConfigError(f'train config: model_overrides: {e}') from None
+    # Positions past the table are read out of range: the loss turns NaN, no error is raised.
+    if cfg.max_len > config.max_length:
+        raise ConfigError(f'train config: max_len {cfg.max_len} is more than the '
+                          f'{config.max_length} tokens the model takes '
+                          f'(max_position_embeddings {config.max_position_embeddings})')
     return BaseModel(config=config, tokenizer=tokenizer, bert_params=bert_params, path=str(path),
                      mlm_params=mlm_params)
 

@@ -244,6 +244,8 @@ class TrainConfig:
             _bad(f'mlm_probability must be in (0, 1), got {self.mlm_probability}')
         if not self.objective:
             _bad('objective is empty')
+        if not self.model.strip():
+            _bad("model is empty; give a folder, a hub id or 'bundled'")
         try:
             json.dumps(self.to_dict(), allow_nan=False)
         except (TypeError, ValueError) as e:

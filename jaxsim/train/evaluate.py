@@ -15,6 +15,7 @@ from jaxsim.data.senteval import StsPairs, load_stsb
 from jaxsim.encode import encode
 from jaxsim.eval.metrics import spearman_x100
 from jaxsim.model import SentenceModel
+from jaxsim.train.config import ConfigError
 
 DEV_METRIC = 'stsb_dev'
 TEST_METRIC = 'stsb_test'
@@ -33,6 +34,10 @@ class StsbEvaluator:
 
     def __init__(self, model: SentenceModel, mesh: Mesh, root: str, max_length: int,
                  batch_size: int, test: bool):
+        if not 2 <= max_length <= model.config.max_length:
+            # Checked here, before the run writes its workdir, not at the first evaluation.
+            raise ConfigError(f'train config: eval_max_len must be in [2, '
+                              f'{model.config.max_length}] for this model, got {max_length}')
         self.model, self.mesh = model, mesh
         self.max_length, self.batch_size = max_length, batch_size
         self.pairs = {'dev': load_stsb(root, 'dev')}

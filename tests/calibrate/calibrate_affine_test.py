@@ -88,8 +88,13 @@ def test_bad_input_is_rejected_before_fitting():
         calibrate.fit('whitening:10', correlated())
     with pytest.raises(CalibrationError, match='fitted on 9-dim'):
         calibrate.fit('whitening', correlated()).apply(np.ones((2, 5)))
-    with pytest.raises(CalibrationError, match='eps must be >= 0'):
+    with pytest.raises(CalibrationError, match='eps must be a finite number >= 0'):
         calibrate.fit('sn', correlated(), eps=-1.0)
+    # NaN passes `eps < 0`: it would turn every calibrated vector into NaN (eval.py --eps nan).
+    for spec in ('whitening', 'sn'):
+        for eps in (float('nan'), float('inf')):
+            with pytest.raises(CalibrationError, match=f'{spec}: eps must be a finite number'):
+                calibrate.fit(spec, correlated(), eps=eps)
 
 
 def test_sn_standardizes_columns():

@@ -56,6 +56,15 @@ def test_save_load_round_trip(spec, tmp_path):
     np.testing.assert_array_equal(loaded.apply(x), cal.apply(x))
 
 
+@pytest.mark.parametrize('spec', ['none', 'whitening:3', 'sn', 'natsv:2'])
+def test_no_rows_in_gives_no_rows_out(spec):
+    cal = calibrate.fit(spec, _x())
+    out = cal.apply(np.zeros((0, 6)))
+    assert out.shape == (0, cal.apply(_x(n=2)).shape[1])
+    with pytest.raises(CalibrationError, match='fitted on 6-dim'):
+        cal.apply(np.zeros((0, 5)))
+
+
 def test_load_errors_name_the_file(tmp_path):
     with pytest.raises(CalibrationError, match='calibration.json: not found'):
         calibrate.load(tmp_path)
@@ -73,6 +82,12 @@ def test_load_errors_name_the_file(tmp_path):
     (tmp_path / 'ok' / 'calibration.json').write_text(json.dumps(record))
     with pytest.raises(CalibrationError, match='arrays.safetensors: not found'):
         calibrate.load(tmp_path / 'ok')
+    # A truncated arrays file (a copy cut short): safetensors' own error type, not a traceback.
+    calibrate.fit('sn', _x()).save(tmp_path / 'cut')
+    with open(tmp_path / 'cut' / 'arrays.safetensors', 'r+b') as f:
+        f.truncate(100)
+    with pytest.raises(CalibrationError, match=r"cut: cannot rebuild 'sn' \(Error while "):
+        calibrate.load(tmp_path / 'cut')
 
 
 def test_describe_and_repr_are_one_short_line():

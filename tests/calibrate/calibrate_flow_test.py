@@ -40,6 +40,12 @@ def test_flow_maps_to_its_latent_and_back(fitted):
     assert cal.affine() is None and not cal.linear  # export must refuse it
 
 
+def test_no_rows_in_gives_no_rows_out(fitted):
+    x, cal = fitted
+    for out in (cal.apply(x[:0]), cal.inverse(x[:0])):
+        assert out.shape == (0, x.shape[1]) and out.dtype == np.float32
+
+
 def test_nll_is_the_change_of_variables_density(fitted):
     """nll(x) = -log N(f(x); 0, I) - log|det df/dx|, the Jacobian taken by central differences
     of `apply` in float64 (independent of the layers' own log-determinants)."""

@@ -123,6 +123,14 @@ def test_bad_options_fail_before_any_work(tmp_path, monkeypatch, capsys, args, m
     assert err.startswith(message.format(tmp=tmp_path)) and err.count('\n') == 1, err
 
 
+def test_empty_model_is_an_error_not_the_bundled_model(tmp_path, capsys):
+    # `--model "$M"` with M unset: scoring the bundled model instead would go unnoticed.
+    root = write_tiny_senteval(tmp_path / 'data')
+    assert eval_cli.main(['--data', str(root), '--model', '', '--tasks', 'stsb']) == 1
+    assert capsys.readouterr().err == ("error: the model path is empty; give a folder, a hub id "
+                                       "or 'bundled'\n")
+
+
 class _no_raise:
     value = None
 

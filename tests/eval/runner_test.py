@@ -211,6 +211,16 @@ def test_flow_checkpoint_is_loaded_instead_of_fitted(tmp_path, monkeypatch):
     assert loaded == ['ckpt'] and res.details['fit']['fit_on'] == 'target'
 
 
+def test_flow_checkpoint_of_another_kind_is_refused(tmp_path):
+    # A saved whitening given as --flow-checkpoint: scored, it would be reported as 'flow'.
+    root = write_tiny_senteval(tmp_path)
+    calibrate.fit('sn', _vectors(['cos 0.1', 'cos 0.5', 'cos 0.9'])).save(tmp_path / 'sn')
+    with pytest.raises(JaxsimError, match=r"--flow-checkpoint .*sn: holds a 'sn' calibration, "
+                                          r"not a flow"):
+        runner.evaluate(CountingEncoder(), ['stsb'], root, post='flow',
+                        flow_checkpoint=tmp_path / 'sn', diagnostics=False)
+
+
 def test_bad_requests_are_clear_errors(tmp_path):
     root = write_tiny_senteval(tmp_path)
     with pytest.raises(JaxsimError, match="unknown calibration 'pca'"):

@@ -289,6 +289,10 @@ def test_bad_requests_are_one_line_errors(workdir, tiny, tmp_path, capsys):
                     "sentence-transformers", "--post", "whitening:4"], "needs --fit-data")
     _fails(capsys, ["export", "--checkpoint", src, "--out", out, "--normalize"],
            "--normalize needs --format sentence-transformers")
+    _fails(capsys, ["export", "--checkpoint", src, "--out", out, "--max-length", "16"],
+           "--max-length needs --format sentence-transformers")
+    _fails(capsys, ["export", "--checkpoint", src, "--out", out, "--format",
+                    "sentence-transformers", "--fit-data", src], "has no effect without --post")
     _fails(capsys, ["export", "--checkpoint", src, "--out", out, "--format", "onnx"],
            "invalid choice: 'onnx'")
     _fails(capsys, ["export", "--checkpoint", tiny["bert"].path, "--out", out, "--step", "3"],

@@ -106,6 +106,26 @@ def test_malformed_config_and_missing_weights(tmp_path):
         jaxsim.load_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="no such model folder"):
         jaxsim.load_pretrained(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="the model path is empty"):  # not the cwd
+        jaxsim.load_pretrained("")
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("hidden_size", "36", "hidden_size: expected int >= 1, got '36'"),
+    ("num_attention_heads", 0, "num_attention_heads: expected int >= 1, got 0"),
+    ("vocab_size", None, "vocab_size: expected int >= 1, got None"),
+    ("num_hidden_layers", -1, "num_hidden_layers: expected int >= 1, got -1"),
+    ("layer_norm_eps", "small", "layer_norm_eps: expected float >= 0, got 'small'"),
+])
+def test_wrongly_typed_config_values_are_named(tiny_folder, key, value, message):
+    # A hand-edited config.json: one line naming the file and key, not a flax shape error,
+    # a ZeroDivisionError or Python's string formatting complaint.
+    cfg = json.loads((tiny_folder / "config.json").read_text())
+    cfg[key] = value
+    (tiny_folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as err:
+        jaxsim.load_pretrained(tiny_folder)
+    assert str(err.value) == f"{tiny_folder / 'config.json'}: {message}"
 
 
 def test_hub_id_fails_clearly_offline(monkeypatch):
@@ -246,4 +266,30 @@ def test_workdir_errors_name_the_file(workdir, tmp_path):
         jaxsim.load_pretrained(folder)
     (folder / "model.json").unlink()
     with pytest.raises(WorkdirError, match=r"model.json: model record not found"):
+        jaxsim.load_pretrained(folder)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r["config"].update(hidden_size="36"), "hidden_size: expected int >= 1, got '36'"),
+    (lambda r: r.update(max_seq_length="x"), "max_seq_length: expected int >= 2, got 'x'"),
+    (lambda r: r.update(pooler="nope"), "unknown pooler 'nope'"),
+])
+def test_workdir_model_record_values_name_the_file(workdir, tmp_path, edit, message):
+    folder = shutil.copytree(workdir[0], tmp_path / "run")
+    record = json.loads((folder / "model.json").read_text())
+    edit(record)
+    (folder / "model.json").write_text(json.dumps(record))
+    with pytest.raises(WorkdirError) as err:
+        jaxsim.load_pretrained(folder)
+    assert str(err.value).startswith(f"{folder / 'model.json'}: {message}")
+
+
+def test_workdir_without_checkpoints_says_so(workdir, tmp_path):
+    # A run with checkpoint=False (or stopped before its first save): its config.json is the
+    # train config, not a Hugging Face one, so the HF reader's complaint would mislead.
+    folder = shutil.copytree(workdir[0], tmp_path / "run")
+    shutil.copy(folder / "model.json", folder / "config.json")  # any non-HF JSON
+    shutil.rmtree(folder / "checkpoints")
+    with pytest.raises(WorkdirError, match=r"run/checkpoints: not found: this train workdir "
+                                           r"holds no checkpoint"):
         jaxsim.load_pretrained(folder)

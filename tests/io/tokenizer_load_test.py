@@ -6,9 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
-from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer
+from jaxsim.io.hf_folder import ModelLoadError, bundled_model_path, load_tokenizer
 
 TEXTS = ["Hello world, this is a Test!", "naïve café déjà vu", "a " * 60, ""]
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +46,17 @@ def test_undeclared_class_is_left_to_auto_tokenizer(tmp_path):
     del config["tokenizer_class"]
     config_file.write_text(json.dumps(config))
     _same_as_auto(folder)
+
+
+def test_a_folder_without_vocabulary_is_an_error(tmp_path):
+    # transformers would build a 5-token tokenizer (everything [UNK]) from the config alone.
+    folder = tmp_path / "novocab"
+    shutil.copytree(bundled_model_path(), folder)
+    for name in ("tokenizer.json", "vocab.txt"):
+        (folder / name).unlink()
+    with pytest.raises(ModelLoadError, match=r"novocab: no tokenizer vocabulary \(looked for "
+                                             r"tokenizer.json, vocab.txt, vocab.json\)"):
+        load_tokenizer(folder)
 
 
 def test_loading_the_bundled_model_does_not_import_torch():

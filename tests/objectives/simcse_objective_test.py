@@ -160,3 +160,13 @@ def test_bad_temperature_is_a_clear_error():
     z = jnp.ones((4, 2, 3))
     with pytest.raises(ObjectiveError, match='temp must be a positive number'):
         get_objective('unsup').loss(z, temp=0.0)
+
+
+def test_numeric_hyperparameters_given_as_text_are_refused():
+    # Else the traced loss fails on `cos / '0.05'` with a TypeError naming no argument.
+    with pytest.raises(ObjectiveError, match="objective 'unsup': temp must be a number, got "
+                                             "'0.05'"):
+        check_kwargs(get_objective('unsup'), {'temp': '0.05'})
+    with pytest.raises(ObjectiveError, match='hard_negative_weight must be a number, got True'):
+        check_kwargs(get_objective('sup'), {'hard_negative_weight': True})
+    assert check_kwargs(get_objective('sup'), {'temp': 1, 'hard_negative_weight': 0.5})

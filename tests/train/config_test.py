@@ -60,6 +60,15 @@ def test_unknown_keys_are_one_line_with_a_suggestion(tmp_path):
         load_config_file(str(bad))
     with pytest.raises(ConfigError, match='nope.py: no such config file'):
         load_config_file(str(tmp_path / 'nope.py'))
+    # The file's own code failing (a typo'd name, at import or in get_config) is the file's
+    # line, not a traceback.
+    bad.write_text('import ml_collectionz\n')
+    with pytest.raises(ConfigError, match=r"cfg.py:1: ModuleNotFoundError: No module named "):
+        load_config_file(str(bad))
+    bad.write_text('import ml_collections\ndef get_config():\n'
+                   '    return ml_collection.ConfigDict({"batch_size": 8})\n')
+    with pytest.raises(ConfigError, match=r"cfg.py:3: NameError: name 'ml_collection' is not"):
+        load_config_file(str(bad))
 
 
 def test_overrides_parse_by_field_type():

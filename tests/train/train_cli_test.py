@@ -63,15 +63,38 @@ def test_cli_prints_the_summary_and_no_start_up_noise(data, tmp_path):
     (['--config.objective=nope'], "unknown objective 'nope'; choose one of"),
     (['--config.train_file=/nonexistent/x.txt'], '/nonexistent/x.txt: sentence file not found'),
     (['--allow-change=max_step'], "unknown config key 'max_step' (did you mean 'max_steps'?)"),
+    (['--config.model='], "train config: model is empty; give a folder, a hub id or 'bundled'"),
+    (['--seeds', '1,1'], '--seeds 1,1: expected distinct comma-separated integers'),
+    (['--seeds', ','], '--seeds ,: expected distinct comma-separated integers'),
+    (['--config.model_overrides.num_attention_heads=0'],
+     'train config: model_overrides: num_attention_heads: expected int >= 1, got 0'),
+    # Past the tiny model's 64 positions: refused before the workdir, not NaN losses in it.
+    (['--config.max_len=100'], 'train config: max_len 100 is more than the 64 tokens'),
+    (['--config.eval_max_len=100', '--config.eval_every=1', '--config.senteval_root=SENTEVAL'],
+     'train config: eval_max_len must be in [2, 64] for this model, got 100'),
 ])
 def test_bad_input_is_one_error_line_and_exit_code_1(data, tmp_path, capsys, args, message):
     base = ['--config', TINY, '--workdir', str(tmp_path / 'w'), '--noprogress',
             f'--config.train_file={data / "corpus.txt"}']
+    args = [a.replace('SENTEVAL', str(data / 'senteval')) for a in args]
     assert train.main(base + args) == 1
     out, err = capsys.readouterr()
     assert out == '' and err.count('\n') == 1 and err.startswith('error: '), err
     assert message in err
     assert not (tmp_path / 'w').exists()  # nothing written for a refused run
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--workdir', 'w'], 'the following arguments are required: --config'),
+    (['--config', TINY, '--workdir', 'w', '--bogus'], 'unrecognized argument --bogus'),
+])
+def test_bad_flags_are_one_error_line_and_exit_code_1(capsys, args, message):
+    # The one format of every command line, not argparse's usage block and exit code 2.
+    with pytest.raises(SystemExit) as stop:
+        train.main(args)
+    assert stop.value.code == 1
+    out, err = capsys.readouterr()
+    assert out == '' and err.count('\n') == 1 and err.startswith('error: ') and message in err
 
 
 def test_read_only_workdir_is_one_error_line(data, tmp_path, capsys, monkeypatch):
