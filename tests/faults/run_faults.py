@@ -22,6 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+from jaxsim.paths import SENTEVAL_ROOT  # noqa: E402
 from tests.faults.table import FAULTS, Fault  # noqa: E402
 
 TIMEOUT_S = 900
@@ -56,7 +57,9 @@ def run_fault(root: Path, fault: Fault) -> tuple[str, str, float]:
     path = root / fault.file
     clean = path.read_text(encoding='utf-8')
     path.write_text(clean.replace(fault.old, fault.new, 1), encoding='utf-8')
-    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS='cpu')
+    # The copies live in a temporary folder, without the shared data beside them.
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS='cpu',
+               JAXSIM_SENTEVAL=str(SENTEVAL_ROOT))
     start = time.monotonic()
     try:
         proc = subprocess.run([sys.executable, '-m', 'pytest', '-x', '-q', '-rf',

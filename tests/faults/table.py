@@ -248,6 +248,19 @@ FAULTS = (
           'while size > probe and seconds * (size / probe) ** 3 > SLOW_PRODUCT_S:',
           'while size > probe and seconds * (size / probe) ** 3 > 1e9:',
           ('tests/benchmarks/peak_test.py::test_a_slow_product_is_timed_at_a_smaller_size',)),
+    # ---- input that would be accepted and then fail or mislead
+    Fault('a lone surrogate query joins a served batch', 'jaxsim/search/vectors.py',
+          's.encode("utf-8")', 's.encode("utf-8", "surrogatepass")',
+          ('tests/serve/api_test.py::test_a_bad_request_among_concurrent_ones_fails_alone',
+           'tests/search/search_test.py::'
+           'test_blank_and_undecodable_queries_are_refused_by_position')),
+    Fault('max_len past the position table accepted', 'jaxsim/train/build.py',
+          'if cfg.max_len > config.max_length:', 'if cfg.max_len > 2 * config.max_length:',
+          ('tests/train/train_cli_test.py::test_bad_input_is_one_error_line_and_exit_code_1',)),
+    Fault('a folder without a tokenizer vocabulary loads', 'jaxsim/io/hf_folder.py',
+          'if not any((Path(folder) / name).is_file() for name in _VOCAB_FILES):',
+          'if not any((Path(folder) / name).is_dir() or True for name in _VOCAB_FILES):',
+          ('tests/io/tokenizer_load_test.py::test_a_folder_without_vocabulary_is_an_error',)),
     # ---- the MLM term
     Fault('MLM term does not reach the encoder', 'jaxsim/objectives/mlm.py',
           'logits = mlm_logits(encoder, params, masked,',
