@@ -7,6 +7,7 @@
     python -m jaxsim serve --index DIR  (see docs/serve.md)
     python -m jaxsim prepare FILE... [--format text|csv|snli]  (index training data; docs/pod.md)
     python -m jaxsim analyze --corpus FILE --out DIR  (jaxsim/eval/frequency_cli.py)
+    python -m jaxsim plan --config C --topology v5e:4x4  (a TPU plan on any machine; docs/pod.md)
 
 Every command reports a user error (bad file, bad option, unreadable model) as one line
 `error: <message>` on stderr and exits 1, and SIGINT / SIGTERM as one line with exit 130 / 143
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -38,6 +40,7 @@ from jaxsim.models.poolers import POOLERS
 from jaxsim.search.cli import index_main, search_main
 from jaxsim.serve.cli import serve_main
 from jaxsim.eval.frequency_cli import analyze_main
+from jaxsim.plan.cli import plan_main
 
 
 class UsageError(JaxsimError):
@@ -185,6 +188,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "serve": serve_main,
     "prepare": prepare_main,
     "analyze": analyze_main,
+    "plan": plan_main,
 }
 
 
@@ -207,4 +211,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if sys.argv[1:2] == ["plan"]:
+        # libtpu's teardown can hang the exit of a process that compiled for a TPU topology.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -135,12 +135,41 @@ def _device_grid(shape: tuple[int, ...], devices: list) -> np.ndarray:
     return np.asarray(devices, dtype=object).reshape(shape)
 
 
-def logical_to_spec(axes: Sequence[str | None], mesh: Mesh, shape: Sequence[int]) -> P:
-    """Maps logical axes to a PartitionSpec; a dimension the mesh cannot divide is replicated."""
+class ShardingError(JaxsimError):
+    """A parameter dimension the rules shard but the mesh cannot divide (names the parameter)."""
+
+
+def axis_rules(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """LOGICAL_AXIS_RULES with a config's `logical_axis_rules` over it: logical axis -> a mesh
+    axis, a list of mesh axes, or None / '' (replicated). Unknown names are errors."""
+    rules = dict(LOGICAL_AXIS_RULES)
+    for logical, target in (overrides or {}).items():
+        if logical not in LOGICAL_AXIS_RULES:
+            raise ShardingError(f'logical_axis_rules: unknown logical axis {logical!r}; known: '
+                                f'{", ".join(LOGICAL_AXIS_RULES)}')
+        names = [target] if isinstance(target, str) else list(target or [])
+        names = [n for n in names if n]
+        unknown = [n for n in names if n not in MESH_AXES]
+        if unknown:
+            raise ShardingError(f'logical_axis_rules: {logical!r} -> unknown mesh axis '
+                                f'{unknown[0]!r}; mesh axes: {", ".join(MESH_AXES)}')
+        rules[logical] = tuple(names) or None
+    return rules
+
+
+def logical_to_spec(axes: Sequence[str | None], mesh: Mesh, shape: Sequence[int],
+                    rules: Mapping[str, Any] | None = None, strict: bool = False,
+                    name: str = '') -> P:
+    """Maps logical axes to a PartitionSpec by `rules` (default LOGICAL_AXIS_RULES).
+
+    A dimension the mesh cannot divide is replicated, or, `strict`, a ShardingError naming
+    the parameter `name`.
+    """
+    rules = LOGICAL_AXIS_RULES if rules is None else rules
     spec = []
     used = set()
-    for name, dim in zip(axes, shape):
-        mesh_axes = LOGICAL_AXIS_RULES.get(name) if name else None
+    for logical, dim in zip(axes, shape):
+        mesh_axes = rules.get(logical) if logical else None
         if isinstance(mesh_axes, str):
             mesh_axes = (mesh_axes,)
         if mesh_axes:
@@ -152,14 +181,23 @@ def logical_to_spec(axes: Sequence[str | None], mesh: Mesh, shape: Sequence[int]
                 used.update(mesh_axes)
                 spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
                 continue
+            if strict:
+                raise ShardingError(
+                    f'{name or "a parameter"} {tuple(shape)}: its {logical!r} dimension {dim} '
+                    f'cannot be split over mesh axes {"x".join(mesh_axes)} of size {size}; '
+                    f'change the mesh or logical_axis_rules, or set '
+                    f'replicate_indivisible=True to replicate it')
         spec.append(None)
     while spec and spec[-1] is None:
         spec.pop()
     return P(*spec)
 
 
-def param_specs(params: Any, mesh: Mesh) -> Any:
-    """PartitionSpecs for a param tree (arrays or ShapeDtypeStructs), from the rules table."""
+def param_specs(params: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None,
+                strict: bool = False) -> Any:
+    """PartitionSpecs for a param tree (arrays or ShapeDtypeStructs), from the rules table
+    (`rules`, default LOGICAL_AXIS_RULES); `strict`: an indivisible sharded dimension is a
+    ShardingError naming the parameter instead of replicated."""
     flat = traverse_util.flatten_dict(params, sep='/')
     out = {}
     for path, x in flat.items():
@@ -168,7 +206,7 @@ def param_specs(params: Any, mesh: Mesh) -> Any:
             if re.search(pattern, path) and len(logical) == len(x.shape):
                 axes = logical
                 break
-        out[path] = logical_to_spec(axes, mesh, x.shape)
+        out[path] = logical_to_spec(axes, mesh, x.shape, rules, strict, path)
     return traverse_util.unflatten_dict(out, sep='/')
 
 

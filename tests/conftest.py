@@ -23,6 +23,12 @@ os.environ["JAXSIM_CACHE_DIR"] = str(_SESSION_DIR / "xla-cache")
 os.environ["JAXSIM_INDEX_DIR"] = str(_SESSION_DIR / "line-index")
 os.environ["JAXSIM_NATIVE_DIR"] = str(_SESSION_DIR / "native")
 os.environ["MPLCONFIGDIR"] = str(_SESSION_DIR / "matplotlib")
+# The test extra installs libtpu (the planner's TPU compiler). Programs run on the CPU backend
+# (JAX would otherwise probe for a TPU in every process, with pages of warnings); the plan
+# tests compile for TPU topologies without one, several processes at a time.
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["TPU_SKIP_MDS_QUERY"] = "1"
+os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
 
 # Most of the suite's time on a CPU is XLA compiling small programs that then run a few times.
 # The session (this process and every subprocess) compiles them as cheaply as XLA:CPU can: what

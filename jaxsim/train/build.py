@@ -20,10 +20,13 @@ from jaxsim.data import readers, sources
 from jaxsim.data.packing import pack_batch
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
 from jaxsim.io.pretrained import load_pretrained
+from jaxsim.models.architectures import MASK_TOKENS, known_architecture
 from jaxsim.models.bert import BertConfig, ConfigError as ModelConfigError
 from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.models.poolers import get_pooler
 from jaxsim.objectives import Objective, ObjectiveError
+from jaxsim.objectives.mlm import MlmSettings
+from jaxsim.train import optim, state as state_lib, step as step_lib
 from jaxsim.train.config import ConfigError, TrainConfig
 
 _DROPOUT_FIELDS = ('hidden_dropout_prob', 'attention_probs_dropout_prob')
@@ -65,6 +68,22 @@ def load_base(cfg: TrainConfig) -> BaseModel:
         bert_params = jax.tree.map(np.asarray, model.params['bert'])
         mlm_params = (jax.tree.map(np.asarray, model.params['mlm_head'])
                       if 'mlm_head' in model.params else None)
+    return BaseModel(config=configured_architecture(cfg, config), tokenizer=tokenizer,
+                     bert_params=bert_params, path=str(path), mlm_params=mlm_params)
+
+
+def architecture(cfg: TrainConfig) -> BertConfig:
+    """The encoder architecture a config trains, without weights or tokenizer: a known model
+    name (`jaxsim.models.architectures`), else the `config.json` of the model's folder."""
+    config = known_architecture(cfg.model)
+    if config is None:
+        path = bundled_model_path() if cfg.model == 'bundled' else resolve_model_path(cfg.model)
+        config = BertConfig.from_json(Path(path) / 'config.json')
+    return configured_architecture(cfg, config)
+
+
+def configured_architecture(cfg: TrainConfig, config: BertConfig) -> BertConfig:
+    """`config` with the train config's `model_overrides` and dropout applied, checked."""
     overrides = dict(cfg.model_overrides)
     unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(BertConfig)})
     if unknown:
@@ -84,8 +103,7 @@ def load_base(cfg: TrainConfig) -> BaseModel:
         raise ConfigError(f'train config: max_len {cfg.max_len} is more than the '
                           f'{config.max_length} tokens the model takes '
                           f'(max_position_embeddings {config.max_position_embeddings})')
-    return BaseModel(config=config, tokenizer=tokenizer, bert_params=bert_params, path=str(path),
-                     mlm_params=mlm_params)
+    return config
 
 
 def make_encoder(cfg: TrainConfig, config: BertConfig) -> SentenceEncoder:
@@ -142,3 +160,75 @@ def batch_preparer(cfg: TrainConfig, objective: Objective, mesh) -> Callable[[di
     local_shards = len(sharding.process_batch_rows(mesh, sharding.batch_shards(mesh)))
     return functools.partial(pack_batch, views=objective.views, pack_length=cfg.pack_length,
                              shards=local_shards, agree=distributed.max_over_processes)
+
+
+def grad_divisor(cfg: TrainConfig, mesh) -> float:
+    """What the gradient is divided by (see the config's `grad_reduction`)."""
+    if cfg.grad_reduction == 'global_mean':
+        return 1.0
+    return float(cfg.grad_replicas or sharding.batch_shards(mesh))
+
+
+def mlm_settings(cfg: TrainConfig, config: BertConfig, tokenizer: Any = None
+                 ) -> Optional[MlmSettings]:
+    """The masked-LM term's settings (None when the config has none): from the tokenizer, or,
+    for a plan that reads none, from the model family's usual special tokens."""
+    if cfg.mlm_weight <= 0:
+        return None
+    if tokenizer is not None:
+        return MlmSettings.from_tokenizer(tokenizer, cfg.mlm_weight, cfg.mlm_probability,
+                                          config.vocab_size)
+    mask_id, special = MASK_TOKENS[config.model_type]
+    return MlmSettings(weight=float(cfg.mlm_weight), probability=float(cfg.mlm_probability),
+                       special_ids=special, mask_id=mask_id, vocab_size=config.vocab_size)
+
+
+def param_rules(cfg: TrainConfig) -> tuple[dict, bool]:
+    """(logical-axis rules, strict) of a config, for `state.param_shardings` and
+    `state.state_shardings`."""
+    return sharding.axis_rules(cfg.logical_axis_rules), not cfg.replicate_indivisible
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainProgram:
+    """The jitted train step of a config and what its state is built from.
+
+    Attributes:
+      train_step: `train_step(state, batch) -> (state, metrics)`, jitted with shardings.
+      tx: the optimizer.
+      state_shape: the TrainState as ShapeDtypeStructs.
+      shardings: a TrainState of NamedShardings.
+      init_key: the parameters' initialization key.
+      dropout_key: the run's dropout key (the state's `rng`).
+      compiler_options: the XLA options the step (and the state's init) compile with.
+    """
+
+    train_step: Callable
+    tx: Any
+    state_shape: Any
+    shardings: Any
+    init_key: jax.Array
+    dropout_key: jax.Array
+    compiler_options: Optional[dict]
+
+
+def train_program(cfg: TrainConfig, encoder: SentenceEncoder, objective: Objective,
+                  objective_kwargs: dict, mesh, total_steps: int,
+                  mlm: Optional[MlmSettings] = None) -> TrainProgram:
+    """The one way a config becomes a train step: training runs it, `plan` compiles it."""
+    options = step_lib.compiler_options(cfg.fast_compile)
+    root_key = jax.random.key(cfg.seed)
+    init_key = jax.random.fold_in(root_key, 1)
+    dropout_key = step_lib.dropout_key(root_key, cfg.prng_impl)
+    tx = optim.make_optimizer(cfg, total_steps)
+    shape = state_lib.state_shape(encoder, tx, dropout_key)
+    shardings = state_lib.state_shardings(shape, mesh, *param_rules(cfg))
+    train_step = step_lib.make_train_step(
+        encoder, functools.partial(objective.loss, **objective_kwargs), tx,
+        views=objective.views, mesh=mesh, state_shardings=shardings,
+        grad_accum_steps=cfg.grad_accum_steps, grad_divisor=grad_divisor(cfg, mesh),
+        schedule=optim.make_schedule(cfg, total_steps), compiler_options=options, mlm=mlm,
+        prng_impl=cfg.prng_impl, micro_batch_size=cfg.micro_batch_size,
+        packed=bool(cfg.pack_length))
+    return TrainProgram(train_step=train_step, tx=tx, state_shape=shape, shardings=shardings,
+                        init_key=init_key, dropout_key=dropout_key, compiler_options=options)

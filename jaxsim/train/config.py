@@ -95,6 +95,10 @@ class TrainConfig:
       (`jax.experimental.mesh_utils`). mesh_dcn_data, mesh_dcn_fsdp, mesh_dcn_tensor: the same
       axes across slices (over the data-center network); each mesh axis is the product of
       the two. Their product must equal the number of slices (processes on CPU/GPU).
+    logical_axis_rules: overrides of `jaxsim.sharding.LOGICAL_AXIS_RULES`, logical axis ->
+      mesh axis (or a list of them, or '' for replicated), e.g. {'vocab': ''} keeps the word
+      embeddings whole under a tensor mesh. replicate_indivisible: a parameter dimension the
+      rules shard but the mesh cannot divide is replicated (else an error naming it).
     pack_length: > 0 packs each batch's sentences end to end into rows of this many tokens
       (at least max_len; max_len is the least attention work, as each row's scores cover the
       whole row before the mask keeps them to each sentence: at max_len 32, rows of 32 trained
@@ -164,6 +168,8 @@ class TrainConfig:
     mesh_dcn_data: int = 1
     mesh_dcn_fsdp: int = 1
     mesh_dcn_tensor: int = 1
+    logical_axis_rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    replicate_indivisible: bool = False
     pack_length: int = 0
     remat: str = 'none'
     senteval_root: str = str(SENTEVAL_ROOT)

@@ -31,31 +31,21 @@ from jaxsim.io.workdir import write_model
 from jaxsim.model import SentenceModel
 from jaxsim.models.encoder import init_params
 from jaxsim.objectives import check_kwargs, get_objective
-from jaxsim.objectives.mlm import MlmSettings
 from jaxsim.progress import progress_bar
 from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.evaluate import DEV_METRIC, optional_evaluator
 from jaxsim.train.fingerprint import parse_key_list
 from jaxsim.train.hold import hold_workdir
-from jaxsim.train.optim import make_optimizer, make_schedule
 from jaxsim.train.records import TrainResult
 from jaxsim.train.signals import Interrupted, deferred_signals
-from jaxsim.train.state import (abstract_state, create_state, param_shardings, state_shape,
-                                state_shardings)
-from jaxsim.train.step import check_jax_configured, compiler_options, make_train_step
-from jaxsim.train.step import dropout_key as make_dropout_key
+from jaxsim.train.state import abstract_state, create_state, param_shardings
+from jaxsim.train.step import check_jax_configured
 
 
 def _say(enabled: bool, message: str) -> None:
     if enabled:
         print(message, file=sys.stderr, flush=True)
-
-
-def _grad_divisor(cfg: TrainConfig, mesh) -> float:
-    if cfg.grad_reduction == 'global_mean':
-        return 1.0
-    return float(cfg.grad_replicas or sharding_lib.batch_shards(mesh))
 
 
 def _latest_step(workdir: store.Path) -> Optional[int]:
@@ -124,7 +114,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     # ---- 2. the workdir's run ---------------------------------------------------------------
     derived = {'data': {'source': source.name, 'examples': it.num_examples,
                         'sha256': pipeline.data_digest(source, base.tokenizer, cfg.max_len)},
-               'grad_divisor': _grad_divisor(cfg, mesh)}
+               'grad_divisor': build.grad_divisor(cfg, mesh)}
     facts = {'total_steps': total, 'steps_per_epoch': it.steps_per_epoch,
              'dropped_per_epoch': it.dropped_per_epoch, 'base_model': base.path,
              'devices': jax.device_count(), 'processes': jax.process_count(),
@@ -150,38 +140,29 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             records.remove([workdir / records.RESULT_FILE])
             records.write_json(workdir / records.CONFIG_FILE, decision.record)
             write_model(workdir, model, base_model=cfg.model)
-        options = compiler_options(cfg.fast_compile)
-        root_key = jax.random.key(cfg.seed)
-        init_key, dropout_key = jax.random.fold_in(root_key, 1), make_dropout_key(root_key,
-                                                                                 cfg.prng_impl)
-        tx = make_optimizer(cfg, total)
-        shardings = state_shardings(state_shape(encoder, tx, dropout_key), mesh)
+        program = build.train_program(
+            cfg, encoder, objective, objective_kwargs, mesh, total,
+            mlm=build.mlm_settings(cfg, base.config, base.tokenizer) if encoder.mlm else None)
+        tx, shardings, dropout_key = program.tx, program.shardings, program.dropout_key
         ckpt = None
         if cfg.checkpoint or latest is not None:
             ckpt = Checkpointer(workdir / CHECKPOINT_DIR, CheckpointOptions(
                 max_to_keep=cfg.keep_checkpoints, best_metric=DEV_METRIC if evaluator else None,
                 keep_best=1 if evaluator else 0))
         if latest is not None:
-            restored = ckpt.restore('latest', abstract_state(
-                state_shape(encoder, tx, dropout_key), shardings))
+            restored = ckpt.restore('latest', abstract_state(program.state_shape, shardings))
             state, step = restored.state, restored.step
             it.set_state(restored.data['iterator'])
             say(f'resuming {workdir} from step {step} of {total}')
         else:
             state, shardings = create_state(init_params(
-                encoder, init_key, param_shardings(encoder, mesh), base.bert_params,
-                mlm_params=base.mlm_params), tx, dropout_key, mesh, options)
+                encoder, program.init_key, param_shardings(encoder, mesh, *build.param_rules(cfg)),
+                base.bert_params,
+                mlm_params=base.mlm_params), tx, dropout_key, mesh, program.compiler_options,
+                shardings)
             step = 0
         base = base.without_weights()  # the state holds them: no second copy for the whole run
-        train_step = make_train_step(
-            encoder, functools.partial(objective.loss, **objective_kwargs), tx,
-            views=objective.views, mesh=mesh, state_shardings=shardings,
-            grad_accum_steps=cfg.grad_accum_steps, grad_divisor=derived['grad_divisor'],
-            schedule=make_schedule(cfg, total), compiler_options=options,
-            mlm=(MlmSettings.from_tokenizer(base.tokenizer, cfg.mlm_weight, cfg.mlm_probability,
-                                            base.config.vocab_size) if encoder.mlm else None),
-            prng_impl=cfg.prng_impl, micro_batch_size=cfg.micro_batch_size,
-            packed=bool(cfg.pack_length))
+        train_step = program.train_step
         log = records.MetricsLog(workdir, keep_upto=latest, enabled=main,
                                  tensorboard=cfg.tensorboard)
         loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,

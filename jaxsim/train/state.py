@@ -29,16 +29,19 @@ class TrainState(flax.struct.PyTreeNode):
     rng: jax.Array
 
 
-def param_shardings(encoder: SentenceEncoder, mesh: Mesh) -> Any:
-    """NamedShardings of the encoder's parameter tree, by the rules table of `jaxsim.sharding`."""
-    specs = sharding_lib.param_specs(param_shapes(encoder), mesh)
+def param_shardings(encoder: SentenceEncoder, mesh: Mesh, rules: Optional[dict] = None,
+                    strict: bool = False) -> Any:
+    """NamedShardings of the encoder's parameter tree, by the rules table of `jaxsim.sharding`
+    (`rules`: a config's `sharding.axis_rules`; `strict`: see `sharding.param_specs`)."""
+    specs = sharding_lib.param_specs(param_shapes(encoder), mesh, rules, strict)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def state_shardings(state_shape: TrainState, mesh: Mesh) -> TrainState:
+def state_shardings(state_shape: TrainState, mesh: Mesh, rules: Optional[dict] = None,
+                    strict: bool = False) -> TrainState:
     """Shardings of every TrainState leaf: params by the rules, Adam's moments alike."""
-    specs = sharding_lib.param_specs(state_shape.params, mesh)
+    specs = sharding_lib.param_specs(state_shape.params, mesh, rules, strict)
     replicated = NamedSharding(mesh, P())
     return TrainState(
         step=replicated,
@@ -65,7 +68,8 @@ def state_shape(encoder: SentenceEncoder, tx: optax.GradientTransformation,
 
 
 def create_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array, mesh: Mesh,
-                 compiler_options: Optional[dict] = None) -> tuple[TrainState, TrainState]:
+                 compiler_options: Optional[dict] = None,
+                 shardings: Optional[TrainState] = None) -> tuple[TrainState, TrainState]:
     """Builds the optimizer state on the mesh, next to `params` (already placed there).
 
     Args:
@@ -74,12 +78,14 @@ def create_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array, 
       rng: a PRNG key (the run's 'dropout' use); stored as raw key data.
       mesh: the device mesh.
       compiler_options: XLA options for the one-off init computation.
+      shardings: where the state lives (default: `state_shardings` by the default rules).
 
     Returns:
       (state, shardings): shardings is a TrainState of NamedShardings.
     """
     init = _init_fn(tx, rng)
-    shardings = state_shardings(jax.eval_shape(init, params), mesh)
+    if shardings is None:
+        shardings = state_shardings(jax.eval_shape(init, params), mesh)
     state = jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings,
                     compiler_options=compiler_options)(params)
     return state, shardings

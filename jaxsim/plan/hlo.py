@@ -1,0 +1,154 @@
+"""The collectives of a compiled program, read from its optimized HLO text.
+
+The TPU compiler splits one asynchronous collective over several fusions (start, continuation,
+done), each holding a copy of the instruction under the same `channel_id`; counting lines
+would count the copies (a data-parallel BERT-base step shows 116 all-gather lines for 3
+all-gathers). A collective here is one channel: its kind, its bytes, the device groups it runs
+over, and from those the mesh axes it spans and whether it crosses slices (DCN).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from typing import Sequence
+
+import numpy as np
+
+KINDS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
+
+_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'bf16': 2, 'f16': 2,
+                's16': 2, 'u16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8}
+_INSTRUCTION = re.compile(
+    r'%[\w.\-]+ = (?P<shape>.*?) (?P<kind>' + '|'.join(KINDS) + r')(?:-start)?\((?P<rest>.*)$')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of the program.
+
+    Attributes:
+      kind: one of KINDS.
+      bytes: the size of its result (all-gather: the gathered array; reduce-scatter: the
+        scattered piece; all-reduce: the reduced arrays, all of a combined one), per chip.
+      group_size: devices per group.
+      axes: the mesh axes its groups span (names of the mesh the program was compiled on).
+      dcn: whether a group spans slices (the data-center network).
+      op_name: the JAX operation it came from (HLO metadata), for reading.
+    """
+
+    kind: str
+    bytes: int
+    group_size: int
+    axes: tuple[str, ...]
+    dcn: bool
+    op_name: str = ''
+
+    @property
+    def traffic_bytes(self) -> float:
+        """Bytes each chip sends over its links in a ring algorithm: (n-1)/n of the gathered /
+        scattered array, twice that for an all-reduce (a reduce-scatter then an all-gather);
+        a permute sends its array once."""
+        n = self.group_size
+        if n <= 1:
+            return 0.0
+        share = (n - 1) / n
+        if self.kind == 'all-reduce':
+            return 2.0 * share * self.bytes
+        if self.kind == 'reduce-scatter':
+            return share * self.bytes * n  # its result is the 1/n piece of the summed array
+        if self.kind == 'collective-permute':
+            return float(self.bytes)
+        return share * self.bytes
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string: 'f32[64,32]{1,0:T(8,128)}' or a tuple of them."""
+    total = 0
+    for dtype, dims in re.findall(r'\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]', shape):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(',') if d]))
+    return total
+
+
+def _balanced(text: str, start: int, open_: str, close: str) -> str:
+    """The text of the bracketed group opening at `start`, brackets included."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == open_:
+            depth += 1
+        elif text[i] == close:
+            depth -= 1
+            if depth == 0:
+                return text[start:i + 1]
+    return text[start:]
+
+
+def replica_groups(attributes: str, num_devices: int) -> list[list[int]]:
+    """The device groups of a collective's attribute text, in any of XLA's three spellings:
+    explicit `{{0,1},{2,3}}`, iota `[2,2]<=[4]` (optionally `<=[a,b]T(1,0)`), or named
+    `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}` (devices row-major over the named axes, a group
+    for each index of the axes not listed). No groups (`{}`) means one group of all devices."""
+    m = re.search(r'replica_groups=', attributes)
+    if not m:
+        pairs = re.search(r'source_target_pairs=(\{.*?\}\})', attributes)
+        if pairs:
+            return [[int(a), int(b)] for a, b in re.findall(r'\{(\d+),(\d+)\}', pairs.group(1))]
+        return [list(range(num_devices))]
+    text = attributes[m.end():]
+    if text.startswith('mesh['):
+        sizes = re.findall(r"'([^']+)'=(\d+)", _balanced(text, 4, '[', ']'))
+        names = [n for n, _ in sizes]
+        shape = [int(s) for _, s in sizes]
+        brace = text.index('{')
+        listed = set(re.findall(r"'([^']+)'", _balanced(text, brace, '{', '}')))
+        ids = np.arange(int(np.prod(shape))).reshape(shape)
+        group_axes = [i for i, n in enumerate(names) if n in listed]
+        other = [i for i in range(len(names)) if i not in group_axes]
+        ids = np.transpose(ids, other + group_axes)
+        group = int(np.prod([shape[i] for i in group_axes])) if group_axes else 1
+        return ids.reshape(-1, group).tolist()
+    if text.startswith('['):
+        m = re.match(r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', text)
+        out_shape = [int(x) for x in m.group(1).split(',')]
+        ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(',')])))
+        ids = ids.reshape([int(x) for x in m.group(2).split(',')])
+        if m.group(3):
+            ids = np.transpose(ids, [int(x) for x in m.group(3).split(',')])
+        return ids.reshape(out_shape[0], -1).tolist()
+    groups = re.findall(r'\{([\d,]*)\}', _balanced(text, 0, '{', '}'))
+    groups = [[int(x) for x in g.split(',') if x] for g in groups]
+    return [g for g in groups if g] or [list(range(num_devices))]
+
+
+def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[str],
+                slice_of: Sequence[int]) -> list[Collective]:
+    """Every collective of an optimized HLO module, one per channel.
+
+    Args:
+      hlo_text: `compiled.as_text()`.
+      mesh_shape, axis_names: the mesh the program was compiled on; device id i of the HLO is
+        the i-th device of the mesh in row-major order (the jit's device assignment).
+      slice_of: the slice index of each of those devices.
+    """
+    found: dict[str, Collective] = {}
+    unnumbered = itertools.count()
+    num_devices = int(np.prod(mesh_shape))
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.search(line)
+        if not m:
+            continue
+        channel = re.search(r'channel_id=(\d+)', line)
+        key = channel.group(1) if channel else f'local-{next(unnumbered)}'
+        if key in found:
+            continue
+        groups = replica_groups(m.group('rest'), num_devices)
+        coords = [np.unravel_index(np.asarray(g), tuple(mesh_shape)) for g in groups]
+        axes = tuple(name for i, name in enumerate(axis_names)
+                     if any(len(set(c[i].tolist())) > 1 for c in coords))
+        dcn = any(len({slice_of[d] for d in g}) > 1 for g in groups)
+        op = re.search(r'op_name="([^"]*)"', line)
+        found[key] = Collective(kind=m.group('kind'), bytes=shape_bytes(m.group('shape')),
+                                group_size=max(len(g) for g in groups), axes=axes, dcn=dcn,
+                                op_name=op.group(1) if op else '')
+    return list(found.values())
