@@ -20,6 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
         model='bert-base-uncased',
         dropout=0.1,
         pooler='cls',
+        # The reference trains with --fp16 (the HF Trainer's mixed precision); bf16 compute with
+        # float32 master weights is its TPU counterpart.
+        dtype='bfloat16',
         mlp_only_train=False,
         objective='sup',
         objective_kwargs=dict(temp=0.05, hard_negative_weight=0.0),

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsim.errors import JaxsimError
-from jaxsim.models import attention_ops, ops, packed
+from jaxsim.models import attention_ops, dropout, ops, packed
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
 
@@ -169,7 +169,7 @@ def _dropout(module: nn.Module, x: jax.Array, rate: float, deterministic: bool) 
     """Dropout with a key from the module's 'dropout' stream (nothing drawn when off)."""
     if deterministic or rate == 0.0:
         return x
-    return ops.dropout(x, rate, module.make_rng("dropout"))
+    return dropout.dropout(x, rate, module.make_rng("dropout"))
 
 
 def _layer_norm(config: BertConfig, dtype) -> nn.LayerNorm:

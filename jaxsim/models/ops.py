@@ -15,15 +15,6 @@ laid out:
   bias_gelu     exact (erf) GELU of `d + b`, evaluated through erf (one polynomial) rather
                 than erfc (exp and division branches). The custom VJP keeps only `d` and `b` as
                 residuals and recomputes the derivative in one backward elementwise pass.
-  dropout       inverted dropout (`where(keep, x / keep_prob, 0)`, as flax's nn.Dropout). With a
-                threefry key, the mask uses all four 16-bit halves of the two 32-bit words of
-                each threefry2x32 hash (one hash per four elements, keep probability resolved
-                to 2**-16; the partitionable jax stream hashes once per element and XORs the
-                words away). The hash's 20 rounds are most of a mask's cost. Bits stay a pure function of (key, global index):
-                the mask does not depend on how the array is laid out over devices.
-                Inside `dropout_rows(offset)` the first axis counts from `offset`: a
-                micro-batch of rows [offset, offset + m) of a larger batch draws exactly the
-                masks those rows get when the whole batch is encoded at once.
   dense_bias    matmul(x, w, dtype) + b whose VJP, under low-precision compute, rounds the
                 incoming gradient once for both products and the bias sum.
   dense_bias_gelu
@@ -33,13 +24,7 @@ laid out:
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import math
-from typing import Iterator
-
 import jax
-import jax.extend.random as jax_random_ext
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -268,130 +253,3 @@ def _dense_gelu_bwd(residuals, g):
 
 
 _dense_gelu.defvjp(_dense_gelu_fwd, _dense_gelu_bwd)
-
-
-# ---------------------------------------------------------------------------------------------
-# Dropout.
-# ---------------------------------------------------------------------------------------------
-
-def _is_threefry(key: jax.Array) -> bool:
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return str(jax.random.key_impl(key)) == "threefry2x32"
-    return key.shape == (2,) and key.dtype == jnp.uint32  # raw (old-style) threefry key data
-
-
-def _flat_index(shape: tuple[int, ...]) -> jax.Array:
-    """uint32 row-major index of every element of `shape`, built from per-axis iotas so that
-    XLA's SPMD partitioner computes each device's share of it locally."""
-    index = jnp.zeros(shape, jnp.uint32)
-    stride = 1
-    for axis in reversed(range(len(shape))):
-        index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(stride)
-        stride *= shape[axis]
-    return index
-
-
-# The global index of the first row of the arrays being dropped out (None: 0). A context
-# variable rather than an argument so that no module signature carries it; it may hold a
-# traced value (the micro-batch index inside a scan).
-_ROW_OFFSET: contextvars.ContextVar = contextvars.ContextVar("dropout_row_offset",
-                                                             default=None)
-
-
-@contextlib.contextmanager
-def dropout_rows(offset) -> Iterator[None]:
-    """Threefry dropout masks drawn inside this block are those of rows `offset`, `offset + 1`,
-    ... of a larger batch (every dropped array has the batch rows as its first axis)."""
-    token = _ROW_OFFSET.set(offset)
-    try:
-        yield
-    finally:
-        _ROW_OFFSET.reset(token)
-
-
-def _row_shifted(counter: jax.Array) -> jax.Array:
-    """`counter` (row-major indices) moved down by `_ROW_OFFSET` rows of its first axis."""
-    offset = _ROW_OFFSET.get()
-    if offset is None:
-        return counter
-    row_stride = np.uint32(math.prod(counter.shape[1:]))
-    return counter + jnp.asarray(offset).astype(jnp.uint32) * row_stride
-
-
-def _threefry_bits(key_data: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """uint32 bits for `shape`: one threefry2x32 hash of (0, i) per index i of the first half of
-    the last axis gives two words, the first for that element, the second for its partner in
-    the second half. An odd last axis takes one hash per element (XOR of its words, as jax's
-    partitionable stream does)."""
-    *lead, last = shape
-    hash_ = jax_random_ext.threefry2x32_p.bind
-    if last % 2:
-        counter = _row_shifted(_flat_index(tuple(shape)))
-        low, high = hash_(key_data[0], key_data[1], jnp.zeros_like(counter), counter)
-        return low ^ high
-    half = last // 2
-    counter_shape = (*lead, 1, half)
-    if math.prod(counter_shape) >= 2 ** 32:
-        raise ValueError(f"dropout over {shape} needs more than 2**32 counters")
-    counter = _row_shifted(_flat_index(counter_shape))
-    low, high = hash_(key_data[0], key_data[1], jnp.zeros_like(counter), counter)
-    # [..., 2, half] by broadcasting (elementwise, so XLA fuses it into the mask's consumer;
-    # a concatenate would be a pass of its own), then the last axis back: a free reshape.
-    first = lax.broadcasted_iota(jnp.int32, (*lead, 2, half), len(lead)) == 0
-    return jnp.where(first, low, high).reshape(shape)
-
-
-def _threefry_quarter_bits(key_data: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """uint32 values below 2**16 for `shape` (last axis divisible by 4): one threefry2x32 hash
-    of (0, i) per index i of the first quarter of the last axis; its two words give four 16-bit
-    halves, one for the element in each quarter."""
-    *lead, last = shape
-    quarter = last // 4
-    counter_shape = (*lead, 1, quarter)
-    if math.prod(counter_shape) >= 2 ** 32:
-        raise ValueError(f"dropout over {shape} needs more than 2**32 counters")
-    counter = _row_shifted(_flat_index(counter_shape))
-    low, high = jax_random_ext.threefry2x32_p.bind(key_data[0], key_data[1],
-                                                    jnp.zeros_like(counter), counter)
-    # [..., 4, quarter] by broadcasting (elementwise: fused into the mask's consumer).
-    part = lax.broadcasted_iota(jnp.uint32, (*lead, 4, quarter), len(lead))
-    word = jnp.where(part < 2, low, high)
-    half = (word >> ((part & np.uint32(1)) * np.uint32(16))) & np.uint32(0xFFFF)
-    return half.reshape(shape)
-
-
-# Rates (and keep probabilities) of at least this use 16-bit draws: the keep probability is
-# then off by at most 2**-17, under 0.8% of the rate. Smaller ones take full 32-bit words.
-_MIN_RATE_16_BITS = 2.0 ** -10
-
-
-def keep_mask(key: jax.Array, shape: tuple[int, ...], keep_prob: float) -> jax.Array:
-    """Bernoulli(keep_prob) booleans of `shape`.
-
-    A threefry key takes the quarter-word path above (resolution 2**-16) when the last axis is
-    a multiple of 4 and neither the rate nor keep_prob is below 2**-10, else the paired-word
-    path (resolution 2**-32); any other key (e.g. 'rbg') draws `jax.random.bits` from its own
-    implementation (resolution 2**-32).
-    """
-    if _is_threefry(key):
-        data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) \
-            else key
-        if shape and shape[-1] % 4 == 0 and min(keep_prob, 1.0 - keep_prob) >= _MIN_RATE_16_BITS:
-            threshold = np.uint32(int(round(keep_prob * 2.0 ** 16)))
-            return _threefry_quarter_bits(data, tuple(shape)) < threshold
-        bits = _threefry_bits(data, tuple(shape))
-    else:
-        bits = jax.random.bits(key, tuple(shape), jnp.uint32)
-    return bits < np.uint32(min(int(round(keep_prob * 2.0 ** 32)), 2 ** 32 - 1))
-
-
-def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
-    """Inverted dropout: zero each element with probability `rate`, scale the rest by
-    1 / (1 - rate), as `flax.linen.Dropout` does (with its own random stream)."""
-    if rate <= 0.0:
-        return x
-    if rate >= 1.0:
-        return jnp.zeros_like(x)
-    keep_prob = 1.0 - rate
-    keep = keep_mask(key, x.shape, keep_prob)
-    return lax.select(keep, x / keep_prob, jnp.zeros_like(x))

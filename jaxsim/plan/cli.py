@@ -11,15 +11,21 @@ settings that do. Needs libtpu (`pip install "jax[tpu]==<jax version>"`), not a 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+import jax
+
 from jaxsim import cli_io
+from jaxsim.io import store
 from jaxsim.plan.chips import parse_topology
+from jaxsim.plan.planner import make_plan
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.config_files import apply_overrides, load_config_file
+from jaxsim.train.step import configure_jax
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -38,6 +44,9 @@ def plan_parser() -> argparse.ArgumentParser:
                             overwrite_help='replace an existing --json file')
     p.add_argument('--no-encode', dest='encode', action='store_false',
                    help='plan the train step only')
+    p.add_argument('--hlo-dir', default=None,
+                   help='also write each compiled program\'s partitioned HLO text here '
+                        '(train_step.hlo, encode.hlo): what its bytes and collectives are')
     p.add_argument('--no-search', dest='search', action='store_false',
                    help='one compile: no largest-batch estimate, no settings that fit')
     return p
@@ -59,24 +68,24 @@ def parse_plan_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]
 def plan_main(argv: Sequence[str]) -> int:
     args, overrides = parse_plan_args(argv)
     return run_plan(args.config, overrides, args.topology, args.num_slices, args.json,
-                    args.overwrite, encode=args.encode, search=args.search)
+                    args.overwrite, encode=args.encode, search=args.search,
+                    hlo_dir=args.hlo_dir)
 
 
 def run_plan(config: str, overrides: Sequence[str], topology: str, num_slices: int = 1,
              json_path: Optional[str] = None, overwrite: bool = False, *, encode: bool = True,
-             search: bool = True) -> int:
+             search: bool = True, hlo_dir: Optional[str] = None) -> int:
     """The plan command's work (also `train.py --plan`): every input checked before the
     first compile, the report on stdout, the JSON written whole."""
     # Cheap checks first: the topology, the config, the output.
     topo = parse_topology(topology)
-    cfg = TrainConfig.from_dict(apply_overrides(load_config_file(config), list(overrides)),
-                                source=config)
+    fields = apply_overrides(load_config_file(config), list(overrides))
+    if fields.get('data_format', 'text') in ('text', 'csv') and not fields.get('train_file'):
+        fields['train_file'] = '(none: a plan reads no data)'  # shapes come from the config
+    cfg = TrainConfig.from_dict(fields, source=config)
     output = cli_io.check_output_file(json_path, overwrite, '--json') if json_path else None
     # Several planning processes may share this machine (libtpu otherwise takes a lock).
     os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
-    import jax
-    from jaxsim.plan.planner import make_plan
-    from jaxsim.train.step import configure_jax
     # The plan compiles for the topology's compile-only devices; the process itself needs no
     # accelerator (and must not take a TPU another process is using).
     jax.config.update('jax_platforms', os.environ.get('JAX_PLATFORMS') or 'cpu')
@@ -84,9 +93,16 @@ def run_plan(config: str, overrides: Sequence[str], topology: str, num_slices: i
     plan = make_plan(cfg, topo, num_slices, encode=encode, search=search)
     record = plan.to_json()
     print(format_plan(record))
+    if hlo_dir:
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        for program in (plan.train.program, plan.encode):
+            if program is not None:
+                name = program.name.replace(' ', '_') + '.hlo'
+                with store.open_atomic(Path(hlo_dir) / name, 'w', overwrite=True,
+                                       what='--hlo-dir') as f:
+                    f.write(program.hlo_text)
+        print(f'wrote the compiled HLO to {hlo_dir}', file=sys.stderr)
     if output is not None:
-        from jaxsim.io import store
-        import json
         with store.open_atomic(Path(output), 'w', overwrite=overwrite, what='--json') as f:
             json.dump(record, f, indent=2)
             f.write('\n')

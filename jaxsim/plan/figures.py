@@ -70,6 +70,7 @@ class ProgramFigures:
     code_bytes: int
     collectives: tuple[hlo.Collective, ...]
     compile_s: float
+    hlo_text: str = dataclasses.field(default='', repr=False)  # the compiled, partitioned HLO
 
     @property
     def hbm_bytes(self) -> int:
@@ -81,7 +82,7 @@ class ProgramFigures:
     def collective_counts(self) -> dict[str, int]:
         counts = {kind: 0 for kind in hlo.KINDS}
         for c in self.collectives:
-            counts[c.kind] += 1
+            counts[c.kind] = counts.get(c.kind, 0) + 1
         return counts
 
 
@@ -117,8 +118,8 @@ def compile_program(name: str, jitted: Any, args: tuple, mesh,
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     devices = list(mesh.devices.flat)
     slices = [getattr(d, 'slice_index', 0) for d in devices]
-    collectives = hlo.collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names,
-                                  slices)
+    text = compiled.as_text()
+    collectives = hlo.collectives(text, mesh.devices.shape, mesh.axis_names, slices)
     return ProgramFigures(
         name=name, flops=float(cost.get('flops', 0.0)),
         bytes_accessed=float(cost.get('bytes accessed', 0.0)),
@@ -127,7 +128,8 @@ def compile_program(name: str, jitted: Any, args: tuple, mesh,
         alias_bytes=int(memory.alias_size_in_bytes),
         temp_bytes=int(memory.temp_size_in_bytes),
         code_bytes=int(memory.generated_code_size_in_bytes),
-        collectives=tuple(collectives), compile_s=round(time.perf_counter() - start, 1))
+        collectives=tuple(collectives), compile_s=round(time.perf_counter() - start, 1),
+        hlo_text=text)
 
 
 def per_device_bytes(tree: Any) -> int:

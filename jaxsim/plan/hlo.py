@@ -5,6 +5,11 @@ done), each holding a copy of the instruction under the same `channel_id`; count
 would count the copies (a data-parallel BERT-base step shows 116 all-gather lines for 3
 all-gathers). A collective here is one channel: its kind, its bytes, the device groups it runs
 over, and from those the mesh axes it spans and whether it crosses slices (DCN).
+
+Compiled for several slices, a collective over slices is split: the in-slice part stays an
+HLO collective (groups within a slice), the cross-slice part becomes host-transfer
+`send`/`recv` pairs for the multislice runtime (`_xla_megascale_transfer_type`), one
+rendezvous per transfer; each rendezvous is a DCN collective here.
 """
 from __future__ import annotations
 
@@ -19,6 +24,10 @@ KINDS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective
 
 _DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'bf16': 2, 'f16': 2,
                 's16': 2, 'u16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8}
+_DCN_SEND = re.compile(
+    r'%[\w.\-]+ = \((?P<shape>[a-z0-9]+\[[\d,]*\]).*? send\('
+    r'.*_xla_host_transfer_rendezvous="(?P<name>[^"]+)"'
+    r'.*_xla_megascale_transfer_type="(?P<kind>[A-Z_]+)"')
 _INSTRUCTION = re.compile(
     r'%[\w.\-]+ = (?P<shape>.*?) (?P<kind>' + '|'.join(KINDS) + r')(?:-start)?\((?P<rest>.*)$')
 
@@ -151,4 +160,27 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
         found[key] = Collective(kind=m.group('kind'), bytes=shape_bytes(m.group('shape')),
                                 group_size=max(len(g) for g in groups), axes=axes, dcn=dcn,
                                 op_name=op.group(1) if op else '')
+    return list(found.values()) + _dcn_transfers(hlo_text, mesh_shape, axis_names, slice_of)
+
+
+def _dcn_transfers(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[str],
+                   slice_of: Sequence[int]) -> list[Collective]:
+    """The cross-slice parts of collectives: one per rendezvous of the multislice runtime's
+    sends, sized by the array each slice sends, over the mesh axes that change slice."""
+    slices = np.asarray(slice_of).reshape(tuple(mesh_shape))
+    axes = tuple(name for i, name in enumerate(axis_names)
+                 if np.any(np.diff(slices, axis=i) != 0))
+    kinds = {k.replace('-', '_').upper(): k for k in KINDS}
+    n = len(set(slice_of))
+    found: dict[str, Collective] = {}
+    for line in hlo_text.splitlines():
+        m = _DCN_SEND.search(line)
+        if not m or m.group('name') in found:
+            continue
+        op = re.search(r'op_name="([^"]*)"', line)
+        kind = kinds.get(m.group('kind'), m.group('kind').lower().replace('_', '-'))
+        sent = shape_bytes(m.group('shape'))  # one slice's piece (all-gather) or array
+        found[m.group('name')] = Collective(
+            kind=kind, bytes=sent * n if kind == 'all-gather' else sent, group_size=n,
+            axes=axes, dcn=True, op_name=op.group(1) if op else m.group('name'))
     return list(found.values())

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxsim import sharding as sharding_lib
 from jaxsim.data.tokenize import TokenBatch
 from jaxsim.encode import make_encode_fn
+from jaxsim.models.encoder import param_shapes
 from jaxsim.objectives import check_kwargs, get_objective
 from jaxsim.plan import figures as fig
 from jaxsim.plan.chips import Topology
@@ -196,7 +197,6 @@ def plan_encode(cfg: TrainConfig, devices: list, say) -> tuple[ProgramFigures, t
     config = build.architecture(cfg)
     encoder = build.make_encoder(cfg.replace(dtype='float32', remat='none'), config)
     params = state_lib.param_shardings(encoder, mesh, *build.param_rules(cfg))
-    from jaxsim.models.encoder import param_shapes
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             param_shapes(encoder), params)
     shards = sharding_lib.batch_shards(mesh)
@@ -205,8 +205,8 @@ def plan_encode(cfg: TrainConfig, devices: list, say) -> tuple[ProgramFigures, t
     spec = sharding_lib.batch_sharding(mesh, 2)
     tokens = TokenBatch(*(jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=spec)
                           for _ in range(3)))
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype,
-                               sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
     say(f'compiling the encode program (batch {rows} x {length} tokens) ...')
     jitted = make_encode_fn(encoder, False, False, mesh)
     return fig.compile_program('encode', jitted, (abstract, tokens, key), mesh, say), (rows, length)

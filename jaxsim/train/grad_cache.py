@@ -11,7 +11,7 @@ GradCache keeps it, holding the activations of one micro-batch at a time:
 By the chain rule the result is the one-pass gradient; only float32 summation order differs.
 
 Same masks: micro-batch i holds the contiguous rows [i M, (i + 1) M) of the batch and draws its
-dropout inside `ops.dropout_rows`, so each row gets the mask it gets in one pass (threefry keys;
+dropout inside `dropout.dropout_rows`, so each row gets the mask it gets in one pass (threefry keys;
 an 'rbg' key draws fresh masks, the same objective in distribution). Contiguous micro-batches
 are resharded over the batch axes of the mesh (an all-to-all of token ids), so every device
 works on every micro-batch.
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxsim.models import ops
+from jaxsim.models import dropout
 from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.objectives import LossFn
 from jaxsim.sharding import BATCH_AXES
@@ -59,7 +59,7 @@ def make_cached_grad_fn(encoder: SentenceEncoder, loss: LossFn, views: int, micr
 
         def embed(p, mb, i):
             # Rows of the [B * V, L] array the encoder sees: micro-batch i starts at i * M * V.
-            with ops.dropout_rows(i * (m * views)):
+            with dropout.dropout_rows(i * (m * views)):
                 return encode_views(encoder, p, mb, key, views)
 
         # 1. Vectors only: no gradient is taken through this map, so nothing is kept.

@@ -1,5 +1,4 @@
-"""The encoder's fused operations: same values and gradients as the plain JAX expressions,
-and a dropout mask with the right statistics from the paired-word threefry stream."""
+"""The encoder's fused operations: same values and gradients as the plain JAX expressions."""
 from __future__ import annotations
 
 import math
@@ -53,60 +52,6 @@ def test_bias_gelu_is_the_exact_gelu_with_its_exact_gradient():
     # see the wrong formula).
     np.testing.assert_allclose(jax.nn.gelu(d + b, approximate=False), exact, rtol=0, atol=2e-6)
     assert float(np.abs(np.asarray(jax.nn.gelu(d + b, approximate=True)) - exact).max()) > 1e-4
-
-
-@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
-def test_dropout_statistics_scaling_and_keys(impl):
-    shape = (400, 7, 34)  # elements j and j + 17 share a hash (its two words)
-    x = jnp.ones(shape, jnp.float32) * 2.0
-    key = jax.random.key(0, impl=impl)
-    y = np.asarray(ops.dropout(x, 0.1, key))
-    kept = y != 0
-    n = kept.size
-    assert abs(kept.mean() - 0.9) < 5 * np.sqrt(0.09 / n)
-    np.testing.assert_allclose(y[kept], 2.0 / 0.9, rtol=1e-6)
-    np.testing.assert_array_equal(y, np.asarray(ops.dropout(x, 0.1, key)))  # a pure function
-    other = np.asarray(ops.dropout(x, 0.1, jax.random.key(1, impl=impl))) != 0
-    assert (other != kept).mean() > 0.1
-    # Elements fed by the two words of one hash (j and j + 17 on the last axis) are independent.
-    a, b = kept[..., :17].ravel().astype(float), kept[..., 17:].ravel().astype(float)
-    assert abs(np.corrcoef(a, b)[0, 1]) < 5 / np.sqrt(a.size)
-    odd = np.asarray(ops.dropout(jnp.ones((300, 33)), 0.1, key)) != 0  # one hash per element
-    assert abs(odd.mean() - 0.9) < 5 * np.sqrt(0.09 / odd.size)
-    assert ops.dropout(x, 0.0, key) is x
-    np.testing.assert_array_equal(ops.dropout(x, 1.0, key), 0.0)
-
-
-def test_dropout_quarter_words_are_independent_and_scaled():
-    # Last axis 64: elements j, j + 16, j + 32, j + 48 take the four 16-bit halves of one hash.
-    x = jnp.ones((500, 3, 64), jnp.float32) * 3.0
-    y = np.asarray(ops.dropout(x, 0.1, jax.random.key(7)))
-    kept = y != 0
-    assert abs(kept.mean() - 0.9) < 5 * np.sqrt(0.09 / kept.size)
-    np.testing.assert_allclose(y[kept], 3.0 / 0.9, rtol=1e-6)
-    quarters = [kept[..., 16 * i:16 * (i + 1)].ravel().astype(float) for i in range(4)]
-    for i in range(4):
-        assert abs(quarters[i].mean() - 0.9) < 5 * np.sqrt(0.09 / quarters[i].size)
-        for j in range(i + 1, 4):
-            assert abs(np.corrcoef(quarters[i], quarters[j])[0, 1]) < 5 / np.sqrt(
-                quarters[i].size), (i, j)
-    # Rows are independent of how many rows are drawn with them.
-    np.testing.assert_array_equal(kept[:7], np.asarray(ops.dropout(x[:7], 0.1,
-                                                                    jax.random.key(7))) != 0)
-
-
-def test_dropout_keep_rate_follows_the_rate():
-    x = jnp.ones((256, 64, 64), jnp.float32)
-    for rate in (0.05, 0.5, 0.9):
-        kept = float(jnp.mean(ops.dropout(x, rate, jax.random.key(3)) != 0))
-        assert abs(kept - (1 - rate)) < 5 * np.sqrt(rate * (1 - rate) / x.size), rate
-
-
-def test_dropout_accepts_raw_threefry_key_data():
-    x = jnp.ones((8, 10), jnp.float32)
-    typed = ops.dropout(x, 0.3, jax.random.key(5))
-    raw = ops.dropout(x, 0.3, jax.random.key_data(jax.random.key(5)))
-    np.testing.assert_array_equal(typed, raw)
 
 
 def test_mixed_precision_dot_general_routes_only_the_dense_contraction():

@@ -33,7 +33,7 @@ import os, signal, sys, time
 sys.path.insert(0, os.getcwd())
 import train
 from jaxsim.io import checkpoint
-from jaxsim.train import evaluate, loop
+from jaxsim.train import evaluate, loop, step as step_lib
 
 mode, at, signame, delay = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 
@@ -46,7 +46,7 @@ def phase_reached(phase):  # the parent checks that the signal landed where the 
     print(f'\\nPHASE {phase}', file=sys.stderr, flush=True)  # own line: after a progress bar
 
 if mode == 'step':  # right after step `at` is dispatched: its computation is in flight
-    real_make = loop.make_train_step
+    real_make = step_lib.make_train_step
     def make(*args, **kwargs):
         step = real_make(*args, **kwargs)
         def wrapped(state, batch):
@@ -56,7 +56,7 @@ if mode == 'step':  # right after step `at` is dispatched: its computation is in
                 fire(f'step {at} dispatched')
             return out
         return wrapped
-    loop.make_train_step = make
+    step_lib.make_train_step = make  # what build.train_program calls
 elif mode == 'save':  # checkpoint `at` handed to orbax's background writer
     real_save = checkpoint.Checkpointer.save
     def save(self, step, *args, **kwargs):

@@ -40,7 +40,7 @@ from jaxsim.sharding import make_mesh
 from jaxsim.train import build
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.config_files import load_config_file
-from jaxsim.train.loop import _grad_divisor as grad_divisor  # the divisor training uses
+from jaxsim.train.build import grad_divisor  # the divisor training uses
 from jaxsim.train.optim import decay_mask, make_optimizer, make_schedule
 from jaxsim.train.state import create_state
 from jaxsim.train.step import configure_jax, make_loss_fn, make_train_step
@@ -276,8 +276,9 @@ def float64_gradients(model, batch: dict, views: int, world: int = 1) -> dict:
 def paper_config(name: str, **changes) -> TrainConfig:
     """A paper config (configs/<name>.py) with the test's model, data sizes and changes."""
     fields = load_config_file(str(REPO / 'configs' / f'{name}.py'))
+    # float32 like the reference here on CPU (the configs' bf16 stands for the paper's --fp16).
     fields.update(batch_size=BATCH, max_len=MAX_LEN, max_steps=STEPS, senteval_root='',
-                  checkpoint=False, **changes)
+                  checkpoint=False, dtype='float32', **changes)
     return TrainConfig.from_dict(fields)
 
 

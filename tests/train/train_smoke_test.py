@@ -23,7 +23,7 @@ from jaxsim.io.checkpoint import Checkpointer
 from jaxsim.io.export import export_model
 from jaxsim.objectives import ObjectiveError, register_objective
 from jaxsim.paths import SENTEVAL_ROOT
-from jaxsim.train import loop
+from jaxsim.train import loop, step as step_lib
 from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.records import RunMismatchError, TrainResult
 from jaxsim.train.step import configure_jax
@@ -153,7 +153,7 @@ def test_train_select_resume_and_use_the_workdir_as_a_model(corpus, senteval, tm
 
 
 def test_non_finite_loss_stops_with_the_last_good_checkpoint(corpus, tmp_path, monkeypatch):
-    real = loop.make_train_step
+    real = step_lib.make_train_step
 
     def poisoned(*args, **kwargs):
         step = real(*args, **kwargs)
@@ -164,7 +164,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(corpus, tmp_path, m
             return new, {**metrics, 'loss': jnp.float32(np.nan)} if at == 2 else metrics
         return wrapped
 
-    monkeypatch.setattr(loop, 'make_train_step', poisoned)
+    monkeypatch.setattr(step_lib, 'make_train_step', poisoned)  # what build.train_program calls
     w = tmp_path / 'w'
     r = loop.train_and_evaluate(_cfg(corpus), w, progress=False)
     assert r.stopped is not None and 'step 3' in r.stopped and r.steps == 2
