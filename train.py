@@ -5,6 +5,8 @@
   --seeds 1,2,3           one run per seed (DIR/seed_N) and mean/std of STS-B dev/test
   --coordinator H:P --num_processes N --process_id I    multi-process (multi-host) launch
   --distributed auto      multi-process launch detected from the cluster (TPU pod, SLURM, MPI)
+  --plan TOPOLOGY         train nothing: compile this config's step for a TPU topology on this
+                          machine and report memory, cost and collectives (python -m jaxsim plan)
 The logic lives in jaxsim.train; this file parses flags and turns outcomes into exit codes:
 0 done, 1 bad input (one `error:` line), 130/143 interrupted by SIGINT/SIGTERM (state saved).
 """
@@ -37,6 +39,8 @@ from absl import logging as absl_logging  # noqa: E402
 
 from jaxsim import cli_io, distributed, interrupts, runtime  # noqa: E402
 from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS  # noqa: E402
+from jaxsim.plan.cli import run_plan  # noqa: E402
+from jaxsim.plan.figures import tpu_compiler_loaded  # noqa: E402
 from jaxsim.train.config import TrainConfig  # noqa: E402
 from jaxsim.train.config_files import apply_overrides, load_config_file  # noqa: E402
 from jaxsim.train.fingerprint import parse_key_list  # noqa: E402
@@ -49,7 +53,11 @@ from jaxsim.train.step import configure_jax  # noqa: E402
 def parse_args(argv):
     p = cli_io.ArgumentParser(prog='train.py', description=__doc__.split('\n')[0])
     p.add_argument('--config', required=True, help='configs/NAME.py (or NAME.py:ARG)')
-    p.add_argument('--workdir', required=True, help='the run folder (becomes a loadable model)')
+    p.add_argument('--workdir', help='the run folder (becomes a loadable model)')
+    p.add_argument('--plan', metavar='TOPOLOGY', default=None,
+                   help='compile the config for a TPU topology here (v5e:4x4, v5p-128) and '
+                        'report per chip; trains nothing (python -m jaxsim plan)')
+    p.add_argument('--num-slices', type=int, default=1, help='with --plan: slices over DCN')
     p.add_argument('--allow-change', default='', metavar='KEYS',
                    help='comma-separated run-defining keys allowed to differ on a rerun')
     p.add_argument('--seeds', default='', help='comma-separated seeds')
@@ -62,7 +70,23 @@ def parse_args(argv):
         if not item.startswith('--config.'):
             p.error(f'unrecognized argument {item}')
         overrides.append(item[len('--config.'):])
+    if args.plan is None and not args.workdir:
+        p.error('the following arguments are required: --workdir (or --plan TOPOLOGY)')
+    if args.plan is not None and (args.workdir or args.seeds):
+        p.error('--plan trains nothing: it takes no --workdir or --seeds')
+    if args.num_slices < 1 or (args.num_slices > 1 and args.plan is None):
+        p.error('--num-slices N (N >= 1) goes with --plan')
     return args, overrides
+
+
+def plan(args, overrides) -> int:
+    """`--plan`: the plan command's report."""
+    runtime.setup()
+    try:
+        return run_plan(args.config, overrides, args.plan, args.num_slices)
+    except USER_ERRORS as e:
+        print('error: ' + ' '.join(str(e).split()), file=sys.stderr)
+        return USER_ERROR_EXIT
 
 
 def _raise_interrupted(signum, frame):
@@ -71,6 +95,8 @@ def _raise_interrupted(signum, frame):
 
 def main(argv=None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.plan is not None:
+        return plan(args, overrides)
     # orbax logs every save at INFO; JAX logs backend probing (libtpu) at INFO.
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)
@@ -140,4 +166,10 @@ def parse_seeds(text: str) -> list[int]:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    code = main()
+    if tpu_compiler_loaded():
+        # libtpu's teardown can hang the exit of a process that compiled for a TPU topology.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -41,6 +41,7 @@ from jaxsim.search.cli import index_main, search_main
 from jaxsim.serve.cli import serve_main
 from jaxsim.eval.frequency_cli import analyze_main
 from jaxsim.plan.cli import plan_main
+from jaxsim.plan.figures import tpu_compiler_loaded
 
 
 class UsageError(JaxsimError):
@@ -212,7 +213,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    if sys.argv[1:2] == ["plan"]:
+    if tpu_compiler_loaded():
         # libtpu's teardown can hang the exit of a process that compiled for a TPU topology.
         sys.stdout.flush()
         sys.stderr.flush()

@@ -212,7 +212,7 @@ RUN_FIRST = ("tests/train/multiprocess_test.py", "tests/cli_process_test.py",
              "tests/encode_test.py", "tests/benchmarks/train_speed_test.py",
              "tests/cli_outputs_test.py", "tests/train/resume_test.py",
              "tests/benchmarks/input_scale_test.py", "tests/io/export_test.py",
-             "tests/docs_test.py", "tests/train/packing_test.py",
+             "tests/plan/plan_test.py", "tests/docs_test.py", "tests/train/packing_test.py",
              "tests/benchmarks/encode_speed_test.py", "tests/multiprocess_commands_test.py",
              "tests/flows/flow_layers_test.py", "tests/io/remote_test.py",
              "tests/serve/shutdown_test.py", "tests/flows/flow_mesh_test.py")

@@ -28,6 +28,15 @@ class PlanError(JaxsimError):
     """A plan that cannot be made here (no libtpu, a program that does not compile)."""
 
 
+# Whether this process has loaded libtpu's compiler, whose teardown can hang a process's exit
+# (command lines then leave with os._exit after flushing).
+_TPU_COMPILER_LOADED = False
+
+
+def tpu_compiler_loaded() -> bool:
+    return _TPU_COMPILER_LOADED
+
+
 def compile_only_devices(topology: Topology, num_slices: int = 1) -> list:
     """The devices of `num_slices` slices of `topology`, for compiling only (no TPU needed).
 
@@ -38,8 +47,10 @@ def compile_only_devices(topology: Topology, num_slices: int = 1) -> list:
     if importlib.util.find_spec('libtpu') is None:
         raise PlanError(f'planning for {topology.name} needs the TPU compiler: pip install '
                         f'"jax[tpu]=={jax.__version__}" (it runs on this CPU; no TPU needed)')
+    global _TPU_COMPILER_LOADED
     os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')  # no metadata server off Google Cloud
     from jax.experimental import topologies
+    _TPU_COMPILER_LOADED = True
     try:
         desc = topologies.get_topology_desc(topology_name=topology.name, platform='tpu',
                                             **({'num_slices': num_slices}

@@ -157,7 +157,10 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
                      if any(len(set(c[i].tolist())) > 1 for c in coords))
         dcn = any(len({slice_of[d] for d in g}) > 1 for g in groups)
         op = re.search(r'op_name="([^"]*)"', line)
-        found[key] = Collective(kind=m.group('kind'), bytes=shape_bytes(m.group('shape')),
+        shape = m.group('shape')
+        if m.group('kind') == 'all-gather' and shape.startswith('('):
+            shape = shape.rsplit(', ', 1)[-1]  # an async start's (operand, result): the result
+        found[key] = Collective(kind=m.group('kind'), bytes=shape_bytes(shape),
                                 group_size=max(len(g) for g in groups), axes=axes, dcn=dcn,
                                 op_name=op.group(1) if op else '')
     return list(found.values()) + _dcn_transfers(hlo_text, mesh_shape, axis_names, slice_of)

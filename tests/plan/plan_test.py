@@ -1,0 +1,268 @@
+"""The plan: the real train step compiled for TPU topologies on this CPU (libtpu, no TPU), and
+what XLA says of it, read back correctly.
+
+The compiles are of the tiny config (2 layers x 32 hidden) on v5e:2x2: seconds each. What a
+test asserts is structural (which collectives, over which mesh axes and networks; memory
+divided by a sharded axis; the roofline's arithmetic), never a time.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsim.models import dropout
+from jaxsim.models.encoder import param_shapes
+from jaxsim.plan import figures as fig
+from jaxsim.plan import hlo
+from jaxsim.plan.chips import CHIPS, TopologyError, parse_topology
+from jaxsim.plan.planner import make_plan
+from jaxsim.sharding import MeshError, ShardingError
+from jaxsim.train import build
+from jaxsim.train.config import TrainConfig
+from jaxsim.train.config_files import apply_overrides, load_config_file
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny_unsup_simcse.py"
+V5E_2X2 = parse_topology("v5e:2x2")
+JSON_KEYS = ("fits", "hbm_gib", "collectives", "flops_per_chip", "bytes_per_chip",
+             "step_s_estimate", "mfu_ceiling")
+
+
+def tiny(**changes) -> TrainConfig:
+    fields = apply_overrides(load_config_file(str(TINY)), [])
+    fields.update(train_file="(none)", **changes)
+    return TrainConfig.from_dict(fields, source=str(TINY))
+
+
+def plan(cfg: TrainConfig, num_slices: int = 1):
+    return make_plan(cfg, V5E_2X2, num_slices, encode=False, search=False, say=lambda m: None)
+
+
+def param_bytes(cfg: TrainConfig) -> int:
+    encoder = build.make_encoder(cfg, build.architecture(cfg))
+    return sum(math.prod(x.shape) * x.dtype.itemsize
+               for x in jax.tree.leaves(param_shapes(encoder)))
+
+
+@pytest.fixture(scope="module")
+def data_parallel():
+    return plan(tiny())
+
+
+# ---- topologies -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,name,chips", [
+    ("v5e:4x4", "v5e:4x4", 16), ("V5litepod-16", "v5e:4x4", 16), ("v5e-256", "v5e:16x16", 256),
+    ("v4-32", "v4:2x2x4", 16), ("v5p:4x4x4", "v5p:4x4x4", 64), ("v6e-64", "v6e:8x8", 64)])
+def test_topology_spellings(text, name, chips):
+    topology = parse_topology(text)
+    assert (topology.name, topology.chips) == (name, chips)
+    assert topology.chip is CHIPS[name.split(":")[0]]
+
+
+@pytest.mark.parametrize("text", ["v9:2x2", "v5e:2x2x2", "v4:4x4", "v5e-12", "v4-3", "pod"])
+def test_unknown_topologies_are_one_line_before_any_compile(text):
+    with pytest.raises(TopologyError) as e:
+        parse_topology(text)
+    assert str(e.value).startswith(f"--topology {text}") and "\n" not in str(e.value)
+
+
+# ---- reading the compiled HLO -----------------------------------------------------------------
+
+@pytest.mark.parametrize("attributes,groups", [
+    ("replica_groups={{0,1},{2,3}}, dimensions={0}", [[0, 1], [2, 3]]),
+    ("replica_groups=[2,2]<=[4], to_apply=%add", [[0, 1], [2, 3]]),
+    ("replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add", [[0, 2], [1, 3]]),
+    ("replica_groups=mesh['a'=2,'b'=2] {'a'}, to_apply=%add", [[0, 2], [1, 3]]),
+    ("replica_groups={}, to_apply=%add", [[0, 1, 2, 3]]),
+    ("source_target_pairs={{0,1},{1,0}}", [[0, 1], [1, 0]]),
+])
+def test_replica_groups_in_each_spelling(attributes, groups):
+    assert hlo.replica_groups(attributes, 4) == groups
+
+
+SYNTHETIC = """
+  %all-gather-start.1 = (f32[4,8]{1,0}, f32[8,8]{1,0}) all-gather-start(%z), channel_id=7, replica_groups={{0,2},{1,3}}, dimensions={0}, metadata={op_name="jit(f)/gather_z"}
+  %all-gather.9 = f32[8,8]{1,0} all-gather(%z), channel_id=7, replica_groups={{0,2},{1,3}}, dimensions={0}, metadata={op_name="jit(f)/gather_z"}
+  %all-reduce.3 = f32[16]{0} all-reduce(%g), channel_id=9, replica_groups=[1,4]<=[4], to_apply=%add
+  %reduce-scatter.4 = bf16[2,8]{1,0} reduce-scatter(%h), channel_id=11, replica_groups={{0,1},{2,3}}, dimensions={0}, to_apply=%add
+  %add.5 = f32[16]{0} add(%all-reduce.3, %all-reduce.3)
+"""  # noqa: E501
+
+
+def test_collectives_are_one_per_channel_with_mesh_axes_and_network():
+    """The copies an async collective leaves in several fusions count once; groups give the mesh
+    axes (device ids row-major over the mesh) and whether a group spans slices."""
+    found = hlo.collectives(SYNTHETIC, (2, 2), ("data", "fsdp"), slice_of=[0, 0, 1, 1])
+    assert [(c.kind, c.axes, c.dcn, c.group_size, c.bytes) for c in found] == [
+        ("all-gather", ("data",), True, 2, 8 * 8 * 4),  # the gathered result, not the operand
+        ("all-reduce", ("data", "fsdp"), True, 4, 16 * 4),
+        ("reduce-scatter", ("fsdp",), False, 2, 2 * 8 * 2)]
+    assert found[0].op_name == "jit(f)/gather_z"
+    one_slice = hlo.collectives(SYNTHETIC, (2, 2), ("data", "fsdp"), slice_of=[0, 0, 0, 0])
+    assert not any(c.dcn for c in one_slice)
+
+
+def test_cross_slice_transfers_are_dcn_collectives():
+    """Compiled for several slices, the cross-slice half of a collective is a pair of host
+    transfers of the multislice runtime: one DCN collective per rendezvous."""
+    line = ('  %send.{i} = (f32[4,8]{{1,0}}, u32[], token[]) send(%x, %after-all), channel_id={i}, '
+            'is_host_transfer=true, frontend_attributes={{_xla_host_transfer_handler_name='
+            '"xla_megascale_runtime",_xla_host_transfer_rendezvous="{name}",'
+            '_xla_megascale_target="{{1,2}}x{{0:3}}",_xla_megascale_transfer_type="{kind}"}}')
+    text = "\n".join([line.format(i=1, name="all-reduce.3_0", kind="ALL_REDUCE"),
+                      line.format(i=2, name="all-reduce.3_0", kind="ALL_REDUCE"),
+                      line.format(i=3, name="all-gather.5_0", kind="ALL_GATHER")])
+    found = hlo.collectives(text, (4, 1), ("data", "fsdp"), slice_of=[0, 0, 1, 1])
+    assert [(c.kind, c.axes, c.dcn, c.group_size, c.bytes) for c in found] == [
+        ("all-reduce", ("data",), True, 2, 128), ("all-gather", ("data",), True, 2, 256)]
+
+
+def test_link_traffic_and_roofline_arithmetic():
+    ring = hlo.Collective("all-reduce", 1000, 4, ("data",), False)
+    assert ring.traffic_bytes == pytest.approx(2 * 0.75 * 1000)
+    assert hlo.Collective("all-gather", 1000, 4, ("data",), False).traffic_bytes == 750
+    assert hlo.Collective("reduce-scatter", 250, 4, ("data",), False).traffic_bytes == 750
+    assert hlo.Collective("all-reduce", 1000, 1, (), False).traffic_bytes == 0
+    chip = CHIPS["v5e"]
+    figures = fig.ProgramFigures("p", flops=2 * chip.peak_flops, bytes_accessed=chip.hbm_bytes_per_s,
+                                 argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
+                                 code_bytes=0, collectives=(ring,), compile_s=0.0)
+    roof = fig.roofline(figures, chip)
+    assert (roof.compute_s, roof.memory_s) == (2.0, 1.0)
+    assert roof.step_s == pytest.approx(2.0 + 1500 / chip.ici_bytes_per_s)
+    assert roof.mfu_ceiling() == pytest.approx(2.0 / roof.step_s) and roof.bound == "compute"
+
+
+# ---- the real step, compiled for v5e:2x2 ------------------------------------------------------
+
+def test_data_parallel_step_gathers_once_each_way_and_reduces_every_gradient(data_parallel):
+    """Global in-batch negatives need the vectors gathered once forward and once backward (the
+    transpose of the gather can be a reduce); the gradient all-reduce carries every parameter."""
+    cfg = tiny()
+    step = data_parallel.train.program
+    counts = step.collective_counts()
+    assert 1 <= counts["all-gather"] <= 3
+    assert counts["reduce-scatter"] == counts["all-to-all"] == 0
+    assert all(c.axes == ("data",) and not c.dcn for c in step.collectives)
+    reduced = sum(c.bytes for c in step.collectives if c.kind == "all-reduce")
+    assert reduced >= param_bytes(cfg)
+    assert data_parallel.train.parameters == param_bytes(cfg)  # replicated: all of them
+    assert data_parallel.train.optimizer_state >= 2 * param_bytes(cfg)  # Adam's two moments
+
+
+def test_plan_record_adds_up(data_parallel):
+    r = data_parallel.to_json()
+    assert all(k in r for k in JSON_KEYS)
+    assert set(r["collectives"]) == set(hlo.KINDS)
+    h = r["hbm_gib"]
+    assert r["fits"] and h["capacity"] == 16.0
+    parts = (h["parameters"] + h["optimizer_state"] + h["batch"] + h["other_arguments"]
+             + h["temporaries"] + h["outputs_not_aliased"] + h["program"])
+    assert parts == pytest.approx(h["total"], abs=0.005)
+    assert r["flops_per_chip"] == data_parallel.train.program.flops > 0
+    step = max(r["compute_s"], r["hbm_s"]) + r["ici_s"] + r["dcn_s"]
+    assert r["step_s_estimate"] == pytest.approx(step, rel=1e-3)
+    assert r["mfu_ceiling"] == pytest.approx(r["compute_s"] / step, abs=1e-4)
+
+
+def test_fsdp_divides_parameters_and_optimizer_state_by_its_size(data_parallel):
+    sharded = plan(tiny(mesh_data=1, mesh_fsdp=4))
+    whole = data_parallel.train
+    assert sharded.train.mesh_shape == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert sharded.train.parameters <= 1.02 * whole.parameters / 4
+    assert sharded.train.optimizer_state <= 1.02 * whole.optimizer_state / 4
+    assert any(c.kind == "all-gather" and c.axes == ("fsdp",)
+               for c in sharded.train.program.collectives)  # parameters gathered to use them
+
+
+def test_tensor_parallel_plan_names_an_indivisible_parameter_or_replicates_it(data_parallel):
+    """The vocabulary (30522) does not divide over 4 devices: strict rules name the parameter
+    before any compile; replicate_indivisible keeps it whole and shards the rest."""
+    with pytest.raises(ShardingError, match="word_embeddings"):
+        plan(tiny(mesh_data=1, mesh_tensor=4))
+    relaxed = plan(tiny(mesh_data=1, mesh_tensor=4, replicate_indivisible=True))
+    assert relaxed.train.parameters < data_parallel.train.parameters
+    kinds = {c.kind for c in relaxed.train.program.collectives if c.axes == ("tensor",)}
+    assert "all-reduce" in kinds  # row-parallel products sum their partial results
+
+
+def test_two_slices_reduce_gradients_over_the_data_center_network():
+    two = plan(tiny(batch_size=32), num_slices=2)
+    assert two.devices == 8 and two.train.mesh_shape["data"] == 8
+    dcn = [c for c in two.train.program.collectives if c.dcn]
+    assert dcn and all(c.axes == ("data",) and c.group_size == 2 for c in dcn)
+    assert any(c.kind == "all-reduce" for c in dcn)
+    assert two.train.roofline.dcn_s > 0 and two.to_json()["dcn_s"] > 0
+
+
+def test_a_mesh_the_topology_cannot_hold_is_one_line_before_any_compile():
+    with pytest.raises(MeshError) as e:
+        plan(tiny(mesh_data=3))
+    assert "\n" not in str(e.value)
+
+
+def test_dropout_on_tpu_moves_its_input_and_output_once():
+    """The TPU form of the dropout bits (each element hashes its own counter) compiles to about
+    one read and one write; the CPU form's broadcast-and-reshape is a relayout on TPU."""
+    device = fig.compile_only_devices(V5E_2X2)[0]
+    mesh = jax.sharding.Mesh(np.array([device]), ("data",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jax.ShapeDtypeStruct((512, 3072), jnp.bfloat16, sharding=sharding)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sharding)
+    moved = 2 * 512 * 3072 * 2
+
+    def with_bits(form):
+        def drop(x, key):
+            keep = form(key, x.shape, 4) < np.uint32(int(0.9 * 2 ** 16))
+            return jnp.where(keep, x / 0.9, 0).astype(x.dtype)
+        return fig.compile_program("dropout", jax.jit(drop), (x, key), mesh, lambda m: None)
+
+    tpu = with_bits(dropout.word_bits_elementwise).bytes_accessed
+    cpu = with_bits(dropout.word_bits_broadcast).bytes_accessed
+    chosen = fig.compile_program("dropout", jax.jit(lambda x, k: dropout.dropout(x, 0.1, k)),
+                                 (x, key), mesh, lambda m: None).bytes_accessed
+    assert tpu <= 1.2 * moved < cpu
+    assert chosen <= 1.2 * moved  # what the model's dropout compiles to on TPU
+
+
+def test_plan_command_writes_its_json_and_refuses_bad_input_in_one_line(tmp_path):
+    out = tmp_path / "plan.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "jaxsim", "plan", "--config", str(TINY), "--topology", "v5e:2x2",
+         "--json", str(out), "--config.batch_size=32"],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert all(k in record for k in JSON_KEYS) and record["fits"]
+    assert record["max_global_batch"] > 32  # a tiny model: far more than 32 fit
+    assert record["encode"]["fits"] and record["encode"]["flops_per_chip"] > 0
+    assert "MFU ceiling" in run.stdout and "estimates" in run.stdout
+    for bad, says in [(["--topology", "v9:2x2"], "--topology v9:2x2"),
+                      (["--topology", "v5e:2x2", "--config.mesh_data=3"], "mesh")]:
+        run = subprocess.run([sys.executable, "-m", "jaxsim", "plan", "--config", str(TINY), *bad],
+                             cwd=REPO, capture_output=True, text=True, timeout=900)
+        assert run.returncode != 0 and "Traceback" not in run.stderr
+        last = run.stderr.strip().splitlines()[-1]
+        assert says in last, run.stderr[-1000:]
+
+
+def test_train_py_plans_instead_of_training(tmp_path):
+    run = subprocess.run([sys.executable, "train.py", "--config", str(TINY), "--plan", "v5e:2x2",
+                          "--config.batch_size=32"],
+                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "on v5e:2x2: 4 devices" in run.stdout and "largest global batch" in run.stdout
+    both = subprocess.run([sys.executable, "train.py", "--config", str(TINY), "--plan", "v5e:2x2",
+                           "--workdir", str(tmp_path / "w")],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert both.returncode == 1 and both.stderr.startswith("error: --plan trains nothing")
+    assert not (tmp_path / "w").exists()
