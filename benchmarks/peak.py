@@ -48,18 +48,19 @@ SLOW_PRODUCT_S = 5.0
 _PROBE_SIZE = 256
 
 
-def timed_size(make: Callable[[int], Callable[[], object]], size: int) -> int:
+def timed_size(make: Callable[[int], Callable[[], object]], size: int,
+               clock: Callable[[], float] = time.perf_counter) -> int:
     """`size`, or the largest half of it whose product is predicted (from one at 256, scaled by
     n^3) to take at most `SLOW_PRODUCT_S`: a product with no fast kernel on this machine
     (PyTorch's bf16 `a @ b` on a CPU without bf16 instructions, 0.3 GFLOP/s: a minute per
     2048^3) would otherwise hold a benchmark for many minutes. Such a loop's rate hardly depends
-    on the size."""
+    on the size. `clock` is what the probe is timed with (its tests pass their own)."""
     probe = min(size, _PROBE_SIZE)
     run = make(probe)
     run()
-    start = time.perf_counter()
+    start = clock()
     run()
-    seconds = time.perf_counter() - start
+    seconds = clock() - start
     while size > probe and seconds * (size / probe) ** 3 > SLOW_PRODUCT_S:
         size //= 2
     return size

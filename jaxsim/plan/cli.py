@@ -89,6 +89,8 @@ def run_plan(config: str, overrides: Sequence[str], topology: str, num_slices: i
     # The plan compiles for the topology's compile-only devices; the process itself needs no
     # accelerator (and must not take a TPU another process is using).
     jax.config.update('jax_platforms', os.environ.get('JAX_PLATFORMS') or 'cpu')
+    # A program compiled for compile-only devices cannot be stored or read back.
+    jax.config.update('jax_enable_compilation_cache', False)
     configure_jax()
     plan = make_plan(cfg, topo, num_slices, encode=encode, search=search)
     record = plan.to_json()

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -39,21 +38,30 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
 
 
 def test_a_slow_product_is_timed_at_a_smaller_size(monkeypatch):
-    made = []
+    """The probe is timed on a clock the test advances by the product's FLOPs at a given rate:
+    the sizes chosen are a function of that rate alone, not of this machine's load."""
+    made, now = [], [0.0]
 
     def make(rate_flops_per_s):
         def make_at(n):
             made.append(n)
-            return lambda: time.sleep(2 * n ** 3 / rate_flops_per_s)
+
+            def run():
+                now[0] += 2 * n ** 3 / rate_flops_per_s
+            return run
         return make_at
+
+    def clock():
+        return now[0]
 
     monkeypatch.setattr(peak, "SLOW_PRODUCT_S", 0.05)
     # 2 * 256^3 = 33.6 MFLOP at 1 GFLOP/s: 34 ms at 256, so 2048^3 would take 17 s and 512^3
     # 0.27 s; 256 is the largest size within 0.05 s.
-    assert peak.timed_size(make(1e9), 2048) == 256
+    assert peak.timed_size(make(1e9), 2048, clock) == 256
     assert made == [256]  # only the probe was run
-    assert peak.timed_size(make(1e13), 2048) == 2048  # a fast kernel keeps the asked size
-    assert peak.timed_size(make(1e9), 64) == 64  # below the probe: the size itself
+    assert peak.timed_size(make(1e11), 2048, clock) == 1024  # 2048^3: 0.17 s, 1024^3: 21 ms
+    assert peak.timed_size(make(1e13), 2048, clock) == 2048  # a fast kernel keeps the asked size
+    assert peak.timed_size(make(1e9), 64, clock) == 64  # below the probe: the size itself
 
 
 def test_fraction_of_peak():
