@@ -40,7 +40,7 @@ from absl import logging as absl_logging  # noqa: E402
 from jaxsim import cli_io, distributed, interrupts, runtime  # noqa: E402
 from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS  # noqa: E402
 from jaxsim.plan.cli import run_plan  # noqa: E402
-from jaxsim.plan.figures import tpu_compiler_loaded  # noqa: E402
+from jaxsim.plan.figures import exit_process  # noqa: E402
 from jaxsim.train.config import TrainConfig  # noqa: E402
 from jaxsim.train.config_files import apply_overrides, load_config_file  # noqa: E402
 from jaxsim.train.fingerprint import parse_key_list  # noqa: E402
@@ -166,10 +166,4 @@ def parse_seeds(text: str) -> list[int]:
 
 
 if __name__ == '__main__':
-    code = main()
-    if tpu_compiler_loaded():
-        # libtpu's teardown can hang the exit of a process that compiled for a TPU topology.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    exit_process(main())

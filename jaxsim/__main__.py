@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
@@ -41,7 +40,7 @@ from jaxsim.search.cli import index_main, search_main
 from jaxsim.serve.cli import serve_main
 from jaxsim.eval.frequency_cli import analyze_main
 from jaxsim.plan.cli import plan_main
-from jaxsim.plan.figures import tpu_compiler_loaded
+from jaxsim.plan.figures import exit_process
 
 
 class UsageError(JaxsimError):
@@ -212,10 +211,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    if tpu_compiler_loaded():
-        # libtpu's teardown can hang the exit of a process that compiled for a TPU topology.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    exit_process(main())

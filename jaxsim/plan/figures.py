@@ -28,13 +28,18 @@ class PlanError(JaxsimError):
     """A plan that cannot be made here (no libtpu, a program that does not compile)."""
 
 
-# Whether this process has loaded libtpu's compiler, whose teardown can hang a process's exit
-# (command lines then leave with os._exit after flushing).
+# Whether this process has loaded libtpu's compiler, whose teardown can hang a process's exit.
 _TPU_COMPILER_LOADED = False
 
 
-def tpu_compiler_loaded() -> bool:
-    return _TPU_COMPILER_LOADED
+def exit_process(code: int) -> None:
+    """A command line's exit: `sys.exit(code)`, or, once this process has loaded libtpu's
+    compiler (whose teardown can hang the exit), `os._exit(code)` after flushing."""
+    if _TPU_COMPILER_LOADED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def compile_only_devices(topology: Topology, num_slices: int = 1) -> list:
