@@ -149,7 +149,7 @@ def test_tfds_source_reads_prepared_array_record_dataset(tmp_path):
     # Built in a subprocess: tfds resolves a builder's module resources, which a test module
     # outside a package does not have; users likewise read a prepared folder, not the code.
     subprocess.run([sys.executable, '-c', _TFDS_BUILD, str(tmp_path)], check=True,
-                   capture_output=True, timeout=120)
+                   capture_output=True, timeout=600)
     folder = tmp_path / 'tiny_corpus' / '1.0.0'
     rows = readers.read_tfds(str(folder), 'train')
     assert sorted(rows) == [('a cat sits',), ('a dog runs',)]  # the empty example is skipped

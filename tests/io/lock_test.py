@@ -78,7 +78,9 @@ def test_racing_runs_exactly_one_wins(tmp_path):
              for _ in range(4)]
     for p in procs:
         p.start()
+    # Generous bounds: spawned interpreters start slowly on a loaded machine; the barrier,
+    # not the clock, orders the contenders.
+    outcomes = sorted(results.get(timeout=600) for _ in procs)
     for p in procs:
-        p.join(30)
-    outcomes = sorted(results.get(timeout=5) for _ in procs)
+        p.join(600)
     assert outcomes == ["refused"] * 3 + ["won"]

@@ -4,13 +4,13 @@ evaluation) always resumes, ends bit-identical to an uninterrupted run, and leav
 that loads as a model at every point.
 
 The moments are hooked inside the child process (the step function, `Checkpointer.save`, the
-evaluator's encode), so each lands where intended; a seeded random delay moves it within an
-asynchronous save. Children share one persistent compilation cache: only the first compiles.
+evaluator's encode), so each lands where intended with no timing involved: a save is held in
+progress (its background finalization waits until the signal has been sent). Children share
+one persistent compilation cache: only the first compiles.
 """
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,16 +29,16 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 20  # 120 sentences / 16 = 7 batches an epoch: the run crosses two epoch boundaries
 
 _CHILD = """
-import os, signal, sys, time
+import os, signal, sys, threading
 sys.path.insert(0, os.getcwd())
 import train
+from orbax.checkpoint import checkpoint_manager
 from jaxsim.io import checkpoint
 from jaxsim.train import evaluate, loop, step as step_lib
 
-mode, at, signame, delay = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+mode, at, signame = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 
 def fire(phase):
-    time.sleep(delay)
     phase_reached(phase)
     os.kill(os.getpid(), getattr(signal, signame))
 
@@ -57,17 +57,24 @@ if mode == 'step':  # right after step `at` is dispatched: its computation is in
             return out
         return wrapped
     step_lib.make_train_step = make  # what build.train_program calls
-elif mode == 'save':  # checkpoint `at` handed to orbax's background writer
+elif mode == 'save':  # checkpoint `at` handed to orbax's background writer, held there
+    released = threading.Event()
+    real_finalize = checkpoint_manager.CheckpointManager._finalize
+    def finalize(self, step, *args, **kwargs):  # the background thread that commits a save
+        if int(step) == at:
+            released.wait()
+        return real_finalize(self, step, *args, **kwargs)
+    checkpoint_manager.CheckpointManager._finalize = finalize
     real_save = checkpoint.Checkpointer.save
     def save(self, step, *args, **kwargs):
         started = real_save(self, step, *args, **kwargs)
-        if int(step) == at:  # the delay ends early if the background write completes
-            end = time.monotonic() + delay
-            while time.monotonic() < end and self._manager.is_saving_in_progress():
-                time.sleep(0.001)
-            done = not self._manager.is_saving_in_progress()
-            phase_reached(f'save {step} ' + ('committed' if done else 'in progress'))
-            os.kill(os.getpid(), getattr(signal, signame))
+        if int(step) == at:
+            held = self._manager.is_saving_in_progress()
+            phase_reached(f'save {step} ' + ('in progress' if held else 'committed'))
+            try:
+                os.kill(os.getpid(), getattr(signal, signame))
+            finally:  # a graceful stop waits for this save: let it commit now
+                released.set()
         return started
     checkpoint.Checkpointer.save = save
 elif mode == 'eval':  # halfway through encoding the STS-B sentences of evaluation `at`
@@ -91,7 +98,7 @@ elif mode == 'final':  # halfway through encoding the STS-B test sentences at th
             fire('test encode')
         return real_encode(model, sentences, **kwargs)
     evaluate.StsbEvaluator.score, evaluate.encode = score, encode
-sys.exit(train.main(sys.argv[5:]))
+sys.exit(train.main(sys.argv[4:]))
 """
 
 
@@ -110,10 +117,10 @@ def _args(setup: Path, workdir: Path) -> list[str]:
             '--config.eval_every=8', '--config.eval_max_len=16']
 
 
-def _start(setup, workdir, mode='none', at=0, signame='SIGKILL', delay=0.0):
+def _start(setup, workdir, mode='none', at=0, signame='SIGKILL'):
     env = dict(cpu_devices_env(1), JAXSIM_CACHE_DIR=str(setup / 'cache'))
     return subprocess.Popen(
-        [sys.executable, '-c', textwrap.dedent(_CHILD), mode, str(at), signame, str(delay),
+        [sys.executable, '-c', textwrap.dedent(_CHILD), mode, str(at), signame,
          *_args(setup, workdir)], cwd=REPO, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
 
@@ -149,19 +156,6 @@ def _check_consistent(workdir: Path) -> None:
         assert np.isfinite(jaxsim.encode(model, ['a man plays a guitar .'])).all()
 
 
-def _snapshot(workdir: Path, copy: Path):
-    shutil.rmtree(copy, ignore_errors=True)
-    if workdir.exists():
-        shutil.copytree(workdir, copy, symlinks=True)
-    return copy
-
-
-def _restore(copy: Path, workdir: Path) -> None:
-    shutil.rmtree(workdir, ignore_errors=True)
-    if copy.exists():
-        shutil.copytree(copy, workdir, symlinks=True)
-
-
 def test_interrupted_runs_resume_bit_identical(setup, tmp_path):
     straight, work = tmp_path / 'straight', tmp_path / 'work'
     rng = np.random.default_rng(0)
@@ -176,15 +170,8 @@ def test_interrupted_runs_resume_bit_identical(setup, tmp_path):
     uninterrupted = _start(setup, straight)  # alongside the first interrupted run
     for n, (mode, at, signame) in enumerate(plan):
         before = _latest(work)
-        delay = float(rng.uniform(0, 0.05))
-        saved = _snapshot(work, tmp_path / 'before-kill')
-        for attempt in range(3):  # a save may commit before the signal: retry from the copy
-            rc, out, err = _run(setup, work, mode, at, signame, delay=delay)
-            phases = [x[len('PHASE '):] for x in err.splitlines() if x.startswith('PHASE ')]
-            if phases != [f'save {at} committed'] or attempt == 2:
-                break
-            _restore(saved, work)
-            delay = 0.0
+        rc, out, err = _run(setup, work, mode, at, signame)
+        phases = [x[len('PHASE '):] for x in err.splitlines() if x.startswith('PHASE ')]
         assert phases == [want_phase[mode].format(at=at)], (mode, at, phases, err[-3000:])
         if before is not None:
             assert f'resuming {work} from step {before} of {STEPS}' in err, err[-3000:]
