@@ -233,11 +233,14 @@ def test_evaluate_transfer_on_real_subset(tmp_path, bundled):
     head = 'Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n'
     rng = np.random.default_rng(0)
     for split, n in (('train', 400), ('test', 100)):
-        rows = [f'{int(k)}\t1\t2\tw{i} same\tw{i} {"same" if k else "other"}'
-                for i, k in enumerate(rng.integers(0, 2, n))]
+        rows = []
+        for i, (k, first) in enumerate(zip(rng.integers(0, 2, n), rng.integers(0, 2, n))):
+            pair = ['same', 'same'] if k else (['other', 'same'] if first else ['same', 'other'])
+            rows.append(f'{int(k)}\t1\t2\tw{i} {pair[0]}\tw{i} {pair[1]}')
         (tmp_path / 'MRPC').mkdir(exist_ok=True)
         (tmp_path / 'MRPC' / f'msr_paraphrase_{split}.txt').write_text(head + '\n'.join(rows))
-    # Word vectors averaged; 'other' stands out in one coordinate, so |u - v| separates.
+    # Word vectors averaged; 'other' stands out in one coordinate, in either sentence of a
+    # non-paraphrase: u - v is +4 or -4 there (no linear rule on it passes ~75%), |u - v| is 4.
     word_vec = {'same': np.zeros(6), 'other': 8 * np.eye(6)[0]}
 
     def fake(sentences):
