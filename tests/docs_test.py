@@ -17,6 +17,7 @@ from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.search import cli as search_cli
 from jaxsim.serve import cli as serve_cli
 from jaxsim.eval import frequency_cli
+from jaxsim.plan import cli as plan_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
@@ -91,6 +92,10 @@ def _parsers():
     """Command name -> a function that parses its arguments (raising on unknown flags)."""
     def jaxsim_command(args):
         name, rest = args[0], args[1:]
+        if name == 'plan':  # --config.KEY=VALUE overrides: parsed as the command parses them
+            with jaxsim_cli._usage_errors_as_exceptions():
+                plan_cli.parse_plan_args(rest)
+            return
         parser = {'encode': jaxsim_cli.encode_parser, 'export': jaxsim_cli.export_parser,
                   'index': search_cli.index_parser, 'search': search_cli.search_parser,
                   'serve': serve_cli.serve_parser, 'prepare': sources.prepare_parser,

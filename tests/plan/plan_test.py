@@ -266,3 +266,21 @@ def test_train_py_plans_instead_of_training(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert both.returncode == 1 and both.stderr.startswith("error: --plan trains nothing")
     assert not (tmp_path / "w").exists()
+
+
+def test_one_compile_and_two_slices_from_the_command_lines(tmp_path):
+    out = tmp_path / "plan.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "jaxsim", "plan", "--config", str(TINY), "--topology", "v5e:2x2",
+         "--no-encode", "--no-search", "--json", str(out), "--config.batch_size=32"],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert "encode" not in record and record["max_global_batch"] is None
+    assert run.stderr.count("compiling the") == 1
+    sliced = subprocess.run([sys.executable, "train.py", "--config", str(TINY), "--plan",
+                             "v5e:2x2", "--num-slices", "2", "--config.batch_size=32"],
+                            cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert sliced.returncode == 0, sliced.stderr[-2000:]
+    assert "v5e:2x2 x 2 slices: 8 devices" in sliced.stdout
+    assert " DCN " in sliced.stdout  # the gradient reduction crosses the slices
