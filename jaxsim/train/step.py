@@ -12,12 +12,14 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsim import compile_options
 from jaxsim import sharding as sharding_lib
 from jaxsim.data.batching import FIELDS
 from jaxsim.data.packing import PACK_INDEX, PACKED_FIELDS, UNPACK_INDEX
+from jaxsim.models.bert import BertLayer
 from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.objectives import LossFn, ObjectiveError
 from jaxsim.objectives.mlm import MlmSettings, mlm_term
@@ -106,6 +108,28 @@ def encode_views(encoder: SentenceEncoder, params: Any, batch: Batch, key: jax.A
     return z.reshape(b, views, -1).astype(jnp.float32)  # [B, V, H]
 
 
+def rows_stay_on_their_devices(mesh: Mesh):
+    """A context in which each transformer layer's input and output keep the batch's sharding
+    (rows over ('data', 'fsdp'), as the batch arrives).
+
+    Without it the partitioner may follow the parameters' sharding instead: with fsdp it
+    contracted over the sharded 'embed' dimension and all-reduced the whole global batch's
+    activations on every device, where gathering each layer's weights moves far less. Meshes
+    with a tensor axis are left to the partitioner: there the layers' products are split by
+    heads and columns, and forcing rows clashes with a vocabulary-split embedding table.
+    """
+    rows = lambda x: jax.lax.with_sharding_constraint(  # noqa: E731
+        x, sharding_lib.batch_sharding(mesh, x.ndim))
+
+    def keep_rows(next_fun, args, kwargs, context):
+        if (context.method_name != '__call__' or mesh.shape['tensor'] > 1
+                or not isinstance(context.module, BertLayer)):
+            return next_fun(*args, **kwargs)
+        return rows(next_fun(rows(args[0]), *args[1:], **kwargs))
+
+    return nn.intercept_methods(keep_rows)
+
+
 def make_loss_fn(encoder: SentenceEncoder, loss: LossFn, views: int,
                  mlm: Optional[MlmSettings] = None) -> Callable:
     """`loss_fn(params, batch, key) -> (loss, aux)`: encode the views, apply the objective,
@@ -183,6 +207,10 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
     replicated = NamedSharding(mesh, P())
 
     def train_step(state: TrainState, batch: Batch):
+        with rows_stay_on_their_devices(mesh):
+            return step_body(state, batch)
+
+    def step_body(state: TrainState, batch: Batch):
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng, impl=prng_impl),
                                  state.step)
         if accum == 1:
