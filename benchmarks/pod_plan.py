@@ -87,8 +87,10 @@ def markdown(rows: list[dict]) -> str:
             continue
         lines.append(f"| {r['model']} | {r['case']} | {r['topology']} | "
                      f"{'yes' if r['fits'] else 'no'} | {r['hbm_gib']:.2f} of "
-                     f"{r['capacity_gib']:.1f} | {r['step_s_estimate'] * 1e3:.1f} | "
-                     f"{r['mfu_ceiling']:.1%} | {r['recommended']} |")
+                     f"{r['capacity_gib']:.1f} | "
+                     + ('- | - |' if r['step_s_estimate'] is None else  # refused: no cost
+                        f"{r['step_s_estimate'] * 1e3:.1f} | {r['mfu_ceiling']:.1%} |")
+                     + f" {r['recommended']} |")
     return '\n'.join(lines)
 
 

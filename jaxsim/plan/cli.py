@@ -128,15 +128,20 @@ def format_plan(r: dict) -> str:
         f"  parameters {h['parameters']:.3f}, optimizer state {h['optimizer_state']:.3f}, "
         f"batch {h['batch']:.4f}, temporaries {h['temporaries']:.3f}, program "
         f"{h['program']:.3f}, other {h['other_arguments'] + h['outputs_not_aliased']:.3f} GiB",
-        f"per chip: {r['flops_per_chip'] / 1e12:.3f} TFLOP, {r['bytes_per_chip'] / 1e9:.2f} GB "
-        f"accessed (XLA cost analysis)",
-        f"roofline: compute {r['compute_s'] * 1e3:.2f} ms, HBM {r['hbm_s'] * 1e3:.2f} ms, ICI "
-        f"{r['ici_s'] * 1e3:.2f} ms, DCN {r['dcn_s'] * 1e3:.2f} ms -> step "
-        f"{r['step_s_estimate'] * 1e3:.2f} ms ({r['bound']}-bound), MFU ceiling "
-        f"{r['mfu_ceiling']:.1%}",
-        'collectives: ' + (', '.join(f'{n} {k}' for k, n in r['collectives'].items() if n)
-                           or 'none'),
     ]
+    if r['compiled']:
+        lines += [
+            f"per chip: {r['flops_per_chip'] / 1e12:.3f} TFLOP, {r['bytes_per_chip'] / 1e9:.2f} "
+            f"GB accessed (XLA cost analysis)",
+            f"roofline: compute {r['compute_s'] * 1e3:.2f} ms, HBM {r['hbm_s'] * 1e3:.2f} ms, ICI "
+            f"{r['ici_s'] * 1e3:.2f} ms, DCN {r['dcn_s'] * 1e3:.2f} ms -> step "
+            f"{r['step_s_estimate'] * 1e3:.2f} ms ({r['bound']}-bound), MFU ceiling "
+            f"{r['mfu_ceiling']:.1%}",
+            'collectives: ' + (', '.join(f'{n} {k}' for k, n in r['collectives'].items() if n)
+                               or 'none')]
+    else:
+        lines.append(f"the compiler refused the step: its temporaries alone need "
+                     f"{h['temporaries']:.2f} GiB (no cost figures for a program it refuses)")
     for c in r['collective_list']:
         axes = '+'.join(c['axes']) or '-'
         lines.append(f"  {c['kind']:<18} over {axes:<12} {c['network']}  {c['mib']:10.3f} MiB  "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 import os
 import sys
 import threading
@@ -87,6 +88,9 @@ class ProgramFigures:
     collectives: tuple[hlo.Collective, ...]
     compile_s: float
     hlo_text: str = dataclasses.field(default='', repr=False)  # the compiled, partitioned HLO
+    # False when the compiler refused the program for want of HBM: then only the memory
+    # figures are known (temporaries as the compiler's refusal states them), no cost.
+    compiled: bool = True
 
     @property
     def hbm_bytes(self) -> int:
@@ -115,6 +119,10 @@ def _ticker(label: str, say: Callable[[str], None], every_s: float = 20.0):
     return done
 
 
+# XLA:TPU's refusal of a program whose temporaries exceed the chip's HBM (sizes in GiB).
+_OUT_OF_HBM = re.compile(r'memory required for HLO temporaries \(([0-9.]+)G\) exceeds')
+
+
 def compile_program(name: str, jitted: Any, args: tuple, mesh,
                     say: Optional[Callable[[str], None]] = None) -> ProgramFigures:
     """Lowers and compiles `jitted` for abstract `args` (ShapeDtypeStructs with shardings on
@@ -125,8 +133,17 @@ def compile_program(name: str, jitted: Any, args: tuple, mesh,
     try:
         compiled = jitted.lower(*args).compile()
     except Exception as e:  # a program XLA cannot compile for this topology
-        raise PlanError(f'{name} does not compile for this topology: '
-                        f'{" ".join(str(e).split())[:300]}') from None
+        message = ' '.join(str(e).split())
+        needed = _OUT_OF_HBM.search(message)
+        if needed is None:
+            raise PlanError(f'{name} does not compile for this topology: {message[:300]}') \
+                from None
+        # Too large for the chip: what it would need is the answer, not an error.
+        return ProgramFigures(
+            name=name, flops=0.0, bytes_accessed=0.0, argument_bytes=per_device_bytes(args),
+            output_bytes=0, alias_bytes=0, temp_bytes=int(float(needed.group(1)) * GiB),
+            code_bytes=0, collectives=(), compile_s=round(time.perf_counter() - start, 1),
+            compiled=False)
     finally:
         done.set()
     memory = compiled.memory_analysis()

@@ -113,7 +113,13 @@ class Plan:
                       'dcn_bytes_per_s': chip.dcn_bytes_per_s, 'assumed': list(chip.assumed)},
             'note': "XLA's own figures for the compiled programs and a roofline from the chip's "
                     "published peaks: estimates, not measurements",
+            'compiled': p.compiled,
         }
+        if not p.compiled:  # refused for want of HBM: its memory is known, its cost is not
+            out.update(flops_per_chip=None, bytes_per_chip=None, compute_s=None, hbm_s=None,
+                       ici_s=None, dcn_s=None, step_s_estimate=None, mfu_ceiling=None,
+                       bound=None, note='the compiler refused the step: its temporaries '
+                       'exceed the chip\'s HBM (the figure is the one its refusal gives)')
         if self.encode is not None:
             e = self.encode
             out['encode'] = {'batch': self.encode_shape[0], 'max_len': self.encode_shape[1],

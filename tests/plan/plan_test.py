@@ -23,6 +23,7 @@ from jaxsim.models.encoder import param_shapes
 from jaxsim.plan import figures as fig
 from jaxsim.plan import hlo
 from jaxsim.plan.chips import CHIPS, TopologyError, parse_topology
+from jaxsim.plan.cli import format_plan
 from jaxsim.plan.planner import make_plan
 from jaxsim.sharding import MeshError, ShardingError
 from jaxsim.train import build
@@ -298,3 +299,15 @@ def test_one_compile_and_two_slices_from_the_command_lines(tmp_path):
     assert sliced.returncode == 0, sliced.stderr[-2000:]
     assert "v5e:2x2 x 2 slices: 8 devices" in sliced.stdout
     assert " DCN " in sliced.stdout  # the gradient reduction crosses the slices
+
+
+def test_a_step_the_compiler_refuses_for_want_of_hbm_is_planned_as_not_fitting():
+    """XLA:TPU refuses a program whose temporaries exceed the chip; the plan reports what its
+    refusal says it needs (no cost figures), instead of failing."""
+    big = plan(tiny(batch_size=65536, max_len=64, model_overrides=dict(
+        hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024)))
+    record = big.to_json()
+    assert not big.fits and record["compiled"] is False
+    assert record["hbm_gib"]["temporaries"] > 2 * record["hbm_gib"]["capacity"]
+    assert record["mfu_ceiling"] is None and record["flops_per_chip"] is None
+    assert "the compiler refused the step" in format_plan(record)
