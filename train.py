@@ -46,7 +46,6 @@ from jaxsim.train.config_files import apply_overrides, load_config_file  # noqa:
 from jaxsim.train.fingerprint import parse_key_list  # noqa: E402
 from jaxsim.train.loop import format_seed_summary, run_seeds, train_and_evaluate  # noqa: E402
 from jaxsim.train.records import DERIVED_KEYS  # noqa: E402
-from jaxsim.train.signals import Interrupted  # noqa: E402
 from jaxsim.train.step import configure_jax  # noqa: E402
 
 
@@ -90,7 +89,7 @@ def plan(args, overrides) -> int:
 
 
 def _raise_interrupted(signum, frame):
-    raise Interrupted(signum, None)
+    raise interrupts.Interrupted(signum)
 
 
 def main(argv=None) -> int:
@@ -136,7 +135,7 @@ def run(args, overrides) -> int:
                           f'nothing to do', file=sys.stderr)
                 print(result.summary())
             stopped = [result.stopped] if result.stopped else []
-    except Interrupted as e:
+    except interrupts.Interrupted as e:
         name = signal.Signals(e.signum).name
         if e.step is None:
             print(f'interrupted by {name}; rerun the same command to continue (from the last '

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsim import distributed, runtime, sharding as sharding_lib
 from jaxsim.data import pipeline
+from jaxsim.interrupts import Interrupted
 from jaxsim.io import store
 from jaxsim.io.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
 from jaxsim.io.workdir import write_model
@@ -38,7 +39,7 @@ from jaxsim.train.evaluate import DEV_METRIC, optional_evaluator
 from jaxsim.train.fingerprint import parse_key_list
 from jaxsim.train.hold import hold_workdir
 from jaxsim.train.records import TrainResult
-from jaxsim.train.signals import Interrupted, deferred_signals
+from jaxsim.train.signals import deferred_signals
 from jaxsim.train.state import abstract_state, create_state, param_shardings
 from jaxsim.train.step import check_jax_configured
 

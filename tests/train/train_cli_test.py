@@ -1,6 +1,7 @@
 """train.py: one summary line, no start-up noise, one-line errors with exit code 1."""
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 
 import train
 from tests.conftest import write_run_data
-from jaxsim.io import store
+from jaxsim.io import hf_folder, store
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / 'configs' / 'tiny_unsup_simcse.py')
@@ -111,3 +112,20 @@ def test_read_only_workdir_is_one_error_line(data, tmp_path, capsys, monkeypatch
     out, err = capsys.readouterr()
     assert err == f'error: --workdir {ro / "run"}: not writable ({ro} is read-only)\n'
     assert list(ro.iterdir()) == []
+
+
+def test_a_signal_while_the_tokenizer_loads_exits_143(data, tmp_path, capsys, monkeypatch):
+    # The tokenizer loader turns every Exception into "cannot load a tokenizer" (exit 1); the
+    # interrupt must pass through it and end like any other: one line, 143.
+    class Loader:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            signal.raise_signal(signal.SIGTERM)  # train.py's handler raises here
+            raise AssertionError('SIGTERM was not raised as an interrupt')
+
+    monkeypatch.setattr(hf_folder, '_declared_tokenizer_class', lambda folder: Loader)
+    args = ['--config', TINY, '--workdir', str(tmp_path / 'w'), '--noprogress',
+            f'--config.train_file={data / "corpus.txt"}']
+    assert train.main(args) == 143
+    out, err = capsys.readouterr()
+    assert out == '' and err.startswith('interrupted by SIGTERM') and err.count('\n') == 1, err
