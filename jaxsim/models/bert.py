@@ -17,7 +17,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxsim.errors import JaxsimError
+from jaxsim.errors import ConfigError
 from jaxsim.models import attention_ops, dropout, ops, packed
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
@@ -31,10 +31,6 @@ _ACTIVATIONS = {
     "relu": nn.relu,
     "tanh": jnp.tanh,
 }
-
-
-class ConfigError(JaxsimError):
-    """A model configuration that jaxsim cannot build."""
 
 
 @dataclasses.dataclass(frozen=True)

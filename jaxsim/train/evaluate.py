@@ -13,9 +13,9 @@ from jax.sharding import Mesh
 
 from jaxsim.data.senteval import StsPairs, load_stsb
 from jaxsim.encode import encode
+from jaxsim.errors import ConfigError
 from jaxsim.eval.metrics import spearman_x100
 from jaxsim.model import SentenceModel
-from jaxsim.train.config import ConfigError
 
 DEV_METRIC = 'stsb_dev'
 TEST_METRIC = 'stsb_test'
