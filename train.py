@@ -120,7 +120,7 @@ def run(args, overrides) -> int:
         cfg = TrainConfig.from_dict(fields, source=args.config)
         allow = parse_key_list(args.allow_change, extra=DERIVED_KEYS)
         if args.seeds:
-            seeds = parse_seeds(args.seeds)
+            seeds = cli_io.parse_seeds(args.seeds)
             summary = run_seeds(cfg, args.workdir, seeds, progress=args.progress,
                                 allow_changes=allow)
             if main_process:
@@ -151,17 +151,6 @@ def run(args, overrides) -> int:
         print(f'error: {stopped[0]}', file=sys.stderr)
         return USER_ERROR_EXIT
     return 0
-
-
-def parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(',') if s.strip()]
-    except ValueError:
-        raise ValueError(f'--seeds {text}: expected comma-separated integers') from None
-    # A repeated seed would rerun (in fact skip) DIR/seed_N and count it twice in the mean/std.
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f'--seeds {text}: expected distinct comma-separated integers')
-    return seeds
 
 
 if __name__ == '__main__':

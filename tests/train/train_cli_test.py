@@ -65,8 +65,9 @@ def test_cli_prints_the_summary_and_no_start_up_noise(data, tmp_path):
     (['--config.train_file=/nonexistent/x.txt'], '/nonexistent/x.txt: sentence file not found'),
     (['--allow-change=max_step'], "unknown config key 'max_step' (did you mean 'max_steps'?)"),
     (['--config.model='], "train config: model is empty; give a folder, a hub id or 'bundled'"),
-    (['--seeds', '1,1'], '--seeds 1,1: expected distinct comma-separated integers'),
-    (['--seeds', ','], '--seeds ,: expected distinct comma-separated integers'),
+    (['--seeds', '1,1'], "--seeds '1,1': a seed is listed twice"),
+    (['--seeds', ','], "--seeds ',': '' is not a non-negative integer"),
+    (['--seeds', '1,-2'], "--seeds '1,-2': '-2' is not a non-negative integer"),
     (['--config.model_overrides.num_attention_heads=0'],
      'train config: model_overrides: num_attention_heads: expected int >= 1, got 0'),
     # Past the tiny model's 64 positions: refused before the workdir, not NaN losses in it.
