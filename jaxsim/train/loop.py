@@ -28,6 +28,7 @@ from jaxsim.data import pipeline
 from jaxsim.interrupts import Interrupted
 from jaxsim.io import store
 from jaxsim.io.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
+from jaxsim.io.lock import hold_workdir
 from jaxsim.io.workdir import write_model
 from jaxsim.model import SentenceModel
 from jaxsim.models.encoder import init_params
@@ -37,7 +38,6 @@ from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.evaluate import DEV_METRIC, optional_evaluator
 from jaxsim.train.fingerprint import parse_key_list
-from jaxsim.train.hold import hold_workdir
 from jaxsim.train.records import TrainResult
 from jaxsim.train.signals import deferred_signals
 from jaxsim.train.state import abstract_state, create_state, param_shardings
