@@ -11,7 +11,7 @@ Paths are `etils.epath.Path` (what orbax uses): a local path, or a URL of a sche
     rename, but a single object PUT is atomic already: remote files are written in one PUT;
   - a train workdir is held by one run at a time (`WorkdirLock`, from `jaxsim.io.lock`).
 
-Paths are named by `jaxsim.io.paths` and the lock lives in `jaxsim.io.lock`; their public names
+Paths are named by `jaxsim.paths` and the lock lives in `jaxsim.io.lock`; their public names
 are reachable here too, so callers import one module for storage.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import IO, Iterator, Optional, Union
 from etils import epath
 
 from jaxsim.io.lock import LOCK_FILE, WorkdirLock, WorkdirLockedError
-from jaxsim.io.paths import Path, PathLike, StorageError, as_path, is_remote, scheme
+from jaxsim.paths import Path, PathLike, StorageError, as_path, is_remote, scheme
 
 __all__ = [  # the storage layer's names, wherever they are defined
     "LOCK_FILE", "OutputExistsError", "Path", "PathLike", "StorageError", "WorkdirLock",
