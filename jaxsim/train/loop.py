@@ -139,7 +139,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
         if main:
             workdir.mkdir(parents=True, exist_ok=True)
             records.remove([workdir / records.RESULT_FILE])
-            records.write_json(workdir / records.CONFIG_FILE, decision.record)
+            store.write_json(workdir / records.CONFIG_FILE, decision.record)
             write_model(workdir, model, base_model=cfg.model)
         program = build.train_program(
             cfg, encoder, objective, objective_kwargs, mesh, total,
@@ -182,7 +182,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
                              test_at_best=test_at_best, dev_curve=loop.dev_curve,
                              wall_s=round(time.time() - t0, 3), stopped=loop.stopped)
         if main:
-            records.write_json(workdir / records.RESULT_FILE, result.to_json())
+            store.write_json(workdir / records.RESULT_FILE, result.to_json())
         return result
 
 
@@ -367,7 +367,7 @@ def run_seeds(config: Union[TrainConfig, Mapping], workdir: Union[str, Path],
                'runs': runs}
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
-        records.write_json(workdir / 'seeds_summary.json', summary)
+        store.write_json(workdir / 'seeds_summary.json', summary)
     return summary
 
 
