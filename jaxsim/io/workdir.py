@@ -87,8 +87,8 @@ def load_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "bes
         or a step number.
     """
     workdir = store.as_path(workdir)
-    encoder, max_len = encoder_from_record(store.read_json(workdir / MODEL_FILE, WorkdirError, "model record"),
-                                           str(workdir / MODEL_FILE))
+    record = store.read_json(workdir / MODEL_FILE, WorkdirError, "model record")
+    encoder, max_len = encoder_from_record(record, str(workdir / MODEL_FILE))
     ckpt_dir = workdir / CHECKPOINT_DIR
     with Checkpointer(ckpt_dir, read_only=True) as ckpt:
         step = ckpt.resolve_step(which)
