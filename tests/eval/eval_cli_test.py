@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 import eval as eval_cli
 import jaxsim
-from jaxsim.eval import cli_checks, runner
+from jaxsim.eval import runner
 from jaxsim.paths import SENTEVAL_ROOT
 from tests.conftest import write_tiny_workdir
 from tests.data.tiny_senteval import write_tiny_senteval

@@ -134,7 +134,8 @@ _SCRIPT = textwrap.dedent('''
             grad_fn = jax.jit(jax.value_and_grad(make_loss_fn(encoder, loss, 2 if views == 1
                                                              else views), has_aux=True),
                               compiler_options=O0)
-            (l0, _), g0 = grad_fn(params, sharding.assemble_batch(batches[0], mesh), jax.random.key(7))
+            (l0, _), g0 = grad_fn(params, sharding.assemble_batch(batches[0], mesh),
+                                  jax.random.key(7))
             tx = make_optimizer(cfg, 3)
             state, sh = create_state(params, tx, jax.random.key(1), mesh, O0)
             step = make_train_step(encoder, loss, tx, views=2 if views == 1 else views,
