@@ -100,7 +100,7 @@ def main(argv=None) -> int:
 
 
 def evaluate(args: argparse.Namespace) -> int:
-    seeds = cli_checks.parse_seeds(args.seeds) if args.seeds is not None else None
+    seeds = cli_io.parse_seeds(args.seeds) if args.seeds is not None else None
     if args.json:
         cli_io.check_output_file(args.json, args.overwrite, '--json')
     if args.plots:
@@ -120,7 +120,6 @@ def evaluate(args: argparse.Namespace) -> int:
     launch = ('coordinator', 'num_processes', 'process_id', 'distributed')
     distributed.check_same_inputs({'arguments': {k: v for k, v in vars(args).items()
                                                  if k not in launch}})
-    cli_checks.quiet_library_logs()
     enable_compilation_cache()
     rows, transfer_rows = [], []
     if sts_tasks or not transfer_tasks:

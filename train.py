@@ -46,7 +46,6 @@ from jaxsim.train.config_files import apply_overrides, load_config_file  # noqa:
 from jaxsim.train.fingerprint import parse_key_list  # noqa: E402
 from jaxsim.train.loop import format_seed_summary, run_seeds, train_and_evaluate  # noqa: E402
 from jaxsim.train.records import DERIVED_KEYS  # noqa: E402
-from jaxsim.train.signals import Interrupted  # noqa: E402
 from jaxsim.train.step import configure_jax  # noqa: E402
 
 
@@ -90,7 +89,7 @@ def plan(args, overrides) -> int:
 
 
 def _raise_interrupted(signum, frame):
-    raise Interrupted(signum, None)
+    raise interrupts.Interrupted(signum)
 
 
 def main(argv=None) -> int:
@@ -121,7 +120,7 @@ def run(args, overrides) -> int:
         cfg = TrainConfig.from_dict(fields, source=args.config)
         allow = parse_key_list(args.allow_change, extra=DERIVED_KEYS)
         if args.seeds:
-            seeds = parse_seeds(args.seeds)
+            seeds = cli_io.parse_seeds(args.seeds)
             summary = run_seeds(cfg, args.workdir, seeds, progress=args.progress,
                                 allow_changes=allow)
             if main_process:
@@ -136,7 +135,7 @@ def run(args, overrides) -> int:
                           f'nothing to do', file=sys.stderr)
                 print(result.summary())
             stopped = [result.stopped] if result.stopped else []
-    except Interrupted as e:
+    except interrupts.Interrupted as e:
         name = signal.Signals(e.signum).name
         if e.step is None:
             print(f'interrupted by {name}; rerun the same command to continue (from the last '
@@ -152,17 +151,6 @@ def run(args, overrides) -> int:
         print(f'error: {stopped[0]}', file=sys.stderr)
         return USER_ERROR_EXIT
     return 0
-
-
-def parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(',') if s.strip()]
-    except ValueError:
-        raise ValueError(f'--seeds {text}: expected comma-separated integers') from None
-    # A repeated seed would rerun (in fact skip) DIR/seed_N and count it twice in the mean/std.
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f'--seeds {text}: expected distinct comma-separated integers')
-    return seeds
 
 
 if __name__ == '__main__':

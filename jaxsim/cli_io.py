@@ -1,6 +1,6 @@
-"""What the command lines share: reading sentence inputs (a file or `-` for stdin), declaring
-and checking output targets before any work, and running a command with the one error /
-interrupt report.
+"""What the command lines share: reading sentence inputs (a file or `-` for stdin), seed lists,
+declaring and checking output targets before any work, and running a command with the one
+error / interrupt report.
 """
 from __future__ import annotations
 
@@ -11,10 +11,34 @@ from typing import Callable, Optional, Union
 
 from jaxsim import interrupts
 from jaxsim.data.readers import DataError, decode_text, read_text
-from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS
+from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS, JaxsimError
 from jaxsim.io import store
 
 STDIN = "-"
+
+# The largest seed every consumer takes (np.random.RandomState, jax.random.key).
+MAX_SEED = 2**32 - 1
+
+
+class OptionError(JaxsimError):
+    """A command-line value that cannot be used; the message names the option."""
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0,1,2' -> [0, 1, 2]; anything but comma-separated non-negative integers is an error."""
+    seeds = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not (part.isascii() and part.isdigit()):
+            raise OptionError(f"--seeds {text!r}: {part!r} is not a non-negative integer "
+                              "(expected e.g. --seeds 0,1,2)")
+        if int(part) > MAX_SEED:
+            raise OptionError(f"--seeds {text!r}: {part} is larger than {MAX_SEED} (seeds are "
+                              "32-bit: NumPy and JAX keys take no more)")
+        seeds.append(int(part))
+    if len(set(seeds)) != len(seeds):
+        raise OptionError(f"--seeds {text!r}: a seed is listed twice")
+    return seeds
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -10,6 +10,10 @@ class JaxsimError(ValueError):
     """Bad input or a request that cannot be done; the message says what and where."""
 
 
+class ConfigError(JaxsimError):
+    """A bad train or model configuration: unknown key, wrong type or out-of-range value."""
+
+
 # Command lines print these as `error: <message>` and exit with USER_ERROR_EXIT; anything else
 # is a bug and keeps its traceback.
 USER_ERRORS = (JaxsimError, ValueError, TypeError, OSError)

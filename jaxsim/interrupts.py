@@ -31,12 +31,18 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Interrupted(KeyboardInterrupt):
-    """A command stopped by SIGINT or SIGTERM; `exit_code` is 128 + signum (130 / 143)."""
+    """A command stopped by SIGINT or SIGTERM; `exit_code` is 128 + signum (130 / 143).
 
-    def __init__(self, signum: int):
-        self.signum = signum
+    Not an `Exception`: a loader's `except Exception` (which turns library failures into one
+    error line) must let it through. Training sets `step`, the step its saved state is at
+    (None when nothing was saved).
+    """
+
+    def __init__(self, signum: int, step: Optional[int] = None):
+        self.signum, self.step = signum, step
         self.exit_code = 128 + signum
-        super().__init__(signal.Signals(signum).name)
+        saved = f": state saved at step {step}" if step is not None else ""
+        super().__init__(signal.Signals(signum).name + saved)
 
 
 def block() -> None:

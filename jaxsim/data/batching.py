@@ -1,13 +1,13 @@
-"""Training batches: fixed-length tokenization, the global batch order, global arrays.
+"""Training batches: fixed-length tokenization, the global batch order.
 
 Examples are tokenized through the one tokenize/pad path (`jaxsim.data.tokenize`) into
 fixed-length int32 arrays [examples, sentences per example, max_len]. Which examples form each
 global batch is a pure function of (seed, epoch, step) (`EpochOrder`): an iterator's position is
 two integers that a checkpoint saves for an exact resume. In a multi-process run every process
 computes the same order and feeds only its own rows of each global batch (`process_rows`, the
-block its devices own in the mesh); `to_global` assembles them into one global array. The
-training input streams from random-access sources (`jaxsim.data.pipeline`); `BatchIterator`
-serves arrays already in memory.
+block its devices own in the mesh); `jaxsim.sharding.assemble_batch` makes them one global
+array. The training input streams from random-access sources (`jaxsim.data.pipeline`);
+`BatchIterator` serves arrays already in memory.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import functools
 import logging
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-import jax
 import numpy as np
 
 from jaxsim.data.readers import DataError
@@ -245,13 +244,3 @@ class BatchIterator(OrderedIterator):
 
     def read(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         return {k: v[indices] for k, v in self.arrays.items()}
-
-
-def to_global(local: Mapping[str, np.ndarray], shardings: Mapping[str, Any]) -> dict[str, Any]:
-    """Assembles every process's block into global jax Arrays sharded on the batch dimension.
-
-    Every process passes an equal block, so the global batch is rows x process count.
-    """
-    return {k: jax.make_array_from_process_local_data(
-        shardings[k], v, (v.shape[0] * jax.process_count(),) + v.shape[1:])
-        for k, v in local.items()}

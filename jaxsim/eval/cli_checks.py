@@ -1,39 +1,13 @@
-"""Checks a command line runs before any work: outputs it can write, well-formed seed lists.
+"""Checks a command line runs before any work: flags that would do nothing.
 
 An evaluation can take minutes; a typo in `--json` or an unwritable `--plots` folder must fail
 in the first second, not after it.
 """
 from __future__ import annotations
 
-import logging
-
 from jaxsim import calibrate
-from jaxsim.errors import JaxsimError
+from jaxsim.cli_io import OptionError
 from jaxsim.eval.runner import is_seeded
-
-# The largest seed every consumer takes (np.random.RandomState, jax.random.key).
-MAX_SEED = 2**32 - 1
-
-
-class OptionError(JaxsimError):
-    """A command-line value that cannot be used; the message names the option."""
-
-
-def parse_seeds(text: str) -> list[int]:
-    """'0,1,2' -> [0, 1, 2]; anything but comma-separated non-negative integers is an error."""
-    seeds = []
-    for part in str(text).split(','):
-        part = part.strip()
-        if not part.isdigit():
-            raise OptionError(f'--seeds {text!r}: {part!r} is not a non-negative integer '
-                              '(expected e.g. --seeds 0,1,2)')
-        if int(part) > MAX_SEED:
-            raise OptionError(f'--seeds {text!r}: {part} is larger than {MAX_SEED} (seeds are '
-                              f'32-bit: NumPy and JAX keys take no more)')
-        seeds.append(int(part))
-    if len(set(seeds)) != len(seeds):
-        raise OptionError(f'--seeds {text!r}: a seed is listed twice')
-    return seeds
 
 
 def check_flag_effects(args, sts_tasks, transfer_tasks) -> None:
@@ -66,21 +40,3 @@ def check_flag_effects(args, sts_tasks, transfer_tasks) -> None:
                 calibrate.parse_spec(p)[0] == 'flow' for p in seeded):
             raise OptionError(f'--seeds {args.seeds} has no effect with --flow-checkpoint '
                               f'(the saved flow is used as it is)')
-
-
-class _DropMessage(logging.Filter):
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
-
-
-def quiet_library_logs() -> None:
-    """Drops library log lines that are not news to a user loading a saved model.
-
-    orbax logs 'Given directory is read only' every time a train workdir is opened for
-    reading (through absl's logger).
-    """
-    logging.getLogger('absl').addFilter(_DropMessage('Given directory is read only'))

@@ -13,7 +13,6 @@ DIR/spectrum.png, and prints the tables.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -83,7 +82,7 @@ def analyze_main(argv: Sequence[str]) -> int:
     result = analyze_model(model, sentences, unique, args.post, buckets, args.k, args.tb)
     result["corpus"] = str(args.corpus)
     args.out.mkdir(parents=True, exist_ok=True)
-    store.write_json(args.out / JSON_FILE, _finite(result))
+    store.write_json(args.out / JSON_FILE, result)
     plot_frequency(result, args.out / PNG_FILE)
     frequency_post.plot_spectra(result, args.out / SPECTRUM_FILE)
     print(f"{result['tokens_ranked']} distinct word pieces ({result['tokens_counted']} counted) "
@@ -126,14 +125,3 @@ def analyze_model(model: Any, sentences: Sequence[str], unique: Sequence[str],
             "calibrations": post["calibrations"],
             "timing": {"encode_s": round(encode_s, 2),
                        "total_s": round(time.perf_counter() - t0, 2)}}
-
-
-def _finite(value: Any) -> Any:
-    """Empty buckets have no means: null in JSON (recursively)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value

@@ -217,5 +217,4 @@ def write_json(path: str | os.PathLike, results: Sequence[StsResult],
     records = ([result_to_json(r) for r in results]
                + [transfer_to_json(*row) for row in transfer_rows])
     payload = records[0] if len(records) == 1 else records
-    store.write_atomic(path, json.dumps(payload, indent=2, allow_nan=False) + '\n',
-                       overwrite=overwrite, what='--json')
+    store.write_json(path, payload, overwrite=overwrite, what='--json', indent=2)

@@ -1,9 +1,9 @@
 """Evaluating models end to end: load, encode once, calibrate, score.
 
-`eval.py` is a thin command line over `run`; training's model selection calls
-`stsb_dev_score`. Models load through `jaxsim.load_pretrained` and encode through the one
-`jaxsim.encode`; calibrations come from `jaxsim.calibrate`; what is scored and what a
-calibration is fitted on is `jaxsim.eval.protocol`.
+`eval.py` is a thin command line over `run`; training's evaluation calls `stsb_score`. Models
+load through `jaxsim.load_pretrained` and encode through the one `jaxsim.encode`; calibrations
+come from `jaxsim.calibrate`; what is scored and what a calibration is fitted on is
+`jaxsim.eval.protocol`.
 """
 from __future__ import annotations
 
@@ -236,9 +236,11 @@ def evaluate(encode_fn: EncodeFn, tasks, roots=None, *, post: str = 'none',
     return evaluate_rows(encode_fn, tasks, roots, posts=(post,), **kwargs)[0]
 
 
-def stsb_dev_score(encode_fn: EncodeFn, roots=None, task: Optional[StsTask] = None) -> float:
-    """STS-B dev Spearman x100 (training's model-selection metric); pass `task` to skip I/O."""
-    task = task or senteval.load_sts_task('stsb', roots, split='dev')
+def stsb_score(encode_fn: EncodeFn, roots=None, split: str = 'dev',
+               task: Optional[StsTask] = None) -> float:
+    """STS-B Spearman x100 of one split (dev: training's model-selection metric); pass `task`
+    (a loaded STS-B split) to skip I/O."""
+    task = task or senteval.load_sts_task('stsb', roots, split=split)
     table = EmbeddingTable.build(CachedEncoder(encode_fn), task.sentences())
     return protocol.score_task(task, table.lookup).all
 

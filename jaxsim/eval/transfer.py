@@ -21,7 +21,6 @@ Scores are rounded as SentEval rounds them (x100, 2 decimals, per fold and again
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -390,5 +389,5 @@ def write_transfer_json(path: PathLike, results: Sequence[TransferResult],
                         overwrite: bool = False) -> None:
     """Writes a list of records (one per task and model) to `path`, whole or not at all; an
     existing file only with `overwrite`."""
-    text = json.dumps([transfer_result_to_json(r) for r in results], indent=2, allow_nan=False)
-    store.write_atomic(path, text + '\n', overwrite=overwrite, what='transfer JSON')
+    store.write_json(path, [transfer_result_to_json(r) for r in results], overwrite=overwrite,
+                     what='transfer JSON', indent=2)

@@ -20,7 +20,6 @@ an export; folders get mode 0777 and files 0666 less the umask, like any file th
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import sys
 from pathlib import Path
@@ -89,11 +88,6 @@ def check_out(out: Union[str, os.PathLike], overwrite: bool,
         _is_previous_export(target)
     store.check_reachable(target, "--out")
     return target
-
-
-def _write_json(path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
 def _save_tensors(path, tensors: Mapping[str, np.ndarray]) -> None:
@@ -174,16 +168,16 @@ def _write_st(folder: Path, modules: Sequence[StModule], max_length: int) -> lis
         sub = f"{idx}_{module.short_name}"
         (folder / sub).mkdir()
         if module.config:
-            _write_json(folder / sub / "config.json", dict(module.config))
+            store.write_json(folder / sub / "config.json", dict(module.config), indent=2)
         if module.tensors:
             _save_tensors(folder / sub / "model.safetensors", module.tensors)
         entries.append({"idx": idx, "name": str(idx), "path": sub, "type": module.type})
-    _write_json(folder / "modules.json", entries)
-    _write_json(folder / "sentence_bert_config.json",
-                {"max_seq_length": int(max_length), "do_lower_case": False})
-    _write_json(folder / "config_sentence_transformers.json", {
+    store.write_json(folder / "modules.json", entries, indent=2)
+    store.write_json(folder / "sentence_bert_config.json",
+                     {"max_seq_length": int(max_length), "do_lower_case": False}, indent=2)
+    store.write_json(folder / "config_sentence_transformers.json", {
         "_version()": {"jaxsim": _version()}, "similarity_fn_name": "cosine",
-        "prompts": {}, "default_prompt_name": None})
+        "prompts": {}, "default_prompt_name": None}, indent=2)
     return entries
 
 
@@ -256,12 +250,12 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
     if provenance:
         record["provenance"] = dict(provenance)
     with store.replace_dir(out, overwrite, "--out", keep=_is_previous_export) as tmp:
-        _write_json(tmp / "config.json", hf_config)
+        store.write_json(tmp / "config.json", hf_config, indent=2)
         _save_tensors(tmp / "model.safetensors", tensors)
         model.tokenizer.save_pretrained(os.fspath(tmp))
         if modules:
             record["modules"] = _write_st(tmp, modules, max_length)
-        _write_json(tmp / RECORD_FILE, record)
+        store.write_json(tmp / RECORD_FILE, record, indent=2)
     return out if store.is_remote(out) else Path(os.fspath(out))
 
 

@@ -11,6 +11,7 @@ from typing import Optional
 import jax
 
 from jaxsim.errors import JaxsimError
+from jaxsim.io import store
 from jaxsim.io.hf import hf_to_encoder_params
 from jaxsim.io.st_folder import head_of
 from jaxsim.model import SentenceModel
@@ -67,18 +68,8 @@ def _sentence_transformers_max_length(folder: Path) -> Optional[int]:
     config_file = folder / "sentence_bert_config.json"
     if not config_file.is_file():
         return None
-    value = json.loads(config_file.read_text(encoding="utf-8")).get("max_seq_length")
+    value = store.read_json(config_file, ModelLoadError).get("max_seq_length")
     return int(value) if value else None
-
-
-def _read_record(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
-    if not isinstance(value, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return value
 
 
 def _declared_pooler(folder: Path) -> tuple[Optional[str], bool]:
@@ -88,7 +79,7 @@ def _declared_pooler(folder: Path) -> tuple[Optional[str], bool]:
     if record is not None and record.get("pooler"):
         return record["pooler"], bool(record.get("mlp_only_train"))
     for config_file in sorted(folder.glob("*_Pooling/config.json")):
-        cfg = _read_record(config_file)
+        cfg = store.read_json(config_file, ModelLoadError)
         if "pooling_mode" in cfg:  # sentence-transformers >= 5: 'mean', 'cls', or a list
             mode = cfg["pooling_mode"]
             modes = sorted(mode if isinstance(mode, list) else [mode])
@@ -108,7 +99,7 @@ def _declared_pooler(folder: Path) -> tuple[Optional[str], bool]:
 def _export_record(folder: Path) -> Optional[dict]:
     """A jaxsim export's jaxsim_export.json, or None."""
     record_file = folder / "jaxsim_export.json"
-    return _read_record(record_file) if record_file.is_file() else None
+    return store.read_json(record_file, ModelLoadError) if record_file.is_file() else None
 
 
 def _resolve_hub_id(model_id: str) -> Path:

@@ -1,14 +1,20 @@
-"""The train workdir's lock: one run at a time writes a workdir (`WorkdirLock`)."""
+"""The train workdir's lock: one run at a time writes a workdir (`WorkdirLock`), held for all
+processes of a run by its process 0 (`hold_workdir`)."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
 import os
 import socket
-from typing import Optional
+from typing import Iterator, Optional
 
-from jaxsim.io.paths import PathLike, StorageError, as_path, is_remote
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxsim.paths import PathLike, StorageError, as_path, is_remote
 
 LOCK_FILE = ".lock"
 
@@ -122,6 +128,29 @@ class WorkdirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def hold_workdir(workdir: PathLike, main: bool, say) -> Iterator[None]:
+    """Holds the workdir's lock (process 0) while the run writes; every process learns whether
+    it was had, so a refused run stops on all processes at once, before anything is written."""
+    lock, refusal = None, None
+    if main:
+        try:
+            lock = WorkdirLock(workdir, say=say).acquire()
+        except WorkdirLockedError as e:
+            refusal = e
+    if jax.process_count() > 1:
+        held = bool(multihost_utils.broadcast_one_to_all(np.int32(refusal is None)))
+        if not held and refusal is None:
+            refusal = WorkdirLockedError(f"--workdir {workdir} is in use by another run")
+    if refusal is not None:
+        raise refusal
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _parse_holder(text: str) -> dict:

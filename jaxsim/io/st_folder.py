@@ -9,12 +9,12 @@ encoder and pooler cover the first two, and `head_of` reads the rest into
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
+from jaxsim.io import store
 from jaxsim.models.st_head import Dense, HeadError, Normalize
 
 MODULES_FILE = "modules.json"
@@ -26,10 +26,7 @@ def read_modules(folder: Path) -> Optional[list[dict]]:
     path = folder / MODULES_FILE
     if not path.is_file():
         return None
-    try:
-        entries = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise HeadError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+    entries = store.read_json(path, HeadError, expect=None)
     if not isinstance(entries, list) or not all(
             isinstance(e, dict) and isinstance(e.get("type"), str) for e in entries):
         raise HeadError(f"{path}: expected a list of modules with a 'type' each")
@@ -48,10 +45,7 @@ def has_normalize_module(folder: Path) -> bool:
 def _dense(folder: Path, entry: dict, read_state_dict: Callable) -> Dense:
     module_dir = folder / entry.get("path", "")
     config_file = module_dir / "config.json"
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise HeadError(f"{config_file}: cannot read the Dense module's config ({e})") from None
+    config = store.read_json(config_file, HeadError, "Dense module config")
     tensors, source = read_state_dict(module_dir)
     weight = np.asarray(tensors.get("linear.weight"), np.float32)
     bias = tensors.get("linear.bias")

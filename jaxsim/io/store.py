@@ -11,7 +11,7 @@ Paths are `etils.epath.Path` (what orbax uses): a local path, or a URL of a sche
     rename, but a single object PUT is atomic already: remote files are written in one PUT;
   - a train workdir is held by one run at a time (`WorkdirLock`, from `jaxsim.io.lock`).
 
-Paths are named by `jaxsim.io.paths` and the lock lives in `jaxsim.io.lock`; their public names
+Paths are named by `jaxsim.paths` and the lock lives in `jaxsim.io.lock`; their public names
 are reachable here too, so callers import one module for storage.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import io
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -27,18 +28,18 @@ import signal
 import tempfile
 import threading
 import uuid
-from typing import IO, Iterator, Optional, Union
+from typing import IO, Any, Iterator, Mapping, Optional, Union
 
 from etils import epath
 
 from jaxsim.io.lock import LOCK_FILE, WorkdirLock, WorkdirLockedError
-from jaxsim.io.paths import Path, PathLike, StorageError, as_path, is_remote, scheme
+from jaxsim.paths import Path, PathLike, StorageError, as_path, is_remote, scheme
 
 __all__ = [  # the storage layer's names, wherever they are defined
     "LOCK_FILE", "OutputExistsError", "Path", "PathLike", "StorageError", "WorkdirLock",
-    "WorkdirLockedError", "as_path", "check_reachable", "is_remote", "local_copy",
-    "open_atomic", "refuse_existing", "replace_dir", "scheme", "upload_dir", "write_atomic",
-    "write_json"]
+    "WorkdirLockedError", "as_path", "check_reachable", "is_remote", "local_copy", "nan_to_null",
+    "open_atomic", "read_json", "refuse_existing", "replace_dir", "scheme", "upload_dir",
+    "write_atomic", "write_json"]
 
 
 class OutputExistsError(StorageError):
@@ -131,10 +132,40 @@ def write_atomic(path: PathLike, data: Union[bytes, str], overwrite: bool = True
     return as_path(path, what)
 
 
-def write_json(path: PathLike, value, overwrite: bool = True, what: str = "output") -> Path:
-    """Strict JSON (no NaN), indented, atomically."""
-    return write_atomic(path, json.dumps(value, indent=1, allow_nan=False) + "\n", overwrite,
-                        what)
+def nan_to_null(value: Any) -> Any:
+    """Non-finite floats -> None, recursively (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: nan_to_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nan_to_null(v) for v in value]
+    return value
+
+
+def write_json(path: PathLike, value, overwrite: bool = True, what: str = "output",
+               indent: int = 1) -> Path:
+    """Strict JSON (non-finite floats as null), indented, atomically."""
+    text = json.dumps(nan_to_null(value), indent=indent, allow_nan=False) + "\n"
+    return write_atomic(path, text, overwrite, what)
+
+
+def read_json(path: PathLike, error: type = StorageError, what: str = "file",
+              expect: Optional[type] = dict) -> Any:
+    """The JSON value in `path`; a missing, malformed or non-UTF-8 file, or a value that is not
+    an `expect`, raises `error` (the caller's error type) naming the file (and line)."""
+    p = as_path(path, what)
+    try:
+        value = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"{p}: {what} not found") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{p}:{e.lineno}: malformed JSON: {e.msg}") from None
+    except UnicodeDecodeError:
+        raise error(f"{p}: not valid UTF-8") from None
+    if expect is not None and not isinstance(value, expect):
+        raise error(f"{p}: expected a JSON {'object' if expect is dict else expect.__name__}")
+    return value
 
 
 @contextlib.contextmanager

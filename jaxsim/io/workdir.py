@@ -10,7 +10,6 @@ restore: no translation step and no Hugging Face folder inside the workdir.
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from typing import Mapping, Optional, Union
@@ -40,21 +39,6 @@ class WorkdirError(JaxsimError):
 def is_train_workdir(path: Union[str, os.PathLike]) -> bool:
     path = store.as_path(path)
     return (path / MODEL_FILE).is_file() and (path / CHECKPOINT_DIR).is_dir()
-
-
-def read_json(path: store.Path, what: str) -> dict:
-    """Reads a JSON object with errors naming the file (and line)."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise WorkdirError(f"{path}: {what} not found") from None
-    except json.JSONDecodeError as e:
-        raise WorkdirError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
-    except UnicodeDecodeError:
-        raise WorkdirError(f"{path}: not valid UTF-8") from None
-    if not isinstance(value, dict):
-        raise WorkdirError(f"{path}: expected a JSON object")
-    return value
 
 
 def model_record(model: SentenceModel, base_model: str = "") -> dict:
@@ -103,8 +87,8 @@ def load_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "bes
         or a step number.
     """
     workdir = store.as_path(workdir)
-    encoder, max_len = encoder_from_record(read_json(workdir / MODEL_FILE, "model record"),
-                                           str(workdir / MODEL_FILE))
+    record = store.read_json(workdir / MODEL_FILE, WorkdirError, "model record")
+    encoder, max_len = encoder_from_record(record, str(workdir / MODEL_FILE))
     ckpt_dir = workdir / CHECKPOINT_DIR
     with Checkpointer(ckpt_dir, read_only=True) as ckpt:
         step = ckpt.resolve_step(which)

@@ -7,9 +7,7 @@ The numerical reference is `transformers.BertModel` / `RobertaModel` in float32.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from pathlib import Path
 from typing import Any, Mapping, Optional, Tuple
 
 import flax.linen as nn
@@ -17,7 +15,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxsim.errors import JaxsimError
+from jaxsim.errors import ConfigError
+from jaxsim.io import store
 from jaxsim.models import attention_ops, dropout, ops, packed
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
@@ -31,10 +30,6 @@ _ACTIVATIONS = {
     "relu": nn.relu,
     "tanh": jnp.tanh,
 }
-
-
-class ConfigError(JaxsimError):
-    """A model configuration that jaxsim cannot build."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +96,7 @@ class BertConfig:
 
     @classmethod
     def from_json(cls, path) -> "BertConfig":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+        d = store.read_json(path, ConfigError, "config file")
         try:
             return cls.from_hf_dict(d)
         except (ConfigError, TypeError) as e:

@@ -24,13 +24,14 @@ import jax.numpy as jnp
 from jaxsim import sharding as sharding_lib
 from jaxsim.data.tokenize import TokenBatch
 from jaxsim.encode import make_encode_fn
+from jaxsim.errors import ConfigError
 from jaxsim.models.encoder import param_shapes
 from jaxsim.objectives import check_kwargs, get_objective
 from jaxsim.plan import figures as fig
 from jaxsim.plan.chips import Topology
 from jaxsim.plan.figures import PlanError, ProgramFigures, Roofline
 from jaxsim.train import build, state as state_lib, step as step_lib
-from jaxsim.train.config import ConfigError, TrainConfig
+from jaxsim.train.config import TrainConfig
 
 # A plan fits when the program's peak HBM is at most this share of the capacity: the runtime
 # keeps some HBM for itself and the compiler's figure is an estimate.

@@ -79,7 +79,7 @@ def write_index(folder: Union[str, os.PathLike], meta: dict, vectors: np.ndarray
             (tmp / SENTENCES_FILE).write_bytes(lines)
         if ann is not None:
             (tmp / ANN_FILE).write_bytes(ann)
-        (tmp / INDEX_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        store.write_json(tmp / INDEX_FILE, meta)
     return Path(folder)
 
 
@@ -115,12 +115,7 @@ def _read_meta(folder: Path) -> dict:
     if not path.is_file():
         raise IndexFileError(f"{folder}: not a search index (no {INDEX_FILE}; build one with "
                              f"`python -m jaxsim index`)")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise IndexFileError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    except UnicodeDecodeError:
-        raise IndexFileError(f"{path}: not UTF-8 text") from None
+    meta = store.read_json(path, IndexFileError, expect=None)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise IndexFileError(f"{path}: not a {FORMAT} file")
     if meta.get("version") != VERSION:

@@ -18,16 +18,17 @@ from jaxsim import distributed, sharding
 from jaxsim.cpu import warn_if_bf16_emulated
 from jaxsim.data import readers, sources
 from jaxsim.data.packing import pack_batch
+from jaxsim.errors import ConfigError
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
 from jaxsim.io.pretrained import load_pretrained
 from jaxsim.models.architectures import MASK_TOKENS, known_architecture
-from jaxsim.models.bert import BertConfig, ConfigError as ModelConfigError
+from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.models.poolers import get_pooler
 from jaxsim.objectives import Objective, ObjectiveError
 from jaxsim.objectives.mlm import MlmSettings
 from jaxsim.train import optim, state as state_lib, step as step_lib
-from jaxsim.train.config import ConfigError, TrainConfig
+from jaxsim.train.config import TrainConfig
 
 _DROPOUT_FIELDS = ('hidden_dropout_prob', 'attention_probs_dropout_prob')
 
@@ -96,7 +97,7 @@ def configured_architecture(cfg: TrainConfig, config: BertConfig) -> BertConfig:
         overrides.update({k: cfg.dropout for k in _DROPOUT_FIELDS})
     try:
         config = dataclasses.replace(config, **overrides)
-    except ModelConfigError as e:
+    except ConfigError as e:
         raise ConfigError(f'train config: model_overrides: {e}') from None
     # Positions past the table are read out of range: the loss turns NaN, no error is raised.
     if cfg.max_len > config.max_length:

@@ -16,16 +16,12 @@ from typing import Any, Mapping
 
 import ml_collections
 
-from jaxsim.errors import JaxsimError
+from jaxsim.errors import ConfigError
 from jaxsim.paths import SENTEVAL_ROOT
 
 DATA_FORMATS = ('text', 'csv', 'snli', 'senteval_corpus', 'tfds')
 PRNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')
 REMAT_POLICIES = ('none', 'full', 'dots')
-
-
-class ConfigError(JaxsimError):
-    """A bad train config: unknown key, wrong type or out-of-range value (one line)."""
 
 
 @dataclasses.dataclass(frozen=True)

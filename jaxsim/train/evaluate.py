@@ -1,21 +1,21 @@
 """STS-B evaluation inside training: the model-selection metric and the final test score.
 
 The encoder is run by `jaxsim.encode` (the one encode path) on the training mesh with the
-training state's parameters, and scored by `jaxsim.eval.metrics.spearman_x100` (Spearman x100 of
-the cosine), as SimCSE's trainer scores STS-B dev.
+training state's parameters, and scored by the evaluation package's STS-B score
+(`jaxsim.eval.runner.stsb_score`: Spearman x100 of the cosine), as SimCSE's trainer scores
+STS-B dev.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
-import numpy as np
 from jax.sharding import Mesh
 
-from jaxsim.data.senteval import StsPairs, load_stsb
+from jaxsim.data.senteval import load_sts_task
 from jaxsim.encode import encode
-from jaxsim.eval.metrics import spearman_x100
+from jaxsim.errors import ConfigError
+from jaxsim.eval.runner import stsb_score
 from jaxsim.model import SentenceModel
-from jaxsim.train.config import ConfigError
 
 DEV_METRIC = 'stsb_dev'
 TEST_METRIC = 'stsb_test'
@@ -40,23 +40,19 @@ class StsbEvaluator:
                               f'{model.config.max_length}] for this model, got {max_length}')
         self.model, self.mesh = model, mesh
         self.max_length, self.batch_size = max_length, batch_size
-        self.pairs = {'dev': load_stsb(root, 'dev')}
-        if test:
-            self.pairs['test'] = load_stsb(root, 'test')
+        splits = ('dev', 'test') if test else ('dev',)
+        self.tasks = {split: load_sts_task('stsb', root, split) for split in splits}
 
     def score(self, params: Any, split: str = 'dev') -> float:
         """Spearman x100 of cosine vs gold; every unique sentence is encoded once."""
-        pairs: StsPairs = self.pairs[split]
-        unique = sorted(set(pairs.sent1) | set(pairs.sent2))
-        vectors = encode(self.model, unique, params=params, mesh=self.mesh,
-                         batch_size=self.batch_size, max_length=self.max_length)
-        row = {s: i for i, s in enumerate(unique)}
-        e1 = vectors[[row[s] for s in pairs.sent1]]
-        e2 = vectors[[row[s] for s in pairs.sent2]]
-        return float(spearman_x100(e1, e2, np.asarray(pairs.gold)))
+        def encode_fn(sentences: list[str]):
+            return encode(self.model, sentences, params=params, mesh=self.mesh,
+                          batch_size=self.batch_size, max_length=self.max_length)
+
+        return stsb_score(encode_fn, task=self.tasks[split])
 
     def has(self, split: str) -> bool:
-        return split in self.pairs
+        return split in self.tasks
 
 
 def optional_evaluator(model: SentenceModel, mesh: Mesh, root: str, max_length: int,

@@ -9,7 +9,8 @@ import hashlib
 import json
 from typing import Any, Mapping, Sequence
 
-from jaxsim.train.config import DEFAULTS, ConfigError, TrainConfig, to_plain, unknown_key_message
+from jaxsim.errors import ConfigError
+from jaxsim.train.config import DEFAULTS, TrainConfig, to_plain, unknown_key_message
 
 # Settings that change how a run is executed or logged, not what it computes: a rerun in the
 # same workdir may change them freely (e.g. resume an 8-device run on 4 devices).

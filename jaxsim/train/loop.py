@@ -25,8 +25,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsim import distributed, runtime, sharding as sharding_lib
 from jaxsim.data import pipeline
+from jaxsim.interrupts import Interrupted
 from jaxsim.io import store
 from jaxsim.io.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
+from jaxsim.io.lock import hold_workdir
 from jaxsim.io.workdir import write_model
 from jaxsim.model import SentenceModel
 from jaxsim.models.encoder import init_params
@@ -36,9 +38,8 @@ from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.evaluate import DEV_METRIC, optional_evaluator
 from jaxsim.train.fingerprint import parse_key_list
-from jaxsim.train.hold import hold_workdir
 from jaxsim.train.records import TrainResult
-from jaxsim.train.signals import Interrupted, deferred_signals
+from jaxsim.train.signals import deferred_signals
 from jaxsim.train.state import abstract_state, create_state, param_shardings
 from jaxsim.train.step import check_jax_configured
 
@@ -138,7 +139,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
         if main:
             workdir.mkdir(parents=True, exist_ok=True)
             records.remove([workdir / records.RESULT_FILE])
-            records.write_json(workdir / records.CONFIG_FILE, decision.record)
+            store.write_json(workdir / records.CONFIG_FILE, decision.record)
             write_model(workdir, model, base_model=cfg.model)
         program = build.train_program(
             cfg, encoder, objective, objective_kwargs, mesh, total,
@@ -181,7 +182,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
                              test_at_best=test_at_best, dev_curve=loop.dev_curve,
                              wall_s=round(time.time() - t0, 3), stopped=loop.stopped)
         if main:
-            records.write_json(workdir / records.RESULT_FILE, result.to_json())
+            store.write_json(workdir / records.RESULT_FILE, result.to_json())
         return result
 
 
@@ -366,7 +367,7 @@ def run_seeds(config: Union[TrainConfig, Mapping], workdir: Union[str, Path],
                'runs': runs}
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
-        records.write_json(workdir / 'seeds_summary.json', summary)
+        store.write_json(workdir / 'seeds_summary.json', summary)
     return summary
 
 

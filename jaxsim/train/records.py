@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from jaxsim.errors import JaxsimError
@@ -36,32 +35,8 @@ class RunMismatchError(JaxsimError):
     """A workdir that holds another run (or something else), or cannot be written."""
 
 
-def _finite(value: Any) -> Any:
-    """Non-finite floats -> None, recursively (JSON has no NaN)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-def write_json(path: store.Path, value: Any) -> None:
-    """Strict JSON (non-finite floats as null), written atomically."""
-    store.write_json(path, _finite(value))
-
-
-def read_json(path: store.Path) -> Optional[dict]:
-    if not path.is_file():
-        return None
-    try:
-        value = json.loads(path.read_text(encoding='utf-8'))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RunMismatchError(f'{path}: unreadable JSON ({e})') from None
-    if not isinstance(value, dict):
-        raise RunMismatchError(f'{path}: expected a JSON object')
-    return value
+def _read(path: store.Path) -> Optional[dict]:
+    return store.read_json(path, RunMismatchError) if path.is_file() else None
 
 
 def check_writable(workdir: store.Path) -> None:
@@ -126,7 +101,7 @@ def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
     Raises:
       RunMismatchError: one line naming the differing keys and how to proceed.
     """
-    old = read_json(workdir / CONFIG_FILE)
+    old = _read(workdir / CONFIG_FILE)
     if old is None:
         if (workdir / CHECKPOINT_DIR).is_dir():
             raise RunMismatchError(f'{workdir}: holds checkpoints but no {CONFIG_FILE}; not a '
@@ -153,7 +128,7 @@ def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
 
 
 def read_result(workdir: store.Path) -> Optional[dict]:
-    return read_json(workdir / RESULT_FILE)
+    return _read(workdir / RESULT_FILE)
 
 
 @dataclasses.dataclass
@@ -236,7 +211,7 @@ class MetricsLog:
         store.write_atomic(self.path, ''.join(_row_text(r) for r in self.rows))
 
     def write(self, step: int, values: Mapping[str, Any]) -> None:
-        row = {'step': int(step), **_finite({k: float(v) for k, v in values.items()})}
+        row = {'step': int(step), **store.nan_to_null({k: float(v) for k, v in values.items()})}
         if self.rows and row['step'] <= self.rows[-1]['step']:
             raise ValueError(f'metrics row for step {step} after step {self.rows[-1]["step"]}')
         self.rows.append(row)

@@ -1,8 +1,9 @@
 """Graceful stop on SIGINT / SIGTERM: finish the step, save, say how to resume.
 
 Inside `deferred_signals()` a signal only sets a flag; the train loop checks it after each step,
-completes any checkpoint in flight, saves the current state and raises `Interrupted`. A second
-signal while that happens is ignored (the save is what makes the resume possible).
+completes any checkpoint in flight, saves the current state and raises
+`jaxsim.interrupts.Interrupted` with the step saved. A second signal while that happens is
+ignored (the save is what makes the resume possible).
 """
 from __future__ import annotations
 
@@ -11,24 +12,7 @@ import signal
 import threading
 from typing import Iterator, Optional
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class Interrupted(Exception):
-    """Training stopped by a signal after saving its state.
-
-    Attributes:
-      signum: the signal.
-      step: the step the saved state is at (None when nothing could be saved).
-      exit_code: 128 + signum, the shell convention (130 for SIGINT, 143 for SIGTERM).
-    """
-
-    def __init__(self, signum: int, step: Optional[int]):
-        self.signum, self.step = signum, step
-        self.exit_code = 128 + signum
-        name = signal.Signals(signum).name
-        where = f'state saved at step {step}' if step is not None else 'nothing saved'
-        super().__init__(f'{name}: {where}')
+from jaxsim.interrupts import SIGNALS
 
 
 class StopRequest:

@@ -113,9 +113,10 @@ def test_iterator_refuses_bad_sizes():
         batching.BatchIterator(_arrays(), 8, last_batch='pad')
 
 
-def test_to_global_makes_batch_sharded_arrays():
+def test_assemble_batch_makes_batch_sharded_arrays():
     mesh = sharding.make_mesh()
     local = {k: np.arange(24, dtype=np.int32).reshape(4, 2, 3) for k in batching.FIELDS}
-    out = batching.to_global(local, {k: sharding.batch_sharding(mesh, 3) for k in local})
+    out = sharding.assemble_batch(local, mesh)
     assert all(isinstance(v, jax.Array) and v.shape == (4, 2, 3) for v in out.values())
+    assert all(v.sharding == sharding.batch_sharding(mesh, 3) for v in out.values())
     np.testing.assert_array_equal(np.asarray(out['input_ids']), local['input_ids'])

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pathlib
 import re
@@ -15,7 +14,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 import eval as eval_cli
 import jaxsim
-from jaxsim.eval import cli_checks, runner
+from jaxsim.eval import runner
 from jaxsim.paths import SENTEVAL_ROOT
 from tests.conftest import write_tiny_workdir
 from tests.data.tiny_senteval import write_tiny_senteval
@@ -189,15 +188,6 @@ def test_no_library_noise_on_stderr(tmp_path):
     assert run.returncode == 0, run.stderr
     assert '[transformers]' not in run.stderr and 'WARNING' not in run.stderr, run.stderr
     assert '| none |' in run.stdout
-
-
-def test_read_only_directory_warning_is_dropped(caplog):
-    cli_checks.quiet_library_logs()
-    absl = logging.getLogger('absl')
-    with caplog.at_level(logging.WARNING):
-        absl.warning('Given directory is read only=%s', '/w/checkpoints')
-        absl.warning('something else')
-    assert 'read only' not in caplog.text and 'something else' in caplog.text
 
 
 def _write_tiny_transfer(root: pathlib.Path) -> pathlib.Path:

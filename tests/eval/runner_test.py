@@ -76,7 +76,7 @@ def test_dev_split_scores_stsb_dev(tmp_path):
     res = runner.evaluate(CountingEncoder(), ['stsb'], root, split='dev', diagnostics=False)
     assert res.split == 'dev' and list(res.scores['STSBenchmark'].subsets) == ['dev']
     assert res.avg == pytest.approx(100 * STSB_DEV)
-    assert runner.stsb_dev_score(CountingEncoder(), root) == pytest.approx(100 * STSB_DEV)
+    assert runner.stsb_score(CountingEncoder(), root) == pytest.approx(100 * STSB_DEV)
 
 
 def test_each_sentence_encoded_once_across_posts(tmp_path):

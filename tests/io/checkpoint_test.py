@@ -1,6 +1,7 @@
 """jaxsim/io/checkpoint.py: retention, exact round trip, 8 -> 1 device restore, crash safety."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -66,6 +67,20 @@ def test_round_trip_is_exact_and_keeps_data_and_config(tmp_path):
     _assert_tree_equal(restored.state, state)
     assert restored.data == {"epoch": 1, "index": 640}
     assert restored.config == {"lr": 3e-5}
+
+
+def test_reading_logs_no_read_only_warning(tmp_path, caplog):
+    # orbax warns 'Given directory is read only' at every read-only open, i.e. every load.
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(1, _state(step=1))
+        ckpt.wait_until_finished()
+    with caplog.at_level(logging.WARNING):
+        with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
+            assert ckpt.latest_step() == 1
+        logging.getLogger("absl").warning("Given directory is read only=%s", "elsewhere")
+    messages = [r.getMessage() for r in caplog.records]
+    # Dropped only while the folder opens: the same message later is kept.
+    assert messages == ["Given directory is read only=elsewhere"], messages
 
 
 def test_keeps_last_k_and_best(tmp_path):

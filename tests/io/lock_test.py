@@ -25,6 +25,21 @@ def test_lock_refuses_a_live_holder_and_names_it(tmp_path):
         pass
 
 
+def test_hold_workdir_locks_on_the_main_process_only(tmp_path):
+    run = tmp_path / "run"
+    with workdir_lock.hold_workdir(run, main=True, say=pytest.fail):
+        with pytest.raises(workdir_lock.WorkdirLockedError, match=f"pid {os.getpid()}"):
+            workdir_lock.WorkdirLock(run).acquire()
+        # Another run is refused before it writes anything.
+        with pytest.raises(workdir_lock.WorkdirLockedError, match="is in use by"):
+            with workdir_lock.hold_workdir(run, main=True, say=pytest.fail):
+                pytest.fail("entered a held workdir")
+    with workdir_lock.hold_workdir(run, main=True, say=pytest.fail):
+        pass  # released on the way out
+    with workdir_lock.hold_workdir(tmp_path / "other", main=False, say=pytest.fail):
+        assert not (tmp_path / "other").exists()  # not process 0: takes nothing
+
+
 def test_lock_of_a_killed_run_is_taken_over_with_a_message(tmp_path):
     run = tmp_path / "run"
     code = ("import os, sys; from jaxsim.io import lock; lock.WorkdirLock(sys.argv[1]).acquire();"

@@ -14,12 +14,13 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jaxsim
+from jaxsim.errors import ConfigError
 from jaxsim.io.checkpoint import CheckpointError
 from jaxsim.io.hf import (CheckpointMismatchError, encoder_params_to_hf, hf_to_encoder_params,
                           hf_to_params, params_to_hf)
 from jaxsim.io.hf_folder import ModelLoadError
 from jaxsim.io.workdir import WorkdirError
-from jaxsim.models.bert import BertConfig, ConfigError
+from jaxsim.models.bert import BertConfig
 from jaxsim.models.poolers import PoolerError
 from tests.conftest import write_tiny_workdir
 

@@ -1,6 +1,9 @@
 """The storage layer: the overwrite rule, atomic writes that survive interrupts."""
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
 from jaxsim.io import store
@@ -76,3 +79,27 @@ def test_replace_dir_runs_the_keep_check_on_what_it_would_replace(tmp_path):
         with store.replace_dir(tmp_path / "x", overwrite=True, keep=refuse):
             pass
     assert (tmp_path / "x" / "precious").read_text() == "1"
+
+
+def test_json_files_are_strict(tmp_path):
+    store.write_json(tmp_path / 'r.json', {'a': math.inf, 'b': [1.0, math.nan], 'c': 'x'})
+    assert json.loads((tmp_path / 'r.json').read_text(),
+                      parse_constant=lambda name: pytest.fail(name)) == {
+        'a': None, 'b': [1.0, None], 'c': 'x'}
+    assert [p.name for p in tmp_path.iterdir()] == ['r.json']  # no temporary file left
+
+
+@pytest.mark.parametrize('content, message', [
+    (None, r'r\.json: record not found'),
+    (b'{"a": 1,\n}', r'r\.json:2: malformed JSON: '),
+    (b'{"a": "\xff"}', r'r\.json: not valid UTF-8'),
+    (b'[1, 2]', r'r\.json: expected a JSON object'),
+])
+def test_read_json_errors_name_the_file_in_the_callers_type(tmp_path, content, message):
+    class RecordError(ValueError):
+        pass
+
+    if content is not None:
+        (tmp_path / 'r.json').write_bytes(content)
+    with pytest.raises(RecordError, match=message):
+        store.read_json(tmp_path / 'r.json', RecordError, 'record')

@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from jaxsim.interrupts import Interrupted
 from jaxsim.io.hf_folder import ModelLoadError, bundled_model_path, load_tokenizer
 
 TEXTS = ["Hello world, this is a Test!", "naïve café déjà vu", "a " * 60, ""]
@@ -57,6 +59,19 @@ def test_a_folder_without_vocabulary_is_an_error(tmp_path):
     with pytest.raises(ModelLoadError, match=r"novocab: no tokenizer vocabulary \(looked for "
                                              r"tokenizer.json, vocab.txt, vocab.json\)"):
         load_tokenizer(folder)
+
+
+def test_an_interrupt_while_loading_is_not_a_load_error(monkeypatch):
+    # A SIGTERM during start-up arrives while the tokenizer loads: wrapped as a load error it
+    # would exit 1 with "cannot load a tokenizer" instead of 143.
+    def interrupted(*args, **kwargs):
+        raise Interrupted(signal.SIGTERM)
+
+    for cls in ("BertTokenizer", "BertTokenizerFast"):
+        monkeypatch.setattr(f"transformers.{cls}.from_pretrained", interrupted)
+    with pytest.raises(Interrupted) as caught:
+        load_tokenizer(bundled_model_path())
+    assert caught.value.exit_code == 143
 
 
 def test_loading_the_bundled_model_does_not_import_torch():

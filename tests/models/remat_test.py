@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsim.models.bert import BertConfig, ConfigError, remat_layer
+from jaxsim.errors import ConfigError
+from jaxsim.models.bert import BertConfig, remat_layer
 from jaxsim.models.encoder import SentenceEncoder, init_params, param_shapes
 from jaxsim.train.step import compiler_options
 

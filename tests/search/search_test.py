@@ -219,7 +219,7 @@ def test_load_refuses_broken_folders(tmp_path):
     with pytest.raises(IndexFileError, match=r"sentences.jsonl:4: not a JSON string"):
         load_index(tmp_path)
     meta_path.write_text('{"format": "jaxsim-search-index",\n "version": }')
-    with pytest.raises(IndexFileError, match=r"index.json:2: not valid JSON"):
+    with pytest.raises(IndexFileError, match=r"index.json:2: malformed JSON"):
         load_index(tmp_path)
 
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxsim.data.batching import BatchIterator
-from jaxsim.train.config import ConfigError, TrainConfig, base_config
+from jaxsim.errors import ConfigError
+from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.config_files import apply_overrides, load_config_file
 from jaxsim.train.fingerprint import differences, fingerprint, parse_key_list, run_defining
 

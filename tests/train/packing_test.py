@@ -12,12 +12,13 @@ import pytest
 from configs.tiny_unsup_simcse import get_config
 from jaxsim import sharding
 from jaxsim.data.packing import PACK_INDEX, UNPACK_INDEX, first_fit, pack_batch, pack_layout
+from jaxsim.errors import ConfigError
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
 from jaxsim.objectives import get_objective
 from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.train import build, loop
-from jaxsim.train.config import ConfigError, TrainConfig, base_config
+from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.optim import make_optimizer
 from jaxsim.train.state import create_state
 from jaxsim.train.step import compiler_options, configure_jax, make_loss_fn, make_train_step

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 
 from jaxsim import sharding
+from jaxsim.errors import ConfigError
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
 from jaxsim.objectives import get_objective
-from jaxsim.train.config import ConfigError, TrainConfig
+from jaxsim.train.config import TrainConfig
 from jaxsim.train.optim import make_optimizer
 from jaxsim.train.state import create_state
 from jaxsim.train.step import compiler_options, configure_jax, dropout_key, make_train_step

@@ -96,15 +96,14 @@ _SCRIPT = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np
     sys.path.insert(0, sys.argv[1])
     from jaxsim import sharding
-    from jaxsim.data.batching import to_global
     from jaxsim.models.bert import BertConfig
     from jaxsim.models.encoder import SentenceEncoder, init_params
     from jaxsim.objectives import get_objective
     from jaxsim.train.config import TrainConfig
     from jaxsim.train.optim import make_optimizer
     from jaxsim.train.state import create_state, param_shardings
-    from jaxsim.train.step import (batch_shardings, compiler_options, configure_jax,
-                                   make_loss_fn, make_train_step)
+    from jaxsim.train.step import (compiler_options, configure_jax, make_loss_fn,
+                                   make_train_step)
     configure_jax()
     assert jax.device_count() == 8, jax.devices()
     O0 = compiler_options(True)
@@ -132,11 +131,11 @@ _SCRIPT = textwrap.dedent('''
         for name, mesh in meshes.items():
             params = init_params(encoder, jax.random.key(0), param_shardings(encoder, mesh))
             init = flat(params)
-            bs = batch_shardings(mesh)
             grad_fn = jax.jit(jax.value_and_grad(make_loss_fn(encoder, loss, 2 if views == 1
                                                              else views), has_aux=True),
                               compiler_options=O0)
-            (l0, _), g0 = grad_fn(params, to_global(batches[0], bs), jax.random.key(7))
+            (l0, _), g0 = grad_fn(params, sharding.assemble_batch(batches[0], mesh),
+                                  jax.random.key(7))
             tx = make_optimizer(cfg, 3)
             state, sh = create_state(params, tx, jax.random.key(1), mesh, O0)
             step = make_train_step(encoder, loss, tx, views=2 if views == 1 else views,
@@ -144,7 +143,7 @@ _SCRIPT = textwrap.dedent('''
                                    compiler_options=O0)
             losses = []
             for b in batches:
-                state, m = step(state, to_global(b, bs))
+                state, m = step(state, sharding.assemble_batch(b, mesh))
                 losses.append(float(m['loss']))
             spec = state.params['bert']['encoder']['layer_0']['intermediate']['dense'][
                 'kernel'].sharding.spec

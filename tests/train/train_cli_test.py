@@ -1,6 +1,7 @@
 """train.py: one summary line, no start-up noise, one-line errors with exit code 1."""
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 
 import train
 from tests.conftest import write_run_data
-from jaxsim.io import store
+from jaxsim.io import hf_folder, store
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / 'configs' / 'tiny_unsup_simcse.py')
@@ -64,8 +65,9 @@ def test_cli_prints_the_summary_and_no_start_up_noise(data, tmp_path):
     (['--config.train_file=/nonexistent/x.txt'], '/nonexistent/x.txt: sentence file not found'),
     (['--allow-change=max_step'], "unknown config key 'max_step' (did you mean 'max_steps'?)"),
     (['--config.model='], "train config: model is empty; give a folder, a hub id or 'bundled'"),
-    (['--seeds', '1,1'], '--seeds 1,1: expected distinct comma-separated integers'),
-    (['--seeds', ','], '--seeds ,: expected distinct comma-separated integers'),
+    (['--seeds', '1,1'], "--seeds '1,1': a seed is listed twice"),
+    (['--seeds', ','], "--seeds ',': '' is not a non-negative integer"),
+    (['--seeds', '1,-2'], "--seeds '1,-2': '-2' is not a non-negative integer"),
     (['--config.model_overrides.num_attention_heads=0'],
      'train config: model_overrides: num_attention_heads: expected int >= 1, got 0'),
     # Past the tiny model's 64 positions: refused before the workdir, not NaN losses in it.
@@ -111,3 +113,20 @@ def test_read_only_workdir_is_one_error_line(data, tmp_path, capsys, monkeypatch
     out, err = capsys.readouterr()
     assert err == f'error: --workdir {ro / "run"}: not writable ({ro} is read-only)\n'
     assert list(ro.iterdir()) == []
+
+
+def test_a_signal_while_the_tokenizer_loads_exits_143(data, tmp_path, capsys, monkeypatch):
+    # The tokenizer loader turns every Exception into "cannot load a tokenizer" (exit 1); the
+    # interrupt must pass through it and end like any other: one line, 143.
+    class Loader:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            signal.raise_signal(signal.SIGTERM)  # train.py's handler raises here
+            raise AssertionError('SIGTERM was not raised as an interrupt')
+
+    monkeypatch.setattr(hf_folder, '_declared_tokenizer_class', lambda folder: Loader)
+    args = ['--config', TINY, '--workdir', str(tmp_path / 'w'), '--noprogress',
+            f'--config.train_file={data / "corpus.txt"}']
+    assert train.main(args) == 143
+    out, err = capsys.readouterr()
+    assert out == '' and err.startswith('interrupted by SIGTERM') and err.count('\n') == 1, err

@@ -18,7 +18,7 @@ import jaxsim
 from configs.tiny_unsup_simcse import get_config
 from jaxsim.data.senteval import load_stsb
 from jaxsim.eval.metrics import spearman_x100
-from jaxsim.eval.runner import stsb_dev_score
+from jaxsim.eval.runner import stsb_score
 from jaxsim.io.checkpoint import Checkpointer
 from jaxsim.io.export import export_model
 from jaxsim.objectives import ObjectiveError, register_objective
@@ -121,7 +121,7 @@ def test_train_select_resume_and_use_the_workdir_as_a_model(corpus, senteval, tm
     assert abs(spearman_x100(e1, e2, dev.gold) - r.best_dev) < 1e-3
     # ... and so does the evaluation package's STS protocol, and an export read back.
     encode_fn = functools.partial(jaxsim.encode, model)
-    assert abs(stsb_dev_score(encode_fn, [senteval]) - r.best_dev) < 1e-3
+    assert abs(stsb_score(encode_fn, [senteval]) - r.best_dev) < 1e-3
     exported = jaxsim.load_pretrained(export_model(model, tmp_path / 'export'))
     np.testing.assert_allclose(jaxsim.encode(exported, dev.sent1), e1, atol=1e-5)
 
