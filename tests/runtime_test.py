@@ -20,9 +20,8 @@ def test_quiet_environment_sets_what_is_missing_and_keeps_what_the_user_set(monk
             assert os.environ[name] == value, name
 
 
-def test_train_and_eval_scripts_quiet_libraries_before_transformers_loads():
-    # Importing either script (not running it) applies the list, and transformers is not yet
-    # imported at that point, so its import-time advice reads the variables.
+def test_importing_train_or_eval_script_applies_the_list():
+    # At import, not in main(): transformers' import-time advice must read the variables.
     code = ("import os, sys\n"
             "sys.path.insert(0, {repo!r})\n"
             "import importlib.util\n"
