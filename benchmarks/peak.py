@@ -5,12 +5,12 @@ For each framework and dtype (float32, bfloat16) one square `--size` product is 
 `--repeats` times after a warm-up; the best time gives GFLOP/s = 2 n^3 / seconds / 1e9.
 Each framework's bf16 product is its fastest one, the form its models run: JAX's is
 `jaxsim.models.ops.matmul` (bf16 operands, float32 accumulation and result); PyTorch's is
-`a @ b` on bf16 tensors (float32 accumulation inside oneDNN/MKL). On XLA:CPU (jaxlib 0.10) the difference matters: a bf16-result dot is upcast to
-float32 before it reaches a kernel, while a float32-result one runs YNNPACK's bf16 kernel,
-about 4x faster on an AVX512-BF16/AMX Xeon. JAX runs
-on its default device (XLA:CPU, or an accelerator); PyTorch on the CPU, or on CUDA when JAX's
-device is a GPU and torch has CUDA. A benchmark calls `measure_peaks` in its own process, after
-`common.set_threads`, so the peak and the rows share the same cores.
+`a @ b` on bf16 tensors (float32 accumulation inside oneDNN/MKL). On XLA:CPU (jaxlib 0.10) the
+difference matters: a bf16-result dot is upcast to float32 before it reaches a kernel, while a
+float32-result one runs YNNPACK's bf16 kernel, about 4x faster on an AVX512-BF16/AMX Xeon.
+JAX runs on its default device (XLA:CPU, or an accelerator); PyTorch on the CPU, or on CUDA
+when JAX's device is a GPU and torch has CUDA. A benchmark calls `measure_peaks` in its own
+process, after `common.set_threads`, so the peak and the rows share the same cores.
 
     python benchmarks/peak.py [--threads 2] [--size 2048] [--repeats 10] [--json peak.json]
 """
