@@ -19,12 +19,10 @@ $(BIN)/python:
 # exports, and its models train step for step beside ours. Its numpy<1.20 and scipy<1.6 pins
 # cannot install here, and it runs on what the test extra installs: --no-deps.
 # The search page is tested in a real headless Chromium: Debian's chromium and chromium-driver,
-# installed here when missing (CI runs as root), as is g++, which builds the bf16 product
-# kernel (jaxsim/native) on first use.
+# installed here when missing (CI runs as root).
 .venv/.test: $(BIN)/python pyproject.toml
-	command -v chromium >/dev/null && command -v chromedriver >/dev/null && \
-	  command -v g++ >/dev/null || \
-	  (apt-get update -q && apt-get install -y -q chromium chromium-driver g++)
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  (apt-get update -q && apt-get install -y -q chromium chromium-driver)
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps simcse==0.4
 	touch $@

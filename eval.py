@@ -20,13 +20,14 @@ if __name__ == '__main__':
 # Before numpy / transformers load. The eval's linear algebra is small ([D, D] eigh);
 # OpenBLAS threads spinning against busy cores made it 50x slower on a shared 2-core machine.
 os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
-# transformers' import-time advice ("PyTorch was not found ...") is noise for a JAX program.
-os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')
-os.environ.setdefault('TRANSFORMERS_NO_ADVISORY_WARNINGS', '1')
+# Library noise off before transformers loads ("PyTorch was not found ..."; jaxsim.runtime
+# owns the list).
+from jaxsim import runtime  # noqa: E402
+
+runtime.quiet_environment()
 
 from jaxsim import cli_io, distributed  # noqa: E402
 from jaxsim.eval import cli_checks, plots, report, report_tb, runner  # noqa: E402
-from jaxsim.runtime import enable_compilation_cache  # noqa: E402
 
 ALL_TASKS = 'sts12,sts13,sts14,sts15,sts16,stsb,sickr'
 TRANSFER_TASKS = 'mr,cr,subj,mpqa,sst2,trec,mrpc'
@@ -120,7 +121,7 @@ def evaluate(args: argparse.Namespace) -> int:
     launch = ('coordinator', 'num_processes', 'process_id', 'distributed')
     distributed.check_same_inputs({'arguments': {k: v for k, v in vars(args).items()
                                                  if k not in launch}})
-    enable_compilation_cache()
+    runtime.enable_compilation_cache()
     rows, transfer_rows = [], []
     if sts_tasks or not transfer_tasks:
         rows = runner.run(

@@ -10,7 +10,6 @@
 The logic lives in jaxsim.train; this file parses flags and turns outcomes into exit codes:
 0 done, 1 bad input (one `error:` line), 130/143 interrupted by SIGINT/SIGTERM (state saved).
 """
-import os
 import signal
 
 if __name__ == '__main__':
@@ -18,18 +17,11 @@ if __name__ == '__main__':
     # signal once its handler is in place, so it ends in one line like any other.
     signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
 
-# Before JAX and transformers load: no "PyTorch was not found" advice (jaxsim uses
-# transformers for tokenizers only) and no libtpu / XLA start-up chatter. runtime.setup()
-# below sets the same, but only after `import jaxsim` has loaded the XLA library.
-for _name, _value in {'TRANSFORMERS_NO_ADVISORY_WARNINGS': '1', 'TRANSFORMERS_VERBOSITY': 'error',
-                      'TF_CPP_MIN_LOG_LEVEL': '1', 'TPU_MIN_LOG_LEVEL': '2',
-                      'TPU_STDERR_LOG_LEVEL': '2', 'GRPC_VERBOSITY': 'ERROR'}.items():
-    os.environ.setdefault(_name, _value)
+# Before transformers loads and a JAX backend starts: no "PyTorch was not found" advice (jaxsim
+# uses transformers for tokenizers only) and no libtpu / XLA start-up chatter.
+from jaxsim import runtime  # noqa: E402
 
-if __name__ == '__main__':
-    # XLA:CPU: each step's working memory in huge pages (restarts the process once).
-    from jaxsim import runtime as _runtime  # noqa: E402
-    _runtime.restart_with_huge_page_heap()
+runtime.quiet_environment()
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
@@ -37,7 +29,7 @@ import sys  # noqa: E402
 
 from absl import logging as absl_logging  # noqa: E402
 
-from jaxsim import cli_io, distributed, interrupts, runtime  # noqa: E402
+from jaxsim import cli_io, distributed, interrupts  # noqa: E402
 from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS  # noqa: E402
 from jaxsim.plan.cli import run_plan  # noqa: E402
 from jaxsim.plan.figures import exit_process  # noqa: E402

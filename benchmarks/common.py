@@ -67,7 +67,7 @@ class ChildContender:
 
     Sides in separate processes do not share a heap or thread pools: one side's allocations and
     spinning threads cannot slow the next side's round, and each process starts from the same
-    environment (the parent's, e.g. its GLIBC_TUNABLES).
+    environment (the parent's).
     """
 
     def __init__(self, cmd: list):
@@ -172,21 +172,11 @@ def xla_flops(stage) -> float:
 
 
 def cost_analysis(stage) -> dict:
-    """XLA's cost analysis of a compiled (or lowered) program, plus the products of the bf16
-    BLAS kernel (jaxsim.native.blas_gemm), which XLA cannot see into."""
-    # Imported here: the PyTorch sides import this module too, and their peak RSS must not
-    # include JAX.
-    from jaxsim.native import blas_gemm
-
+    """XLA's cost analysis of a compiled (or lowered) program."""
     analysis = stage.cost_analysis()
     if isinstance(analysis, (list, tuple)):  # older JAX: one dict per module
         analysis = analysis[0] if analysis else {}
-    analysis = dict(analysis or {})
-    if hasattr(stage, "as_text"):
-        for key, value in blas_gemm.hlo_cost(stage.as_text()).items():
-            if value:
-                analysis[key] = analysis.get(key, 0.0) + value
-    return analysis
+    return dict(analysis or {})
 
 
 def status_mb(field: str) -> float:

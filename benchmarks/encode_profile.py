@@ -54,9 +54,8 @@ def profile(model, sentences: list[str], batch_size: int, dtype: str) -> dict:
     key = jax.random.key(0)
     flops, wall, op_ms = 0.0, 0.0, collections.Counter()
     top, shapes = [], []
-    for (tokens, packing), batches in groups.items():
-        args = [(params, _to_mesh(b.tokens, mesh), key,
-                 None if b.packing is None else _to_mesh(b.packing, mesh)) for b in batches]
+    for tokens, batches in groups.items():
+        args = [(params, _to_mesh(b.tokens, mesh), key) for b in batches]
         compiled = fn.lower(*args[0]).compile()
 
         def run():
@@ -82,8 +81,8 @@ def profile(model, sentences: list[str], batch_size: int, dtype: str) -> dict:
         top += [{**row, "shape": list(tokens)} for row in table["top_instructions"]]
         flops += xla_flops(compiled) * len(batches)
         wall += seconds
-        shapes.append({"tokens": list(tokens), "packing": packing and [list(p) for p in packing],
-                       "batches": len(batches), "wall_s": round(seconds, 4)})
+        shapes.append({"tokens": list(tokens), "batches": len(batches),
+                       "wall_s": round(seconds, 4)})
     total = sum(op_ms.values())
     dense = op_ms[sp.DENSE_FWD]
     categories = [{"category": c, "ms": round(op_ms[c], 3), "share": op_ms[c] / total}

@@ -91,18 +91,19 @@ def random_model_folder(shape: str, folder: Path) -> Path:
 
 
 def batches_by_shape(model, sentences: list[str], batch_size: int) -> tuple:
-    """(mesh, {(token shape, packing shapes or None): [batches]}): the batches `jaxsim.encode`
-    itself makes of `sentences` (padded or packed), grouped by the program each compiles."""
+    """(mesh, {token shape: [batches]}): the batches `jaxsim.encode` itself makes of
+    `sentences`, grouped by the program each compiles."""
     from jaxsim import sharding
-    from jaxsim.encode import _batches, default_mesh, token_budget
+    from jaxsim.data.encode_layout import token_budget
+    from jaxsim.encode import _batches, default_mesh
 
     mesh = default_mesh()
+    shards = sharding.batch_shards(mesh)
     groups = collections.defaultdict(list)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
         for _, batch in _batches(model, sentences, batch_size, model.max_length(), executor,
-                                 sharding.batch_shards(mesh), token_budget(mesh)):
-            packing = None if batch.packing is None else tuple(x.shape for x in batch.packing)
-            groups[(batch.tokens.input_ids.shape, packing)].append(batch)
+                                 shards, token_budget(mesh, shards)):
+            groups[batch.tokens.input_ids.shape].append(batch)
     return mesh, groups
 
 
@@ -120,12 +121,9 @@ def pass_flops(model, sentences: list[str], batch_size: int, dtype: str) -> floa
     params = jax.tree.map(lambda p: jnp.asarray(p, dtype), model.params)
     fn = make_encode_fn(model.encoder.clone(dtype=jnp.dtype(dtype)), True, False, mesh)
     total = 0.0
-    for (tokens, packing), batches in groups.items():
+    for tokens, batches in groups.items():
         batch = TokenBatch(*(jax.ShapeDtypeStruct(tokens, jnp.int32),) * 3)
-        packing = None if packing is None else tuple(
-            jax.ShapeDtypeStruct(shape, jnp.int32) for shape in packing)
-        total += len(batches) * xla_flops(
-            fn.lower(params, batch, jax.random.key(0), packing).compile())
+        total += len(batches) * xla_flops(fn.lower(params, batch, jax.random.key(0)).compile())
     return total
 
 

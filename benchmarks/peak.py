@@ -4,14 +4,13 @@ benchmarks' `fraction_of_peak` figures are read against.
 For each framework and dtype (float32, bfloat16) one square `--size` product is timed
 `--repeats` times after a warm-up; the best time gives GFLOP/s = 2 n^3 / seconds / 1e9.
 Each framework's bf16 product is its fastest one, the form its models run: JAX's is
-`jaxsim.models.ops.matmul` (bf16 operands, float32 accumulation and result; oneMKL's kernel
-where $JAXSIM_CPU_GEMM selects it, `jax_bf16_kernel` in the record); PyTorch's is `a @ b` on bf16 tensors (float32 accumulation inside
-oneDNN/MKL). On XLA:CPU (jaxlib 0.10) the difference matters: a bf16-result dot is upcast to
-float32 before it reaches a kernel, while a float32-result one runs YNNPACK's bf16 kernel,
-about 4x faster on an AVX512-BF16/AMX Xeon. JAX runs
-on its default device (XLA:CPU, or an accelerator); PyTorch on the CPU, or on CUDA when JAX's
-device is a GPU and torch has CUDA. A benchmark calls `measure_peaks` in its own process, after
-`common.set_threads`, so the peak and the rows share the same cores.
+`jaxsim.models.ops.matmul` (bf16 operands, float32 accumulation and result); PyTorch's is
+`a @ b` on bf16 tensors (float32 accumulation inside oneDNN/MKL). On XLA:CPU (jaxlib 0.10) the
+difference matters: a bf16-result dot is upcast to float32 before it reaches a kernel, while a
+float32-result one runs YNNPACK's bf16 kernel, about 4x faster on an AVX512-BF16/AMX Xeon.
+JAX runs on its default device (XLA:CPU, or an accelerator); PyTorch on the CPU, or on CUDA
+when JAX's device is a GPU and torch has CUDA. A benchmark calls `measure_peaks` in its own
+process, after `common.set_threads`, so the peak and the rows share the same cores.
 
     python benchmarks/peak.py [--threads 2] [--size 2048] [--repeats 10] [--json peak.json]
 """
@@ -80,18 +79,9 @@ def jax_product(size: int, dtype: str) -> Callable[[], object]:
         product = jax.jit(lambda x, y: jnp.matmul(x, y, precision="highest"))
     else:
         # The models' own product: bf16 operands into a float32 result (XLA's fast bf16
-        # path), or oneMKL's kernel where jaxsim.native.blas_gemm takes bf16 products.
+        # path).
         product = jax.jit(lambda x, y: ops.matmul(x, y, dtype))
     return lambda: product(a, b).block_until_ready()
-
-
-def jax_bf16_kernel() -> str:
-    """Which kernel runs JAX's bf16 products here: 'onemkl' or 'xla'."""
-    import jax.numpy as jnp
-
-    from jaxsim.native import blas_gemm
-
-    return "onemkl" if blas_gemm.use_blas_gemm(jnp.bfloat16) else "xla"
 
 
 def torch_device() -> str:
@@ -126,7 +116,7 @@ def measure_peaks(size: int = 2048, repeats: int = 10, torch_too: bool = True) -
 
     The threads are whatever this process may use (pin them first with common.set_threads)."""
     record = {"size": size, "repeats": repeats, "flops_per_product": 2.0 * size ** 3,
-              "jax_bf16_kernel": jax_bf16_kernel(), "best_s": {}, "sizes": {}}
+              "best_s": {}, "sizes": {}}
     makers = {"jax": jax_product}
     if torch_too:
         device = record["torch_device"] = torch_device()

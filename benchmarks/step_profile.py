@@ -45,7 +45,6 @@ from common import (available_cpus, cost_analysis, load_average, set_threads,  #
                     write_json)
 from train_speed import build_step, tokenized  # noqa: E402
 
-from jaxsim import runtime  # noqa: E402
 
 DENSE_FWD, DENSE_BWD = "dense products, forward", "dense products, backward"
 DROPOUT, EMBED = "dropout masks (threefry bits)", "embedding lookup / gradient"
@@ -370,7 +369,6 @@ def main(argv=None):
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--tiny", action="store_true",
                         help=f"a tiny random BERT ({TINY}) instead of all-MiniLM-L6-v2 (tests)")
-    runtime.restart_with_huge_page_heap()  # as train.py: working memory in huge pages
     args = parser.parse_args(argv)
     for flag, value in (("--batch", args.batch), ("--max-len", args.max_len),
                         ("--steps", args.steps)):

@@ -15,8 +15,7 @@ steps are timed. Rows (objective:dtype, jaxsim's compute dtype):
 
 For each row jaxsim and both PyTorch configurations run in turn `--repeats` times, `--steps`
 steps each (`common.alternating`), each side in a process of its own (`common.ChildContender`),
-all pinned to the same `--threads` cores and started under the heap train.py runs with
-(`runtime.restart_with_huge_page_heap`: working memory in transparent huge pages). Each ratio
+all pinned to the same `--threads` cores. Each ratio
 is the median [min, max] of the per-round ratios jaxsim steps/s / PyTorch steps/s: a row's
 `vs_pytorch_float32`, `vs_pytorch_bfloat16`, `ratio` (PyTorch of the row's dtype) and
 `vs_pytorch_best` (the faster PyTorch of its rounds). The headline `ratio` pairs each side at its
@@ -52,7 +51,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxsim import runtime, sharding
+from jaxsim import sharding
 from jaxsim.data import readers
 from jaxsim.data.batching import tokenize_examples
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer
@@ -148,7 +147,7 @@ def jaxsim_step(objective: str, dtype: str, arrays: dict, **config):
     """(run, flops): a no-argument callable running one jaxsim train step (blocking), built by
     `build_step` and compiled ahead, and XLA's FLOP count of that compiled step."""
     train_step, state, placed = build_step(objective, dtype, arrays, **config)
-    compiled = runtime.compile_ahead(train_step, state, placed)  # as the train loop does
+    compiled = train_step.lower(state, placed).compile()
     holder = {"state": state}
 
     def run():
@@ -303,9 +302,8 @@ def main():
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--rss-child", nargs=2, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--contender", nargs=3, default=None, help=argparse.SUPPRESS)
-    # train.py's heap (huge pages), inherited by every child; each side in its own process (in
-    # one process PyTorch's allocations slowed jaxsim's later rounds ~25% on this heap).
-    runtime.restart_with_huge_page_heap()
+    # Each side in its own process: in one process PyTorch's allocations slowed jaxsim's later
+    # rounds (docs/performance.md).
     args = parser.parse_args()
     if args.pack_length is None:
         args.pack_length = args.max_len

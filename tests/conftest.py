@@ -21,7 +21,6 @@ SESSION_HOME.mkdir()
 os.environ["HOME"] = str(SESSION_HOME)
 os.environ["JAXSIM_CACHE_DIR"] = str(_SESSION_DIR / "xla-cache")
 os.environ["JAXSIM_INDEX_DIR"] = str(_SESSION_DIR / "line-index")
-os.environ["JAXSIM_NATIVE_DIR"] = str(_SESSION_DIR / "native")
 os.environ["MPLCONFIGDIR"] = str(_SESSION_DIR / "matplotlib")
 # The test extra installs libtpu (the planner's TPU compiler). Programs run on the CPU backend
 # (JAX would otherwise probe for a TPU in every process, with pages of warnings); the plan
@@ -54,12 +53,6 @@ from jaxsim.io.checkpoint import CheckpointOptions, Checkpointer
 from jaxsim.io.workdir import write_model
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
-from jaxsim.runtime import HUGE_PAGE_HEAP_ENV
-
-# Subprocesses start with the heap that train.py (and the train benchmarks) restart themselves
-# with, so none restarts: ~1.3 s of imports each. host_memory_test clears it to test the restart.
-for _name, _value in HUGE_PAGE_HEAP_ENV.items():
-    os.environ.setdefault(_name, _value)
 
 REPO = Path(__file__).resolve().parents[1]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")

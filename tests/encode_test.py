@@ -16,7 +16,7 @@ import pytest
 
 import jaxsim
 from jaxsim.__main__ import main as cli_main
-from jaxsim.data.encode_layout import rows_per_batch
+from jaxsim.data import encode_layout
 from jaxsim.data.tokenize import bucket_length
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
@@ -58,72 +58,25 @@ def test_cpu_batches_keep_to_the_token_budget(bundled):
     rng = np.random.default_rng(0)
     words = "cat dog man runs the a red big in park river house".split()
     sents = [" ".join(rng.choice(words, rng.integers(1, 120))) for _ in range(90)]
-    mesh = encode_module.default_mesh()
-    budget = encode_module.token_budget(mesh)
-    assert budget == encode_module.CPU_TOKENS_PER_BATCH  # one CPU device
+    budget = encode_layout.token_budget(encode_module.default_mesh(), 1)
+    assert budget == encode_layout.CPU_TOKENS_PER_BATCH  # one CPU device
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
-        batches = list(encode_module._batches(bundled, sents, 64, 128, executor, 1, budget,
-                                              pack=False))
+        batches = list(encode_module._batches(bundled, sents, 64, 128, executor, 1, budget))
     seen = np.concatenate([indices[indices >= 0] for indices, _ in batches])
     assert sorted(seen.tolist()) == list(range(len(sents)))
     rows_of = {}
     for indices, batch in batches:
-        assert batch.packing is None
         rows, length = batch.tokens.input_ids.shape
         real = int((indices >= 0).sum())
         assert (indices[:real] >= 0).all() and (indices[real:] < 0).all()
         assert rows * length <= budget or rows == 1
-        assert rows == rows_per_batch(length, 64, 1, budget) >= real
+        assert rows == encode_layout.rows_per_batch(length, 64, 1, budget) >= real
         assert rows_of.setdefault(length, rows) == rows
         assert batch.tokens.attention_mask[:real].sum(1).max() > length - 16 or length <= 32
     assert max(rows_of.values()) == 64 and min(rows_of.values()) == 1024 // 128
-    assert rows_per_batch(128, 64, 4, None) == 64  # accelerators: no budget
-    assert rows_per_batch(512, 64, 4, 4096) == 8  # whole shards, >= shards
-    assert rows_per_batch(512, 64, 4, 1024) == 4
-    full = jaxsim.encode(bundled, sents, batch_size=64, max_length=128, pack=False)
+    full = jaxsim.encode(bundled, sents, batch_size=64, max_length=128)
     one = jaxsim.encode(bundled, sents, batch_size=1, max_length=128)
     np.testing.assert_allclose(full, one, atol=1e-5)
-
-
-def test_packed_rows_give_the_padded_vectors(bundled):
-    """Short sentences of mixed lengths are packed several to a row (fewer token slots than
-    padding them); the vectors are those of the padded layout, in input order."""
-    import concurrent.futures
-    import importlib
-
-    encode_module = importlib.import_module("jaxsim.encode")
-    rng = np.random.default_rng(1)
-    words = "cat dog man runs the a red big in park river house".split()
-    sents = [" ".join(rng.choice(words, rng.integers(1, 30))) for _ in range(300)] + [""]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
-        batches = list(encode_module._batches(bundled, sents, 64, 128, executor, 1,
-                                              encode_module.token_budget(
-                                                  encode_module.default_mesh())))
-    assert all(batch.packing is not None for _, batch in batches)
-    seen = np.concatenate([indices[indices >= 0] for indices, _ in batches])
-    assert sorted(seen.tolist()) == list(range(len(sents)))
-    packed = jaxsim.encode(bundled, sents, normalize=True)
-    padded = jaxsim.encode(bundled, sents, normalize=True, pack=False)
-    np.testing.assert_allclose(packed, padded, atol=1e-5)
-    assert np.abs(packed[0] - packed[1]).max() > 1e-2  # rows were not mixed up
-    half = jaxsim.encode(bundled, sents, normalize=True, dtype=jnp.bfloat16)
-    assert (half * padded).sum(1).min() > 0.99
-
-
-def test_two_batches_at_once_give_the_vectors_of_one_at_a_time(bundled, monkeypatch):
-    import importlib
-
-    encode_module = importlib.import_module("jaxsim.encode")
-    assert encode_module.concurrent_batches(encode_module.default_mesh()) == 2  # one CPU device
-    rng = np.random.default_rng(2)
-    words = "cat dog man runs the a red big in park river house".split()
-    sents = [" ".join(rng.choice(words, rng.integers(1, 30))) for _ in range(200)]
-    for pack in (True, False):
-        two = jaxsim.encode(bundled, sents, batch_size=8, pack=pack)
-        with monkeypatch.context() as m:
-            m.setattr(encode_module, "concurrent_batches", lambda mesh: 1)
-            one = jaxsim.encode(bundled, sents, batch_size=8, pack=pack)
-        np.testing.assert_array_equal(two, one)
 
 
 def test_order_and_batch_invariance(bundled):
@@ -196,9 +149,6 @@ import jax, numpy as np
 from transformers import AutoTokenizer
 import jaxsim
 from jaxsim import sharding
-import importlib
-from jaxsim.data import encode_layout
-from jaxsim.data.tokenize import token_ids
 from tests.encode_test import tiny_model
 assert jax.device_count() == 8, jax.devices()
 tok = AutoTokenizer.from_pretrained(str(jaxsim.bundled_model_path()))
@@ -209,9 +159,6 @@ sents = [" ".join(rng.choice(words, rng.integers(3, 7))) for _ in range(29)]
 meshes = {"single": sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]),
           "data8": None,  # the default: every device on the data axis
           "data4_fsdp2": sharding.make_mesh(4, 2, 1)}
-# Programs over several devices (collectives) run one at a time; one device, two at once.
-lanes = importlib.import_module("jaxsim.encode").concurrent_batches
-assert lanes(meshes["single"]) == 2 and lanes(sharding.make_mesh()) == 1
 out = {}
 for pooler in ("cls",):  # the pooler with parameters (split over fsdp on data4_fsdp2)
     model = tiny_model(tok, pooler=pooler)
@@ -226,19 +173,6 @@ for pooler in ("cls",):  # the pooler with parameters (split over fsdp on data4_
     out[pooler + "+dropout"] = {name: float(np.abs(keyed[name] - keyed["single"]).max())
                                 for name in keyed}
     out[pooler + "+dropout"]["vs_plain"] = float(np.abs(keyed["single"] - runs["single"]).max())
-    # Packed rows, each shard packing its own sentences: as on one device and as padded.
-    # Every chunk is packed here, whatever it saves, so the packed path is what is checked.
-    encode_layout.PACK_SAVING = -1.0
-    mixed = [" ".join(rng.choice(words, rng.integers(1, 18))) for _ in range(61)]
-    ids = token_ids(tok, mixed, 64)
-    assert all(b.packing is not None and b.packing[0].shape[0] == 8
-               for b in encode_layout.plan_batches(ids, 0, 16, 64, 8, 8192))
-    packed = {name: jaxsim.encode(model, mixed, batch_size=16, mesh=mesh)
-              for name, mesh in meshes.items()}
-    packed["padded"] = jaxsim.encode(model, mixed, batch_size=16, mesh=meshes["single"],
-                                     pack=False)
-    out[pooler + "+packed"] = {name: float(np.abs(packed[name] - packed["single"]).max())
-                               for name in packed}
 print("RESULT" + json.dumps(out))
 """
 

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles, no jaxsim import inside a function, modules < 400 lines.
+"""The package's shape: no import cycles, no jaxsim import inside a function; long modules are
+reported, not failed (the rule is "a module holds one concept", docs/layout.md).
 
 Imports inside functions were how cycles used to be dodged; with none allowed, the import graph
 below is the whole dependency structure, and it must stay acyclic.
@@ -7,9 +8,11 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import warnings
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxsim"
-MAX_LINES = 420  # "about 400"
+# A prompt to look again at a module's concept, not a limit.
+SOFT_LINES = 500
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -91,7 +94,11 @@ def test_no_import_cycles():
     assert not cycles, "\n".join(cycles)
 
 
-def test_modules_are_small():
-    long = [f"{p.relative_to(PACKAGE.parent)}: {n} lines" for p in _modules().values()
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES]
-    assert not long, "\n".join(long)
+def test_long_modules_are_reported_not_failed():
+    counts = {p.relative_to(PACKAGE.parent): len(p.read_text(encoding="utf-8").splitlines())
+              for p in _modules().values()}
+    assert pathlib.Path("jaxsim/encode.py") in counts  # the walk found the package
+    for path, n in sorted(counts.items()):
+        if n > SOFT_LINES:
+            warnings.warn(f"{path}: {n} lines; does it still hold one concept? "
+                          "(docs/layout.md)", stacklevel=1)

@@ -6,6 +6,9 @@ return float32. Their VJPs take the float32 cotangent in the operands' dtype, as
 `ops.matmul`'s does: under bf16 compute the gradient products are then bf16 x bf16 -> float32,
 where JAX's own transpose multiplied the float32 cotangent with operands converted to float32
 (float32 copies of q, k, v and the probabilities, and slower dot kernels on XLA:CPU).
+
+Written for XLA:CPU, these VJPs run on every backend: on TPU they neither add nor remove HBM
+traffic and add no collectives (see `jaxsim.models.ops`; figures in docs/performance.md).
 """
 from __future__ import annotations
 

@@ -276,13 +276,10 @@ class _Loop:
             # A bar on a terminal, plain periodic lines in a log (no carriage returns).
             bar = progress_bar(self.total, 'train', unit='step', initial=self.step)
         pending: deque = deque()
-        start = self.step
         try:
             with deferred_signals() as stop:
                 while self.step < self.total:
                     batch = sharding_lib.assemble_batch(self.prepare(next(self.it)), self.mesh)
-                    if self.step == start:  # compiler memory freed before the step's own
-                        runtime.compile_ahead(self.train_step, self.state, batch)
                     self.state, metrics = self.train_step(self.state, batch)
                     self.step += 1
                     pending.append((self.step, metrics))

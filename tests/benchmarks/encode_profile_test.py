@@ -74,7 +74,7 @@ def test_short_run_writes_a_consistent_record(tmp_path):
     assert record["ratio"] == record["dense_share"] == pytest.approx(rows[sp.DENSE_FWD]["share"])
     assert 0 < record["dense_share"] < 1
     assert record["bound"] == pytest.approx(1 / record["dense_share"])
-    # The laid-out token slots (packed rows or padded batches) bound XLA's count from below:
+    # The laid-out token slots (padded batches) bound XLA's count from below:
     # it also counts the elementwise work.
     products = sum(shape["batches"] * products_flops(MINILM, _slots(shape), _row(shape), 1)
                    for shape in record["shapes"])
@@ -87,12 +87,9 @@ def test_short_run_writes_a_consistent_record(tmp_path):
 
 
 def _slots(shape: dict) -> int:
-    if shape["packing"] is None:
-        rows, length = shape["tokens"]
-        return rows * length
-    shards, rows, width = shape["packing"][0]
-    return shards * rows * width
+    rows, length = shape["tokens"]
+    return rows * length
 
 
 def _row(shape: dict) -> int:
-    return shape["tokens"][1] if shape["packing"] is None else shape["packing"][0][2]
+    return shape["tokens"][1]

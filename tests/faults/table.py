@@ -24,7 +24,6 @@ LAYERS = 'tests/flows/flow_layers_test.py'
 METRICS = 'tests/eval/metrics_test.py'
 TRANSFER = 'tests/eval/transfer_test.py'
 PARITY = 'tests/models/bert_parity_test.py::test_tiny_random_parity'
-NATIVE = 'tests/native/blas_gemm_test.py'
 PACKING = 'tests/train/packing_test.py'
 
 FAULTS = (
@@ -194,21 +193,6 @@ FAULTS = (
           'scores = jax.lax.cond(start + layout.block_rows > n_valid,',
           'scores = jax.lax.cond(start > n_valid,',
           ('tests/search/search_test.py::test_padding_rows_never_outscore_real_rows',)),
-    # ---- the bf16 BLAS kernel (C++ handler and its use in the encoder's products)
-    Fault('row blocks of a transposed first operand all read its first columns',
-          'jaxsim/native/bf16_gemm.cc',
-          'a_i += transpose_a ? start : start * lda;',
-          'a_i += transpose_a ? 0 : start * lda;',
-          (f'{NATIVE}::test_product_equals_float64_product_of_the_same_operands',)),
-    Fault('column blocks of a transposed second operand start at the wrong row',
-          'jaxsim/native/bf16_gemm.cc',
-          'b_i += transpose_b ? start * ldb : start;',
-          'b_i += start;',
-          (f'{NATIVE}::test_product_equals_float64_product_of_the_same_operands',)),
-    Fault('input gradient through the untransposed weight', 'jaxsim/models/ops.py',
-          'dx = blas_gemm.bf16_gemm(g_rows, w, transpose_b=True).reshape(x.shape)',
-          'dx = blas_gemm.bf16_gemm(g_rows, w, transpose_b=False).reshape(x.shape)',
-          (f'{NATIVE}::test_encoder_matmul_through_the_blas_equals_xla_values_and_gradients',)),
     # ---- sequence packing
     Fault('packed sentences attend across each other', 'jaxsim/models/packed.py',
           'same = sentence[:, None, :, None] == sentence[:, None, None, :]',

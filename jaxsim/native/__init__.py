@@ -1,1 +1,0 @@
-"""Native kernels that XLA:CPU lacks, built on first use and called through XLA's FFI."""
