@@ -25,6 +25,7 @@ os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')
 os.environ.setdefault('TRANSFORMERS_NO_ADVISORY_WARNINGS', '1')
 
 from jaxsim import cli_io, distributed  # noqa: E402
+from jaxsim import plugins  # noqa: E402
 from jaxsim.eval import cli_checks, plots, report, report_tb, runner  # noqa: E402
 from jaxsim.runtime import enable_compilation_cache  # noqa: E402
 
@@ -90,6 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument('--no-diagnostics', action='store_true',
                    help='skip alignment/uniformity/anisotropy/spectrum')
     distributed.add_launch_flags(p)
+    plugins.add_import_flag(p)
     return p.parse_args(argv)
 
 
