@@ -316,7 +316,7 @@ def load(folder: Union[str, pathlib.Path]) -> Calibration:
     try:
         arrays = safetensors.numpy.load_file(str(arrays_path))
     except safetensors.SafetensorError as e:
-        raise CalibrationError(f'{arrays_path}: cannot be read ({e})') from None
+        raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
     if kind not in CALIBRATIONS and set(arrays) == AFFINE_ARRAYS:
         return _load_unregistered_affine(folder, kind, spec, note, meta, arrays)
     cls = _entry(kind, f'{meta_path} kind')
