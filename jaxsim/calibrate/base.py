@@ -317,7 +317,7 @@ def load(folder: Union[str, pathlib.Path]) -> Calibration:
         arrays = safetensors.numpy.load_file(str(arrays_path))
     except safetensors.SafetensorError as e:
         raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
-    if kind not in CALIBRATIONS and set(arrays) == AFFINE_ARRAYS:
+    if kind not in CALIBRATIONS and set(arrays) == AFFINE_ARRAYS and affine_fallback:
         return _load_unregistered_affine(folder, kind, spec, note, meta, arrays)
     cls = _entry(kind, f'{meta_path} kind')
     try:
@@ -327,17 +327,19 @@ def load(folder: Union[str, pathlib.Path]) -> Calibration:
     return _stamp(cal, spec=spec, note=note)
 
 
-# The arrays every affine calibration saves (AffineCalibration.state).
+# The arrays every affine calibration saves (AffineCalibration.state), and the class such a
+# file loads as when its own kind is not registered: set by jaxsim.calibrate.affine, which
+# imports this module (so it cannot be imported from here).
 AFFINE_ARRAYS = {'mu', 'W'}
+affine_fallback: Optional[type[Calibration]] = None
 
 
 def _load_unregistered_affine(folder: pathlib.Path, kind: str, spec: str, note: str,
                               meta: dict, arrays: dict) -> Calibration:
     """A saved affine calibration whose class is not registered here (its module is not
     loaded): the file holds its whole map, so it loads as that map, with a note."""
-    from jaxsim.calibrate.affine import AffineCalibration
     try:
-        cal = AffineCalibration.from_state(meta, arrays)
+        cal = affine_fallback.from_state(meta, arrays)
     except ValueError as e:
         raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
     print(f'note: {folder}: calibration {kind!r} is not registered in this process (its '
