@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -350,6 +351,29 @@ def test_environment_and_entry_points(tmp_path, monkeypatch):
     with pytest.raises(PluginError, match="^jaxsim.plugins entry point bad \\(ep_missing_module\\)"
                                           ": ModuleNotFoundError"):
         plugins.load_plugins(environ={})
+
+
+def test_the_documented_example_module_is_the_page_and_registers_its_four_names():
+    page = (REPO / "docs" / "extending.md").read_text()
+    example = (REPO / "examples" / "my_research.py").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(blocks) == 4
+    for block in blocks:
+        body = "\n".join(line for line in block.splitlines()
+                         if not line.startswith(("import ", "from ")))
+        assert body.strip() in example
+    plugins.load_module(str(REPO / "examples" / "my_research.py"))
+    from jaxsim.flows import FLOW_LAYERS
+    from jaxsim.models.poolers import POOLERS
+    from jaxsim.objectives import OBJECTIVES
+    assert ("my_infonce" in OBJECTIVES and "scaled_mean" in POOLERS
+            and "diag_affine" in FLOW_LAYERS and OBJECTIVES.origin("my_infonce") == "my_research")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((500, 5)) @ rng.standard_normal((5, 5))
+    z = calibrate.fit("shrinkw:0.0", x).apply(x)  # no shrinkage: plain whitening
+    np.testing.assert_allclose(np.cov(z, rowvar=False), np.eye(5), atol=1e-8)
+    z = calibrate.fit("shrinkw:0.5", x).apply(x)
+    assert np.abs(np.cov(z, rowvar=False) - np.eye(5)).max() > 0.05  # shrunk: not white
 
 
 def test_imports_on_a_command_line():
