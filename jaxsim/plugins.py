@@ -160,9 +160,12 @@ def add_import_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     def parse_known_args(args=None, namespace=None):
         try:
             load_plugins(imports_in(sys.argv[1:] if args is None else args))
+            parsed = parse(args, namespace)
+            # An abbreviated flag (`--imp M`) escapes the scan above; loaded now, once.
+            load_plugins(parsed[0].imports, environ={}, entry_points=False)
         except PluginError as e:
             parser.error(str(e))
-        return parse(args, namespace)
+        return parsed
 
     parser.parse_known_args = parse_known_args
     return parser

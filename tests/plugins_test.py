@@ -382,6 +382,16 @@ def test_imports_on_a_command_line():
     assert plugins.imports_in(["--import"]) == []  # the parser reports the missing value
 
 
+def test_an_abbreviated_flag_loads_too(tmp_path):
+    import argparse
+
+    (tmp_path / "abbrev_plugin.py").write_text("VALUE = 41 + 1\n")
+    parser = plugins.add_import_flag(argparse.ArgumentParser())
+    args = parser.parse_args(["--imp", str(tmp_path / "abbrev_plugin.py")])
+    assert args.imports == [str(tmp_path / "abbrev_plugin.py")]
+    assert sys.modules["abbrev_plugin"].VALUE == 42
+
+
 def test_every_command_takes_import():
     import importlib
 
