@@ -15,8 +15,9 @@ T = TypeVar("T")
 
 # Appended to unknown-name errors: a name from the user's own module is unknown until the
 # module is loaded (jaxsim.plugins).
-IMPORT_HINT = ("a name registered in your own module needs it loaded: --import MODULE, "
-               "$JAXSIM_PLUGINS or a jaxsim.plugins entry point")
+IMPORT_HINT = ("a name registered in your own module needs that module imported first; "
+               "commands load it with --import MODULE, $JAXSIM_PLUGINS or a jaxsim.plugins "
+               "entry point")
 
 
 def _registering_module() -> Optional[str]:

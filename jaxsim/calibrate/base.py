@@ -293,9 +293,12 @@ def save(cal: Calibration, folder: Union[str, pathlib.Path]) -> pathlib.Path:
 def load(folder: Union[str, pathlib.Path]) -> Calibration:
     """Loads a calibration written by `Calibration.save`.
 
+    A kind not registered in this process (its module not imported) whose file holds an affine
+    map (mu, W) loads as that map (an AffineCalibration), with a one-line note on stderr.
+
     Raises:
       CalibrationError naming the file when the folder does not hold a saved calibration, or
-      its kind is not registered in this process.
+      its kind is not registered in this process and its file is not an affine map.
     """
     folder = pathlib.Path(folder)
     meta_path = folder / META_FILE
