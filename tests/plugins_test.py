@@ -61,7 +61,7 @@ def triple_mean(output, attention_mask):
     return 3.0 * masked_mean(output.hidden_states[-1], attention_mask)
 
 
-@CALIBRATIONS.register("shrinkw")
+@CALIBRATIONS.register("plug_shrinkw")
 class ShrinkWhitening(AffineCalibration):
     arg = "required"
     arg_type = float
@@ -183,10 +183,12 @@ def test_eval_with_the_users_calibration_and_flow_layer(plugin, tiny, tmp_path):
     (tmp_path / "plug_flow.py").write_text(FLOW_CONFIG)
     out = tmp_path / "res.json"
     run("eval.py", "--import", plugin, "--model", folder, "--data", data, "--tasks", "stsb",
-        "--post", "none", "--post", "shrinkw:0.3", "--post", f"flow:{tmp_path / 'plug_flow.py'}",
+        "--post", "none", "--post", "plug_shrinkw:0.3",
+        "--post", f"flow:{tmp_path / 'plug_flow.py'}",
         "--fit-on", fit_file, "--no-diagnostics", "--json", out)
     rows = {r["post"].split(":")[0]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"none", "shrinkw", "flow"} and rows["shrinkw"]["post"] == "shrinkw:0.3"
+    assert set(rows) == {"none", "plug_shrinkw", "flow"}
+    assert rows["plug_shrinkw"]["post"] == "plug_shrinkw:0.3"
 
     pairs = [line.split("\t") for line in
              (data / "STS" / "STSBenchmark" / "sts-test.csv").read_text().splitlines()]
@@ -195,8 +197,8 @@ def test_eval_with_the_users_calibration_and_flow_layer(plugin, tiny, tmp_path):
     a, b = (shrinkw(fit, jaxsim.encode(model, [p[i] for p in pairs]), 0.3) for i in (5, 6))
     cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     want = 100 * scipy.stats.spearmanr(cos, gold)[0]
-    assert rows["shrinkw"]["tasks"]["STSBenchmark"] == pytest.approx(want, abs=1e-3)
-    assert rows["shrinkw"]["tasks"]["STSBenchmark"] != rows["none"]["tasks"]["STSBenchmark"]
+    assert rows["plug_shrinkw"]["tasks"]["STSBenchmark"] == pytest.approx(want, abs=1e-3)
+    assert rows["plug_shrinkw"]["tasks"]["STSBenchmark"] != rows["none"]["tasks"]["STSBenchmark"]
     flow = rows["flow"]
     assert "plug_diag_affine" in json.dumps(flow["details"])  # the user's layer was fitted
     assert np.isfinite(flow["tasks"]["STSBenchmark"])
@@ -211,7 +213,7 @@ def test_export_with_the_users_pooler_and_calibration(plugin, tiny, tmp_path):
     (tmp_path / "fit.txt").write_text("\n".join(fit_sentences) + "\n")
     run("-m", "jaxsim", "export", "--import", plugin, "--checkpoint", folder,
         "--out", tmp_path / "st", "--format", "sentence-transformers",
-        "--pooler", "plug_triple_mean", "--post", "shrinkw:0.3", "--fit-data",
+        "--pooler", "plug_triple_mean", "--post", "plug_shrinkw:0.3", "--fit-data",
         tmp_path / "fit.txt")
     want = shrinkw(triple_mean(model, fit_sentences), triple_mean(model, SENTENCES), 0.3)
     got = SentenceTransformer(str(tmp_path / "st"), device="cpu").encode(
@@ -225,17 +227,18 @@ def test_export_bakes_in_a_saved_calibration_of_an_unloaded_kind(plugin, tiny, t
 
     folder, model = tiny
     fit = jaxsim.encode(model, [f"{s} {i}" for i, s in enumerate(SENTENCES * 6)])
-    calibrate.fit("shrinkw:0.3", fit).save(tmp_path / "cal")
+    calibrate.fit("plug_shrinkw:0.3", fit).save(tmp_path / "cal")
     proc = run("-m", "jaxsim", "export", "--checkpoint", folder, "--out", tmp_path / "st",
                "--format", "sentence-transformers", "--calibration", tmp_path / "cal")
     notes = [line for line in proc.stderr.splitlines() if line.startswith("note: ")]
-    assert len(notes) == 1 and "'shrinkw' is not registered" in notes[0], proc.stderr
+    assert len(notes) == 1 and "'plug_shrinkw' is not registered" in notes[0], proc.stderr
     got = SentenceTransformer(str(tmp_path / "st"), device="cpu").encode(
         SENTENCES, convert_to_numpy=True)
     np.testing.assert_allclose(got, shrinkw(fit, jaxsim.encode(model, SENTENCES), 0.3),
                                rtol=1e-4, atol=1e-4)
     record = json.loads((tmp_path / "st" / RECORD_FILE).read_text())
-    assert record["post"]["kind"] == "shrinkw" and record["post"]["spec"] == "shrinkw:0.3"
+    assert record["post"]["kind"] == "plug_shrinkw"
+    assert record["post"]["spec"] == "plug_shrinkw:0.3"
 
 
 def test_encode_through_import_and_the_environment(plugin, tiny, tmp_path):
@@ -306,9 +309,9 @@ def test_a_clashing_or_unknown_name_is_one_line_naming_module_and_name(plugin, t
 
     twice = tmp_path / "twice_plugin.py"
     twice.write_text("from jaxsim.calibrate import CALIBRATIONS, AffineCalibration\n"
-                     "@CALIBRATIONS.register('shrinkw')\n"
+                     "@CALIBRATIONS.register('plug_shrinkw')\n"
                      "class Again(AffineCalibration):\n    pass\n")
-    with pytest.raises(PluginError, match="calibration 'shrinkw' \\(in twice_plugin\\) is "
+    with pytest.raises(PluginError, match="calibration 'plug_shrinkw' \\(in twice_plugin\\) is "
                                           "already registered by jaxsim_user_plug"):
         plugins.load_module(str(twice))
 
