@@ -332,7 +332,8 @@ def test_environment_and_entry_points(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     mods = plugins.load_plugins(environ={"JAXSIM_PLUGINS": "env_plugin_a, "}, entry_points=False)
     assert [m.LOADED for m in mods] == ["a"]
-    with pytest.raises(PluginError, match="^JAXSIM_PLUGINS env_plugin_b: ImportError: needs faiss$"):
+    with pytest.raises(PluginError,
+                       match="^JAXSIM_PLUGINS env_plugin_b: ImportError: needs faiss$"):
         plugins.load_plugins(environ={"JAXSIM_PLUGINS": "env_plugin_a,env_plugin_b"},
                              entry_points=False)
 
