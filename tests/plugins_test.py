@@ -260,7 +260,7 @@ def test_encode_through_import_and_the_environment(plugin, tiny, tmp_path):
 def test_serve_an_index_of_the_users_pooler(plugin, tiny, tmp_path):
     from tests.serve.conftest import Server
 
-    folder, model = tiny
+    _, model = tiny
     build_index(model.with_pooler("plug_triple_mean"), SENTENCES).save(tmp_path / "index")
     server = Server(tmp_path / "index", tmp_path, "--host", "127.0.0.1", "--import", plugin)
     try:
