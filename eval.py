@@ -27,6 +27,7 @@ from jaxsim import runtime  # noqa: E402
 runtime.quiet_environment()
 
 from jaxsim import cli_io, distributed  # noqa: E402
+from jaxsim import plugins  # noqa: E402
 from jaxsim.eval import cli_checks, plots, report, report_tb, runner  # noqa: E402
 
 ALL_TASKS = 'sts12,sts13,sts14,sts15,sts16,stsb,sickr'
@@ -91,6 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument('--no-diagnostics', action='store_true',
                    help='skip alignment/uniformity/anisotropy/spectrum')
     distributed.add_launch_flags(p)
+    plugins.add_import_flag(p)
     return p.parse_args(argv)
 
 

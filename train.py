@@ -30,6 +30,7 @@ import sys  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 
 from jaxsim import cli_io, distributed, interrupts  # noqa: E402
+from jaxsim import plugins  # noqa: E402
 from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS  # noqa: E402
 from jaxsim.plan.cli import run_plan  # noqa: E402
 from jaxsim.plan.figures import exit_process  # noqa: E402
@@ -55,6 +56,7 @@ def parse_args(argv):
     distributed.add_launch_flags(p)
     p.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True)
     p.add_argument('--noprogress', dest='progress', action='store_false', help=argparse.SUPPRESS)
+    plugins.add_import_flag(p)
     args, rest = p.parse_known_args(argv)
     overrides = []
     for item in rest:

@@ -1,5 +1,10 @@
 """jaxsim: sentence embeddings in JAX/Flax."""
+import os as _os
 import sys as _sys
+
+# transformers is used for tokenizers only: its import-time advice ("PyTorch was not found.
+# Models won't be available ...") is noise here. Advisories only; its warnings stay.
+_os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from jaxsim import interrupts as _interrupts
 

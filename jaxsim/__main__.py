@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsim import cli_io, distributed, runtime
+from jaxsim import plugins
 from jaxsim.data.sources import prepare_main
 from jaxsim.data.tokenize import token_ids
 from jaxsim.encode import encode
@@ -84,7 +85,7 @@ def encode_parser() -> argparse.ArgumentParser:
                    help="UTF-8 text, one sentence a line; - reads standard input")
     cli_io.add_output_flags(p, "--output", "the .npy file to write (written under exactly this "
                             "name)", overwrite_help="replace an existing --output", required=True)
-    p.add_argument("--pooler", choices=POOLERS.names(), default=None,
+    p.add_argument("--pooler", choices=POOLERS, default=None,
                    help="default: the model's own")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--max-length", type=int, default=None,
@@ -94,7 +95,7 @@ def encode_parser() -> argparse.ArgumentParser:
     distributed.add_launch_flags(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="compute dtype (the output is float32 either way)")
-    return p
+    return plugins.add_import_flag(p)
 
 
 def encode_main(argv: Sequence[str]) -> int:
@@ -144,7 +145,7 @@ def export_parser() -> argparse.ArgumentParser:
         p, "--out", "output folder: absent, empty, or a previous export with --overwrite",
         overwrite_help="replace a previous export", required=True)
     p.add_argument("--format", default="hf", choices=FORMATS)
-    p.add_argument("--pooler", default=None, choices=POOLERS.names(),
+    p.add_argument("--pooler", default=None, choices=POOLERS,
                    help="default: the source's own (a workdir refuses another one)")
     p.add_argument("--step", default="best", help="workdir checkpoint: best | latest | N")
     p.add_argument("--post", default="none",
@@ -160,7 +161,7 @@ def export_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=int, default=None,
                    help="token limit (sentence-transformers max_seq_length)")
     p.add_argument("--batch-size", type=int, default=64, help="encoding batch for --post")
-    return p
+    return plugins.add_import_flag(p)
 
 
 def export_main(argv: Sequence[str]) -> int:

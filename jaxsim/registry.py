@@ -6,11 +6,29 @@ package uses for its own entries, so a new idea is one decorated definition in o
 """
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+import sys
+from typing import Callable, Generic, Iterator, Optional, TypeVar
 
 from jaxsim.errors import JaxsimError
 
 T = TypeVar("T")
+
+# Appended to unknown-name errors: a name from the user's own module is unknown until the
+# module is loaded (jaxsim.plugins).
+IMPORT_HINT = ("a name registered in your own module needs that module imported first; "
+               "commands load it with --import MODULE, $JAXSIM_PLUGINS or a jaxsim.plugins "
+               "entry point")
+
+
+def _registering_module() -> Optional[str]:
+    """The module whose body is running the registration (the decorated definition's
+    module; jaxsim.plugins gives a .py file its stem as name), for error messages."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>":
+            return frame.f_globals.get("__name__")
+        frame = frame.f_back
+    return None
 
 
 class RegistryError(JaxsimError):
@@ -30,6 +48,7 @@ class Registry(Generic[T]):
         self.kind = kind
         self.error = error
         self._entries: dict[str, T] = {}
+        self._origins: dict[str, Optional[str]] = {}
 
     def register(self, name: str, *, replace: bool = False) -> Callable[[T], T]:
         """Decorator registering its argument under `name` and returning it unchanged.
@@ -44,10 +63,13 @@ class Registry(Generic[T]):
                              f", got {name!r}")
 
         def add(entry: T) -> T:
+            origin = _registering_module()
             if name in self._entries and not replace:
-                raise self.error(f"{self.kind} {name!r} is already registered "
-                                 f"(pass replace=True to override it)")
+                raise self.error(f"{self.kind} {name!r} (in {origin or '?'}) is already "
+                                 f"registered by {self._origins.get(name) or '?'}; choose "
+                                 f"another name (or pass replace=True to override it)")
             self._entries[name] = entry
+            self._origins[name] = origin
             return entry
 
         return add
@@ -58,7 +80,11 @@ class Registry(Generic[T]):
             return self._entries[name]
         except KeyError:
             raise self.error(f"unknown {self.kind} {name!r}; choose one of "
-                             f"{', '.join(sorted(self._entries))}") from None
+                             f"{', '.join(sorted(self._entries))} ({IMPORT_HINT})") from None
+
+    def origin(self, name: str) -> Optional[str]:
+        """The module that registered `name` (None when unknown)."""
+        return self._origins.get(name)
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self._entries))

@@ -298,3 +298,18 @@ def test_cli_entry_point_is_quiet(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jaxsim", "decode"], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 1 and proc.stderr.startswith("error: unknown command 'decode'")
+
+
+def test_the_library_is_quiet_without_torch():
+    """`import jaxsim` in a notebook, then a model: no transformers advice on stderr."""
+    head = _WITHOUT_TORCH.split("sys.argv")[0]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for name in ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "TRANSFORMERS_VERBOSITY"):
+        env.pop(name, None)
+    plain = subprocess.run([sys.executable, "-c", head + "import transformers\n"],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert "PyTorch was not found" in plain.stderr  # the advice exists without jaxsim ...
+    proc = subprocess.run([sys.executable, "-c", head + "import jaxsim\nimport transformers\n"
+                           "jaxsim.load_pretrained('bundled')\n"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr  # ... and jaxsim drops it

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import flax.struct
 import numpy as np
 
+from jaxsim.calibrate import base
 from jaxsim.calibrate.base import (CALIBRATIONS, Calibration, CalibrationError,
                                    blas_single_thread, check_dim, check_embeddings)
 
@@ -89,6 +90,9 @@ class AffineCalibration(Calibration, flax.struct.PyTreeNode):
         if mu.ndim != 1 or w.ndim != 2 or w.shape[0] != mu.shape[0]:
             raise ValueError(f'mu {mu.shape} and W {w.shape} do not form an affine map')
         return cls(mu=mu, W=w)
+
+
+base.affine_fallback = AffineCalibration
 
 
 def _check_matrix(x, what: str) -> np.ndarray:

@@ -28,13 +28,14 @@ import dataclasses
 import inspect
 import json
 import pathlib
+import sys
 from typing import Any, ClassVar, Optional, Union
 
 import numpy as np
 import safetensors.numpy
 
 from jaxsim.errors import JaxsimError
-from jaxsim.registry import Registry
+from jaxsim.registry import IMPORT_HINT, Registry
 
 FORMAT = 'jaxsim.calibration/1'
 META_FILE = 'calibration.json'
@@ -54,7 +55,8 @@ class Calibration:
 
     Class attributes:
       arg: whether the spec takes ':arg' ('none', 'optional' or 'required').
-      arg_type: int (a positive integer, e.g. whitening:256) or str (e.g. flow:glow).
+      arg_type: int (a positive integer, e.g. whitening:256), float (a finite number, e.g.
+        shrink:0.3) or str (e.g. flow:glow).
       linear: fitted instances are affine maps (`affine()` returns arrays); export can bake
         them into a sentence-transformers Dense layer.
 
@@ -152,7 +154,7 @@ def blas_single_thread():
 def _entry(name: str, spec: str) -> type[Calibration]:
     if name not in CALIBRATIONS:
         raise CalibrationError(f'unknown calibration {name!r} in {spec!r}; choose one of '
-                               f'{", ".join(CALIBRATIONS.names())}')
+                               f'{", ".join(CALIBRATIONS.names())} ({IMPORT_HINT})')
     cls = CALIBRATIONS.get(name)
     if not (isinstance(cls, type) and issubclass(cls, Calibration)):
         raise CalibrationError(f'calibration {name!r} is registered as {cls!r}, which is not '
@@ -164,8 +166,8 @@ def parse_spec(spec: str) -> tuple[str, Any]:
     """Parses a calibration spec 'name[:arg]', e.g. 'whitening:256' -> ('whitening', 256).
 
     Returns:
-      (registered name, arg): arg is None when absent, else an int > 0 or a string,
-      as the calibration's `arg_type` says.
+      (registered name, arg): arg is None when absent, else an int > 0, a finite float or a
+      string, as the calibration's `arg_type` says.
 
     Raises:
       CalibrationError: unknown name, or an arg missing, present where none is taken, or
@@ -194,6 +196,14 @@ def parse_spec(spec: str) -> tuple[str, Any]:
             raise CalibrationError(f'{spec!r}: the argument must be an integer') from None
         if arg < 1:
             raise CalibrationError(f'{spec!r}: the argument must be positive')
+        return name.strip(), arg
+    if cls.arg_type is float:
+        try:
+            arg = float(raw)
+        except ValueError:
+            raise CalibrationError(f'{spec!r}: the argument must be a number') from None
+        if not np.isfinite(arg):
+            raise CalibrationError(f'{spec!r}: the argument must be finite')
         return name.strip(), arg
     return name.strip(), raw
 
@@ -283,9 +293,12 @@ def save(cal: Calibration, folder: Union[str, pathlib.Path]) -> pathlib.Path:
 def load(folder: Union[str, pathlib.Path]) -> Calibration:
     """Loads a calibration written by `Calibration.save`.
 
+    A kind not registered in this process (its module not imported) whose file holds an affine
+    map (mu, W) loads as that map (an AffineCalibration), with a one-line note on stderr.
+
     Raises:
       CalibrationError naming the file when the folder does not hold a saved calibration, or
-      its kind is not registered in this process.
+      its kind is not registered in this process and its file is not an affine map.
     """
     folder = pathlib.Path(folder)
     meta_path = folder / META_FILE
@@ -300,13 +313,39 @@ def load(folder: Union[str, pathlib.Path]) -> Calibration:
             raise ValueError(f"format {record.get('format')!r}, expected {FORMAT!r}")
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise CalibrationError(f'{meta_path}: malformed ({type(e).__name__}: {e})') from None
-    cls = _entry(kind, f'{meta_path} kind')
     arrays_path = folder / ARRAYS_FILE
     if not arrays_path.is_file():
         raise CalibrationError(f'{arrays_path}: not found (the arrays of {meta_path})')
     try:
         arrays = safetensors.numpy.load_file(str(arrays_path))
-        cal = cls.from_state(meta, arrays)
-    except (KeyError, TypeError, ValueError, safetensors.SafetensorError) as e:
+    except safetensors.SafetensorError as e:
         raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
+    if kind not in CALIBRATIONS and set(arrays) == AFFINE_ARRAYS and affine_fallback:
+        return _load_unregistered_affine(folder, kind, spec, note, meta, arrays)
+    cls = _entry(kind, f'{meta_path} kind')
+    try:
+        cal = cls.from_state(meta, arrays)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
+    return _stamp(cal, spec=spec, note=note)
+
+
+# The arrays every affine calibration saves (AffineCalibration.state), and the class such a
+# file loads as when its own kind is not registered: set by jaxsim.calibrate.affine, which
+# imports this module (so it cannot be imported from here).
+AFFINE_ARRAYS = {'mu', 'W'}
+affine_fallback: Optional[type[Calibration]] = None
+
+
+def _load_unregistered_affine(folder: pathlib.Path, kind: str, spec: str, note: str,
+                              meta: dict, arrays: dict) -> Calibration:
+    """A saved affine calibration whose class is not registered here (its module is not
+    loaded): the file holds its whole map, so it loads as that map, with a note."""
+    try:
+        cal = affine_fallback.from_state(meta, arrays)
+    except ValueError as e:
+        raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
+    print(f'note: {folder}: calibration {kind!r} is not registered in this process (its '
+          f'module is not loaded); using the affine map its file holds (mean + '
+          f'{cal.dim_in}x{cal.dim_out} matrix)', file=sys.stderr)
     return _stamp(cal, spec=spec, note=note)

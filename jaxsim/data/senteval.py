@@ -36,6 +36,7 @@ from typing import Optional, Union
 import numpy as np
 
 from jaxsim.data.readers import DataError, decode_text, read_bytes, read_sentences, text_lines
+from jaxsim.paths import SENTEVAL_ROOT
 
 PathLike = Union[str, os.PathLike]
 
@@ -246,7 +247,11 @@ def _sick_file(reader: _Reader, root: pathlib.Path, path: pathlib.Path) -> StsPa
     return StsPairs(s1, s2, np.asarray(gold, np.float64))
 
 
-def as_roots(roots: PathLike | Sequence[PathLike]) -> list[pathlib.Path]:
+def as_roots(roots: PathLike | Sequence[PathLike] | None) -> list[pathlib.Path]:
+    """The data roots as paths; None is the default root (`$JAXSIM_SENTEVAL` or
+    ../shared/data/senteval)."""
+    if roots is None:
+        roots = SENTEVAL_ROOT
     if isinstance(roots, (str, os.PathLike)):
         roots = [roots]
     out = [pathlib.Path(r) for r in roots]

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from jaxsim import plugins
 from jaxsim.data import index as index_lib
 from jaxsim.data.readers import (NLI_COLUMNS, SNLI_LABELS, DataError, PathLike,
                                  check_nli_header, check_nli_row)
@@ -316,7 +317,7 @@ def prepare_parser():
                     help="'text': a sentence a line; 'csv': sent0,sent1,hard_neg triplets; "
                          "'snli': SentEval's SNLI folder")
     ap.add_argument('--snli-splits', default='dev,test', help='with --format snli')
-    return ap
+    return plugins.add_import_flag(ap)
 
 
 def prepare_main(argv: Sequence[str]) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from jaxsim import calibrate
+from jaxsim import plugins
 from jaxsim.data.readers import read_sentences
 from jaxsim.errors import JaxsimError
 from jaxsim.eval import frequency_post, runner
@@ -53,7 +54,7 @@ def analyze_parser() -> argparse.ArgumentParser:
     p.add_argument("--tb", default=None,
                    help="TensorBoard folder: flow fits write their NLL curves to TB/<post>")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier analysis")
-    return p
+    return plugins.add_import_flag(p)
 
 
 def analyze_main(argv: Sequence[str]) -> int:

@@ -86,7 +86,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
       encode_fn: list of N sentences -> [N, D] vectors; deterministic (no dropout). Wrap it
         in `CachedEncoder` to share encodings across calls.
       tasks: task names (sts12..sts16, stsb, sickr), a comma string, or loaded StsTasks.
-      roots: data root(s), searched per file in order.
+      roots: data root(s), searched per file in order (None: the default root).
       posts: calibration specs (`jaxsim.calibrate.parse_spec`), one result row each.
       split: 'test' (the protocol) or 'dev' (STS-B dev, SICK trial).
       aggregate: 'all' | 'mean' | 'wmean', what `StsResult.tasks` / `.avg` show.
@@ -108,6 +108,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
       never printed.
     """
     metrics.check_aggregate(aggregate)
+    roots = senteval.as_roots(roots)
     fit_ons = [fit_on] if isinstance(fit_on, str) else list(fit_on)
     if not fit_ons or len(set(fit_ons)) != len(fit_ons):
         raise protocol.ProtocolError(f'fit_on: give each fit set once, got {fit_ons}')

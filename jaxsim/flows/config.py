@@ -17,6 +17,7 @@ from jaxsim.config_module import run_get_config
 from jaxsim.errors import JaxsimError
 from jaxsim.flows import couplings  # noqa: F401  (registers the coupling layers)
 from jaxsim.flows.layers import FLOW_LAYERS
+from jaxsim.registry import IMPORT_HINT
 
 OBJECTIVES = ('bits_per_dim', 'nats')
 OPTIMIZERS = ('bert_adamw', 'adam')
@@ -130,7 +131,7 @@ class FlowConfig:
         for s in self.step:
             check(s.layer in FLOW_LAYERS, f'unknown flow layer {s.layer!r}; registered: '
                   f'{", ".join(FLOW_LAYERS.names())} (register yours with '
-                  '@FLOW_LAYERS.register before building the config)')
+                  f'@FLOW_LAYERS.register before building the config; {IMPORT_HINT})')
         check(self.levels >= 1, f'levels={self.levels} must be >= 1')
         check(self.depth >= 1, f'depth={self.depth} must be >= 1')
         check(self.objective in OBJECTIVES, f'objective={self.objective!r}, expected one of '

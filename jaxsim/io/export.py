@@ -191,8 +191,9 @@ def hf_tensors(model: SentenceModel) -> dict[str, np.ndarray]:
 def describe_calibration(calibration: calibrate.Calibration) -> dict:
     """The record's description of a calibration (never its parameters)."""
     mu, w = affine_of(calibration)
-    kind = calibrate.parse_spec(calibration.spec)[0] if calibration.spec else \
-        type(calibration).__name__
+    # The spec's name, not parse_spec: a saved calibration of a kind not registered here
+    # (calibrate.load's affine fallback) is exported all the same.
+    kind = calibration.spec.partition(":")[0] if calibration.spec else type(calibration).__name__
     return {"kind": kind, "spec": calibration.spec, "describe": calibration.describe(),
             "dim_in": int(w.shape[0]), "dim_out": int(w.shape[1])}
 

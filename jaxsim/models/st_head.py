@@ -58,6 +58,12 @@ class Dense:
     def out_features(self) -> int:
         return int(self.weight.shape[0])
 
+    def __repr__(self) -> str:
+        # Shapes, not the weights (the dataclass repr printed the whole matrix).
+        bias = "" if self.bias is None else ", bias"
+        return (f"Dense({self.in_features} -> {self.out_features}{bias}, "
+                f"activation={self.activation!r})")
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         y = x @ np.asarray(self.weight, np.float32).T
         if self.bias is not None:

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import jax
 
 from jaxsim import cli_io
+from jaxsim import plugins
 from jaxsim.io import store
 from jaxsim.plan.chips import parse_topology
 from jaxsim.plan.planner import make_plan
@@ -49,7 +50,7 @@ def plan_parser() -> argparse.ArgumentParser:
                         '(train_step.hlo, encode.hlo): what its bytes and collectives are')
     p.add_argument('--no-search', dest='search', action='store_false',
                    help='one compile: no largest-batch estimate, no settings that fit')
-    return p
+    return plugins.add_import_flag(p)
 
 
 def parse_plan_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:

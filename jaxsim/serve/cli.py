@@ -18,6 +18,7 @@ from typing import Sequence
 
 import uvicorn
 
+from jaxsim import plugins
 from jaxsim.errors import JaxsimError
 from jaxsim.io.store import write_atomic
 from jaxsim.serve.app import create_app
@@ -58,7 +59,7 @@ def serve_parser() -> argparse.ArgumentParser:
                         "before serving (0: only the one-query shape)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
-    return p
+    return plugins.add_import_flag(p)
 
 
 def _bind(host: str, port: int) -> socket.socket:

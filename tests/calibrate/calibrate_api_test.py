@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxsim import calibrate
-from jaxsim.calibrate import CALIBRATIONS, Calibration, CalibrationError
+from jaxsim.calibrate import CALIBRATIONS, AffineCalibration, Calibration, CalibrationError
 
 
 def _x(n=300, d=6, seed=0):
@@ -75,8 +75,13 @@ def test_load_errors_name_the_file(tmp_path):
     record = json.loads((tmp_path / 'ok' / 'calibration.json').read_text())
     record['kind'] = 'not_registered'
     (tmp_path / 'ok' / 'calibration.json').write_text(json.dumps(record))
-    with pytest.raises(CalibrationError, match="unknown calibration 'not_registered'"):
-        calibrate.load(tmp_path / 'ok')
+    # A kind whose module is not loaded: not an affine map's arrays, so an error naming it.
+    calibrate.fit('test_topk_scale:2', _x()).save(tmp_path / 'topk')
+    topk = json.loads((tmp_path / 'topk' / 'calibration.json').read_text())
+    topk['kind'] = 'not_registered'
+    (tmp_path / 'topk' / 'calibration.json').write_text(json.dumps(topk))
+    with pytest.raises(CalibrationError, match="unknown calibration 'not_registered'.*--import"):
+        calibrate.load(tmp_path / 'topk')
     (tmp_path / 'ok' / 'arrays.safetensors').unlink()
     record['kind'] = 'sn'
     (tmp_path / 'ok' / 'calibration.json').write_text(json.dumps(record))
@@ -88,6 +93,50 @@ def test_load_errors_name_the_file(tmp_path):
         f.truncate(100)
     with pytest.raises(CalibrationError, match=r"cut: cannot rebuild 'sn' \(Error while "):
         calibrate.load(tmp_path / 'cut')
+
+
+def test_an_unregistered_affine_kind_loads_as_the_map_its_file_holds(tmp_path, capsys):
+    x = _x(seed=3)
+    cal = calibrate.fit('whitening:4', x)
+    cal.save(tmp_path / 'cal')
+    record = json.loads((tmp_path / 'cal' / 'calibration.json').read_text())
+    record['kind'], record['spec'] = 'users_own', 'users_own:0.5'
+    (tmp_path / 'cal' / 'calibration.json').write_text(json.dumps(record))
+    loaded = calibrate.load(tmp_path / 'cal')
+    np.testing.assert_allclose(loaded.apply(x), cal.apply(x), atol=1e-12)
+    assert loaded.spec == 'users_own:0.5' and loaded.affine() is not None
+    note = capsys.readouterr().err.strip().splitlines()
+    assert len(note) == 1 and note[0].startswith('note: ') and "'users_own'" in note[0]
+    assert 'mean + 6x4 matrix' in note[0]
+
+
+@CALIBRATIONS.register('test_shrink', replace=True)
+class Shrink(AffineCalibration):
+    """A calibration whose argument is a float: centre, then scale by 1 / (std + arg)."""
+
+    arg = 'required'
+    arg_type = float
+
+    @classmethod
+    def fit(cls, x, arg):
+        x = np.asarray(x, np.float64)
+        return cls(mu=x.mean(0), W=np.diag(1.0 / (x.std(0) + arg)))
+
+
+def test_float_arguments():
+    assert calibrate.parse_spec('test_shrink:0.3') == ('test_shrink', 0.3)
+    assert calibrate.parse_spec('test_shrink:2') == ('test_shrink', 2.0)
+    assert calibrate.label('test_shrink:0.3') == 'test_shrink-0.3'
+    x = _x(seed=4)
+    cal = calibrate.fit('test_shrink:0.3', x)
+    assert cal.spec == 'test_shrink:0.3'
+    np.testing.assert_allclose(cal.apply(x), (x - x.mean(0)) / (x.std(0) + 0.3))
+    for bad, why in [('test_shrink:x', 'must be a number'), ('test_shrink:nan', 'finite'),
+                     ('test_shrink:inf', 'finite')]:
+        with pytest.raises(CalibrationError, match=why):
+            calibrate.parse_spec(bad)
+    with pytest.raises(CalibrationError, match='must be an integer'):
+        calibrate.parse_spec('whitening:0.3')  # an int argument stays an int
 
 
 def test_describe_and_repr_are_one_short_line():

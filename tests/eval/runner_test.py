@@ -79,6 +79,15 @@ def test_dev_split_scores_stsb_dev(tmp_path):
     assert runner.stsb_score(CountingEncoder(), root) == pytest.approx(100 * STSB_DEV)
 
 
+def test_roots_none_is_the_default_data_root(tmp_path, monkeypatch):
+    root = write_tiny_senteval(tmp_path)
+    monkeypatch.setattr('jaxsim.data.senteval.SENTEVAL_ROOT', root)
+    rows = runner.evaluate_rows(CountingEncoder(), ['stsb'], None, diagnostics=False)
+    assert rows[0].avg == pytest.approx(100 * STSB_TEST, abs=1e-9)
+    assert rows[0].details['data_sources'] == {'STSBenchmark': [str(root)]}
+    assert runner.stsb_dev_score(CountingEncoder(), None) == pytest.approx(100 * STSB_DEV)
+
+
 def test_each_sentence_encoded_once_across_posts(tmp_path):
     root = write_tiny_senteval(tmp_path)
     enc = CountingEncoder()

@@ -63,3 +63,12 @@ def test_modules_jaxsim_cannot_reproduce_are_refused(tmp_path):
                         device="cpu").save(str(tmp_path / "ln"))
     with pytest.raises(st_head.HeadError, match="LayerNorm after pooling is not supported"):
         jaxsim.load_pretrained(tmp_path / "ln")
+
+
+def test_a_dense_module_prints_its_shape_not_its_weights():
+    dense = st_head.Dense(np.full((12, 384), 0.5, np.float32), np.zeros(12, np.float32),
+                          "torch.nn.modules.activation.Tanh")
+    assert repr(dense) == ("Dense(384 -> 12, bias, activation="
+                           "'torch.nn.modules.activation.Tanh')")
+    assert str(st_head.Dense(np.eye(3), None, "torch.nn.modules.linear.Identity")) == \
+        "Dense(3 -> 3, activation='torch.nn.modules.linear.Identity')"
