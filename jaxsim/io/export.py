@@ -176,7 +176,7 @@ def _write_st(folder: Path, modules: Sequence[StModule], max_length: int) -> lis
     store.write_json(folder / "sentence_bert_config.json",
                      {"max_seq_length": int(max_length), "do_lower_case": False}, indent=2)
     store.write_json(folder / "config_sentence_transformers.json", {
-        "_version()": {"jaxsim": _version()}, "similarity_fn_name": "cosine",
+        "__version__": {"jaxsim": _version()}, "similarity_fn_name": "cosine",
         "prompts": {}, "default_prompt_name": None}, indent=2)
     return entries
 

@@ -123,6 +123,8 @@ def test_bundled_sentence_transformers_export(bundled, tmp_path):
                      "--format", "sentence-transformers"]) == 0
     record = json.loads((out / "jaxsim_export.json").read_text())
     assert record["pooler"] == "avg" and record["normalize"] is True  # as the source ST folder
+    config = json.loads((out / "config_sentence_transformers.json").read_text())
+    assert config["__version__"]["jaxsim"] == record["jaxsim_version"]  # the format's key
     want = jaxsim.encode(bundled, SENTENCES, normalize=True)
     np.testing.assert_allclose(st_encode(out), want, atol=1e-4)
 
