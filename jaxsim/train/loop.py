@@ -86,6 +86,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     main = jax.process_index() == 0
     say = functools.partial(_say, progress and main)
     records.check_writable(workdir)
+    records.check_own_files(workdir)
     allow = parse_key_list(allow_changes, extra=records.DERIVED_KEYS)
 
     # ---- 1. inputs, on the host -------------------------------------------------------------
@@ -347,9 +348,11 @@ def run_seeds(config: Union[TrainConfig, Mapping], workdir: Union[str, Path],
     """
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
     workdir = store.as_path(workdir, '--workdir')
+    records.check_seeds_workdir(workdir)
+    configs = {int(seed): cfg.replace(seed=int(seed)) for seed in seeds}  # all checked first
     runs = {}
-    for seed in seeds:
-        r = train_and_evaluate(cfg.replace(seed=int(seed)), workdir / f'seed_{seed}',
+    for seed, seed_cfg in configs.items():
+        r = train_and_evaluate(seed_cfg, workdir / f'seed_{seed}',
                                progress=progress, allow_changes=allow_changes)
         runs[int(seed)] = r.to_json()
 
@@ -366,7 +369,7 @@ def run_seeds(config: Union[TrainConfig, Mapping], workdir: Union[str, Path],
                'runs': runs}
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
-        records.write_json(workdir / 'seeds_summary.json', summary)
+        records.write_json(workdir / records.SEEDS_SUMMARY_FILE, summary)
     return summary
 
 

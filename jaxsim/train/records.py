@@ -14,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from jaxsim.errors import JaxsimError
 from jaxsim.io import store
 from jaxsim.io.tb import ScalarWriter
 from jaxsim.io.checkpoint import CHECKPOINT_DIR
+from jaxsim.io.lock import LOCK_FILE
 from jaxsim.io.workdir import CONFIG_FILE
 from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.fingerprint import OPERATIONAL_KEYS, differences, fingerprint, run_defining
@@ -28,6 +30,9 @@ METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tb'
 RESULT_FILE = 'result.json'
 RECORD_FORMAT = 'jaxsim-train-run'
+SEEDS_SUMMARY_FILE = 'seeds_summary.json'
+# What an interrupted writer leaves beside its target (jaxsim.io.store's temporary siblings).
+_LEFTOVER = re.compile(r'^\..+\.(tmp|old)-\d+-[0-9a-f]{8}$')
 # Run-defining values that are not config keys: allowed like keys (--allow-change=data).
 DERIVED_KEYS = ('data', 'grad_divisor')
 
@@ -70,6 +75,41 @@ def check_writable(workdir: store.Path) -> None:
         store.check_reachable(workdir, '--workdir')
     except store.StorageError as e:
         raise RunMismatchError(str(e)) from None
+
+
+def _foreign(workdir: store.Path, own=lambda name: False) -> list[str]:
+    """Names in `workdir` that no jaxsim run wrote (besides those `own` accepts)."""
+    if not workdir.is_dir():
+        return []
+    return sorted(p.name for p in workdir.iterdir()
+                  if not (p.name == LOCK_FILE or _LEFTOVER.match(p.name) or own(p.name)))
+
+
+def _refuse_foreign(workdir: store.Path, names: list[str]) -> None:
+    if names:
+        shown = ', '.join(names[:3]) + (f' and {len(names) - 3} more' if len(names) > 3 else '')
+        raise RunMismatchError(f'--workdir {workdir} holds files jaxsim did not write ({shown}); '
+                               f'choose an empty or new --workdir')
+
+
+def check_own_files(workdir: store.Path) -> None:
+    """Refuses, before any work, a workdir that holds no run record but other files: a run
+    would replace them (model.json, metrics.jsonl, result.json, ...)."""
+    if (workdir / CONFIG_FILE).exists():
+        return  # a run's (check_workdir compares it) or a foreign config.json (refused there)
+    if (workdir / CHECKPOINT_DIR).is_dir():
+        raise RunMismatchError(f'{workdir}: holds checkpoints but no {CONFIG_FILE}; not a '
+                               f'workdir this run can continue, choose another --workdir')
+    _refuse_foreign(workdir, _foreign(workdir))
+
+
+def check_seeds_workdir(workdir: store.Path) -> None:
+    """The same for `--seeds`: the workdir holds seed_N runs and their summary only."""
+    runs = re.compile(r'^seed_-?\d+$')
+    names = _foreign(workdir, lambda name: bool(runs.match(name)))
+    if len(names) < len(_foreign(workdir)):  # seed_N runs: the summary is theirs
+        names = [n for n in names if n != SEEDS_SUMMARY_FILE]
+    _refuse_foreign(workdir, names)
 
 
 def make_record(cfg: TrainConfig, derived: Mapping[str, Any], run: Mapping[str, Any]) -> dict:
@@ -128,9 +168,7 @@ def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
     """
     old = read_json(workdir / CONFIG_FILE)
     if old is None:
-        if (workdir / CHECKPOINT_DIR).is_dir():
-            raise RunMismatchError(f'{workdir}: holds checkpoints but no {CONFIG_FILE}; not a '
-                                   f'workdir this run can continue, choose another --workdir')
+        check_own_files(workdir)
         return Decision(record=record, resume=False, changed={})
     if old.get('format') != RECORD_FORMAT:
         raise RunMismatchError(f'{workdir / CONFIG_FILE}: not a jaxsim train record; choose an '

@@ -60,6 +60,24 @@ def test_foreign_folders_are_refused(tmp_path):
     (other / 'checkpoints').mkdir(parents=True)
     with pytest.raises(records.RunMismatchError, match='holds checkpoints but no config.json'):
         records.check_workdir(other, _record())
+    # What a run leaves before its record (its lock, an interrupted write's temporary file) is
+    # its own; anything else is the user's.
+    fresh = tmp_path / 'fresh'
+    fresh.mkdir()
+    (fresh / '.lock').write_text('{}')
+    (fresh / '.config.json.tmp-123-0123abcd').write_text('{')
+    assert not records.check_workdir(fresh, _record()).resume
+    (fresh / 'model.json').write_text('{}')
+    with pytest.raises(records.RunMismatchError, match=r'holds files jaxsim did not write '
+                                                       r'\(model.json\)'):
+        records.check_workdir(fresh, _record())
+    seeds = tmp_path / 'seeds'
+    (seeds / 'seed_1').mkdir(parents=True)
+    (seeds / 'seeds_summary.json').write_text('{}')
+    records.check_seeds_workdir(seeds)
+    (seeds / 'run.log').write_text('')
+    with pytest.raises(records.RunMismatchError, match=r'\(run.log\)'):
+        records.check_seeds_workdir(seeds)
     (tmp_path / 'file').write_text('x')
     with pytest.raises(records.RunMismatchError, match='is not a folder'):
         records.check_writable(tmp_path / 'file' / 'run')
