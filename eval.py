@@ -102,7 +102,8 @@ def main(argv=None) -> int:
 def evaluate(args: argparse.Namespace) -> int:
     seeds = cli_checks.parse_seeds(args.seeds) if args.seeds is not None else None
     if args.json:
-        cli_io.check_output_file(args.json, args.overwrite, '--json')
+        cli_io.check_output_file(args.json, args.overwrite, '--json',
+                                 inputs=cli_checks.inputs(args))
     if args.plots:
         cli_io.check_output_dir(args.plots, args.overwrite, '--plots',
                                 keep=plots.check_replaceable)

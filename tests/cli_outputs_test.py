@@ -98,6 +98,35 @@ def test_eval_json_refuses_an_existing_file_byte_identical(tmp_path, capsys, mon
     assert (plots / 'spectrum.png').read_bytes() == b'earlier figure'
 
 
+def test_an_input_is_never_an_output_even_with_overwrite(tmp_path, capsys, monkeypatch):
+    """--overwrite replaces an earlier output, never what the command reads: a test set of
+    --data, a file inside --model, the --input sentences (also through a symlink)."""
+    root = write_tiny_senteval(tmp_path / 'data')
+    test_set = next(root.rglob('sts-test.csv'))
+    sentences = tmp_path / 'f.txt'
+    sentences.write_text('a man plays a guitar .\n')
+    link = tmp_path / 'link.txt'
+    link.symlink_to(sentences)
+    model = tmp_path / 'model'
+    model.mkdir()
+    (model / 'config.json').write_text('{}')
+    before = tree_digest(tmp_path)
+    monkeypatch.setattr(jaxsim, 'load_pretrained', lambda *a, **k: pytest.fail('model loaded'))
+    assert eval_cli.main(['--data', str(root), '--tasks', 'stsb', '--json', str(test_set),
+                          '--overwrite']) == 1
+    assert one_error_line(capsys) == (f'error: --json {test_set} would overwrite an input '
+                                      f'(--data {root}); name another file\n')
+    assert eval_cli.main(['--data', str(root), '--model', str(model), '--json',
+                          str(model / 'config.json'), '--overwrite']) == 1
+    assert f'would overwrite an input (--model {model})' in one_error_line(capsys)
+    for output in (sentences, link):
+        assert cli_main(['encode', '--input', str(sentences), '--output', str(output),
+                         '--overwrite']) == 1
+        assert one_error_line(capsys) == (f'error: --output {output} would overwrite an input '
+                                          f'(--input {sentences}); name another file\n')
+    assert tree_digest(tmp_path) == before
+
+
 def test_eval_overwrite_replaces_json_and_plots_whole(tmp_path, capsys):
     root = write_tiny_senteval(tmp_path / 'data')
     out, plots = tmp_path / 'r.json', tmp_path / 'plots'

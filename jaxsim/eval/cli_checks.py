@@ -9,7 +9,7 @@ import logging
 
 from jaxsim import calibrate
 from jaxsim.errors import JaxsimError
-from jaxsim.eval.runner import is_seeded
+from jaxsim.eval.runner import DEFAULT_DATA, is_seeded
 
 # The largest seed every consumer takes (np.random.RandomState, jax.random.key).
 MAX_SEED = 2**32 - 1
@@ -34,6 +34,15 @@ def parse_seeds(text: str) -> list[int]:
     if len(set(seeds)) != len(seeds):
         raise OptionError(f'--seeds {text!r}: a seed is listed twice')
     return seeds
+
+
+def inputs(args) -> list[tuple[str, object]]:
+    """(flag, path) of every file or folder an evaluation reads, which no output may replace."""
+    fit_files = [f for f in args.fit_on or () if f not in ('target', 'task', 'paper')]
+    return ([('--data', d) for d in args.data or [DEFAULT_DATA]]
+            + [('--model', m) for m in args.model or ()]
+            + [('--fit-on', f) for f in fit_files]
+            + [('--flow-checkpoint', args.flow_checkpoint), ('--flow-config', args.flow_config)])
 
 
 def check_flag_effects(args, sts_tasks, transfer_tasks) -> None:
