@@ -109,7 +109,7 @@ def evaluate(args: argparse.Namespace) -> int:
                                 keep=plots.check_replaceable)
     if args.tb:
         report_tb.check_target(args.tb, args.overwrite)
-    sts_tasks, transfer_tasks = runner.split_tasks(args.tasks.split(',') if args.tasks else [])
+    sts_tasks, transfer_tasks = runner.split_tasks(cli_checks.parse_tasks(args.tasks))
     cli_checks.check_flag_effects(args, sts_tasks, transfer_tasks)
     roots = args.data or [runner.DEFAULT_DATA]
     runner.check_transfer_data(transfer_tasks, roots)

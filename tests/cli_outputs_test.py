@@ -164,6 +164,9 @@ def test_index_rows_reordered_after_saving_are_refused(tmp_path):
     (['--tasks', 'mr', '--post', 'whitening'], '--post whitening has no effect: calibrations '
                                                'apply to STS tasks'),
     (['--tasks', 'mr,cr', '--split', 'dev'], '--split dev has no effect'),
+    # An empty `--tasks $T` is not every task (minutes of work nobody asked for).
+    (['--tasks', ''], "--tasks '' names no task"),
+    (['--tasks', ' , '], "--tasks ' , ' names no task"),
 ])
 def test_eval_refuses_flags_without_effect_before_loading(tmp_path, capsys, monkeypatch, args,
                                                           message):
@@ -171,6 +174,16 @@ def test_eval_refuses_flags_without_effect_before_loading(tmp_path, capsys, monk
     monkeypatch.setattr(jaxsim, 'load_pretrained', lambda *a, **k: pytest.fail('model loaded'))
     assert eval_cli.main(['--data', str(root)] + args) == 1
     assert message in one_error_line(capsys)
+
+
+def test_prepare_refuses_snli_splits_without_the_snli_format(tmp_path, capsys):
+    corpus = tmp_path / 'corpus.txt'
+    corpus.write_text('a man plays a guitar .\n')
+    assert cli_main(['prepare', str(corpus), '--snli-splits', 'dev']) == 1
+    assert one_error_line(capsys).startswith(
+        'error: --snli-splits dev has no effect: it goes with --format snli (the files are read '
+        'as --format text)')
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['corpus.txt']  # no index built
 
 
 def test_eval_refuses_a_calibration_wider_than_the_model_before_encoding(tmp_path, capsys,

@@ -36,6 +36,18 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def parse_tasks(text):
+    """--tasks as names: None (not given) runs every task found; a value naming none (an
+    empty variable in `--tasks $T`) is an error, not every task."""
+    if text is None:
+        return []
+    names = [n.strip() for n in text.split(',') if n.strip()]
+    if not names:
+        raise OptionError(f'--tasks {text!r} names no task (e.g. --tasks stsb,sickr); omit '
+                          f'--tasks to evaluate every task found in --data')
+    return names
+
+
 def inputs(args) -> list[tuple[str, object]]:
     """(flag, path) of every file or folder an evaluation reads, which no output may replace."""
     fit_files = [f for f in args.fit_on or () if f not in ('target', 'task', 'paper')]
