@@ -23,6 +23,7 @@ from jaxsim.__main__ import main as cli_main
 from jaxsim.encode import NonFiniteVectorsError
 from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.search import IndexFileError, SearchIndex, load_index
+from tests.conftest import write_tiny_model
 from tests.data.tiny_senteval import write_tiny_senteval
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,6 +154,34 @@ def test_index_rows_reordered_after_saving_are_refused(tmp_path):
     np.save(tmp_path / 'iy' / 'vectors.npy', stored[[1, 0, 2, 3, 4]])
     with pytest.raises(IndexFileError, match='checksum mismatch'):
         load_index(tmp_path / 'iy')
+
+
+def _limit_file_size():
+    """In the child: files stop growing past 100 kB, as on a full disk (writes then fail with
+    EFBIG, or numpy reports a short write, instead of the process being killed)."""
+    import resource
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+
+def test_a_full_disk_is_one_line_naming_the_output(tmp_path):
+    """'115200 requested and 42976 written' or '[Errno 28]' alone named no file."""
+    write_tiny_model(tmp_path / 'tiny')
+    sentences = tmp_path / 's.txt'
+    sentences.write_text(''.join(f'sentence number {i} .\n' for i in range(2000)))
+    env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_ENABLE_COMPILATION_CACHE='false',
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    for option, output, command in (
+            ('--output', tmp_path / 'v.npy', 'encode'), ('--out', tmp_path / 'ix', 'index')):
+        proc = subprocess.run(
+            [sys.executable, '-m', 'jaxsim', command, '--model', str(tmp_path / 'tiny'),
+             '--input', str(sentences), option, str(output)], cwd=REPO, env=env,
+            preexec_fn=_limit_file_size, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert proc.stderr.startswith(f'error: {option} {output}: cannot be written: ')
+        assert proc.stderr.count('\n') == 1 and proc.stderr.endswith(
+            'the earlier content, if any, is kept\n'), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['s.txt', 'tiny']  # nothing half
 
 
 # ------------------------------------------------------------------ checks before work

@@ -113,14 +113,33 @@ def open_atomic(path: PathLike, mode: str = "wb", overwrite: bool = True,
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_sibling(p, "tmp")
     try:
-        with open(tmp, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        with _naming_failed_writes(p, tmp, what):
+            with open(tmp, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, p)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+@contextlib.contextmanager
+def _naming_failed_writes(target: Path, tmp: Path, what: str) -> Iterator[None]:
+    """A write into `tmp` that fails (a full disk: '[Errno 28]', or numpy's '115200 requested
+    and 42976 written') is reported under the target's name, which the temporary one is not.
+    An error naming another file (an input read on the way) passes unchanged."""
+    try:
+        yield
+    except OSError as e:
+        named = getattr(e, "filename", None)
+        if named is not None and not os.fspath(named).startswith(os.fspath(tmp)):
+            raise
+        reason = e.strerror or str(e)
+        if e.errno is None and "written" in reason:
+            reason = f"the disk took only part of it ({reason}): is it full?"
+        raise StorageError(f"{what} {target}: cannot be written: {reason}; the earlier "
+                           f"content, if any, is kept") from None
 
 
 def write_atomic(path: PathLike, data: Union[bytes, str], overwrite: bool = True,
@@ -164,7 +183,8 @@ def replace_dir(path: PathLike, overwrite: bool = False, what: str = "output",
     os.chmod(tmp, 0o777 & ~_umask())  # the mode a plain mkdir would give the final folder
     old = None
     try:
-        yield tmp
+        with _naming_failed_writes(p, tmp, what):
+            yield tmp
         with _signals_held():  # between the two renames an interrupt would lose both folders
             if p.exists():
                 old = _temp_sibling(p, "old")
