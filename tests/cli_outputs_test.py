@@ -156,12 +156,15 @@ def test_index_rows_reordered_after_saving_are_refused(tmp_path):
         load_index(tmp_path / 'iy')
 
 
-def _limit_file_size():
-    """In the child: files stop growing past 100 kB, as on a full disk (writes then fail with
-    EFBIG, or numpy reports a short write, instead of the process being killed)."""
-    import resource
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+# python -m jaxsim, with files that stop growing past 100 kB as on a full disk: writes then fail
+# (EFBIG, or numpy's short write) instead of the process being killed by SIGXFSZ.
+_FULL_DISK = """
+import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+sys.argv = ['jaxsim'] + sys.argv[1:]
+runpy.run_module('jaxsim', run_name='__main__', alter_sys=True)
+"""
 
 
 def test_a_full_disk_is_one_line_naming_the_output(tmp_path):
@@ -174,9 +177,9 @@ def test_a_full_disk_is_one_line_naming_the_output(tmp_path):
     for option, output, command in (
             ('--output', tmp_path / 'v.npy', 'encode'), ('--out', tmp_path / 'ix', 'index')):
         proc = subprocess.run(
-            [sys.executable, '-m', 'jaxsim', command, '--model', str(tmp_path / 'tiny'),
+            [sys.executable, '-c', _FULL_DISK, command, '--model', str(tmp_path / 'tiny'),
              '--input', str(sentences), option, str(output)], cwd=REPO, env=env,
-            preexec_fn=_limit_file_size, capture_output=True, text=True, timeout=600)
+            capture_output=True, text=True, timeout=600)
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert proc.stderr.startswith(f'error: {option} {output}: cannot be written: ')
         assert proc.stderr.count('\n') == 1 and proc.stderr.endswith(
