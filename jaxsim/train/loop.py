@@ -135,7 +135,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
 
     # ---- 3. train -----------------------------------------------------------------------------
     # One run at a time writes a workdir; process 0 holds its lock for all processes.
-    with hold_workdir(workdir, main, say):
+    with hold_workdir(workdir, main, say), records.undone_if_it_fails_to_start(
+            workdir, main and not decision.resume) as start:
         if main:
             workdir.mkdir(parents=True, exist_ok=True)
             records.remove([workdir / records.RESULT_FILE])
@@ -168,6 +169,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
                                  tensorboard=cfg.tensorboard)
         loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
                      progress and main, build.batch_preparer(cfg, objective, mesh))
+        start.started()
         try:
             loop.run()
             test_at_best = loop.final_test()

@@ -11,18 +11,19 @@ reader never sees half a file and a killed writer leaves the previous version.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import re
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
-from jaxsim.errors import JaxsimError
+from jaxsim.errors import USER_ERRORS, JaxsimError
 from jaxsim.io import store
 from jaxsim.io.tb import ScalarWriter
 from jaxsim.io.checkpoint import CHECKPOINT_DIR
 from jaxsim.io.lock import LOCK_FILE
-from jaxsim.io.workdir import CONFIG_FILE
+from jaxsim.io.workdir import CONFIG_FILE, MODEL_FILE, TOKENIZER_DIR
 from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.fingerprint import OPERATIONAL_KEYS, differences, fingerprint, run_defining
 
@@ -324,3 +325,31 @@ def remove(paths: Iterable[store.Path]) -> None:
     for p in paths:
         if p.is_file():
             p.unlink()
+
+
+class _Start:
+    def __init__(self):
+        self.training = False
+
+    def started(self) -> None:
+        """From here on the run keeps what it wrote (its first steps may be saved)."""
+        self.training = True
+
+
+@contextlib.contextmanager
+def undone_if_it_fails_to_start(workdir: store.Path, new_run: bool) -> Iterator[_Start]:
+    """For a new run (`new_run`: the workdir held none, see `check_own_files`): what it wrote
+    before training starts (its record, model, tokenizer, an empty checkpoint folder) is
+    removed again when it fails on the way, e.g. a sharding the mesh cannot take. The corrected
+    command is then a new run too, not refused as 'a run with other settings'."""
+    start = _Start()
+    try:
+        yield start
+    except USER_ERRORS:
+        if new_run and not start.training:
+            workdir = store.as_path(workdir)
+            remove([workdir / CONFIG_FILE, workdir / MODEL_FILE, workdir / METRICS_FILE])
+            for folder in (TOKENIZER_DIR, CHECKPOINT_DIR, TENSORBOARD_DIR):
+                if (workdir / folder).is_dir():
+                    (workdir / folder).rmtree()
+        raise

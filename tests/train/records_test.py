@@ -108,3 +108,26 @@ def test_json_files_are_strict(tmp_path):
                       parse_constant=lambda name: pytest.fail(name)) == {
         'a': None, 'b': [1.0, None], 'c': 'x'}
     assert not list(tmp_path.glob('*.tmp'))
+
+
+def test_a_new_run_that_fails_to_start_is_undone(tmp_path):
+    def write_run(folder):
+        folder.mkdir()
+        for name in ('config.json', 'model.json', 'metrics.jsonl'):
+            (folder / name).write_text('{}')
+        for name in ('tokenizer', 'checkpoints', 'tb'):
+            (folder / name).mkdir()
+            (folder / name / 'f').write_text('x')
+        (folder / '.lock').write_text('{}')
+
+    for new_run, started, kept in ((True, False, ['.lock']), (True, True, None),
+                                   (False, False, None)):
+        folder = tmp_path / f'{new_run}-{started}'
+        write_run(folder)
+        before = sorted(p.name for p in folder.iterdir())
+        with pytest.raises(records.RunMismatchError):
+            with records.undone_if_it_fails_to_start(folder, new_run) as start:
+                if started:
+                    start.started()
+                raise records.RunMismatchError('fails')
+        assert sorted(p.name for p in folder.iterdir()) == (kept or before)

@@ -147,3 +147,20 @@ def test_a_folder_of_the_users_files_is_refused_as_workdir(data, tmp_path, capsy
         f'error: --workdir {seeds} holds files jaxsim did not write (seeds_summary.json); '
         f'choose an empty or new --workdir\n')
     assert [p.name for p in seeds.iterdir()] == ['seeds_summary.json']
+
+
+def test_a_run_that_fails_before_training_leaves_no_record(data, tmp_path):
+    """A sharding the mesh cannot take is found while the step is built, after the run wrote
+    its record: the record goes again, so the corrected command is a new run, not refused as
+    'a run with other settings'."""
+    from tests.conftest import cpu_devices_env
+
+    workdir = tmp_path / 'w'
+    p = subprocess.run([sys.executable, 'train.py', '--config', TINY, '--workdir', str(workdir),
+                        f'--config.train_file={data / "corpus.txt"}', '--noprogress',
+                        '--config.mesh_tensor=4'],
+                       cwd=REPO, env=cpu_devices_env(4), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 1 and p.stderr.count('\n') == 1, p.stderr[-2000:]
+    assert "its 'vocab' dimension 30522 cannot be split over mesh axes tensor" in p.stderr
+    assert [q.name for q in workdir.iterdir()] == [store.LOCK_FILE]  # released, nothing else
