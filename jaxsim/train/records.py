@@ -149,9 +149,28 @@ class Decision:
     changed: dict
 
 
-def _short(value: Any) -> str:
+def _short(value: Any, other: Any = None) -> str:
+    """`value` as JSON in at most 40 characters; cut where it differs from `other`, so two long
+    values that share a beginning do not print alike."""
     text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + '...'
+    if len(text) <= 40:
+        return text
+    theirs = json.dumps(other)
+    at = next((i for i, (a, b) in enumerate(zip(text, theirs)) if a != b),
+              min(len(text), len(theirs)))
+    start = max(0, min(at - 10, len(text) - 34))
+    return ('...' if start else '') + text[start:start + 34] + (
+        '...' if start + 34 < len(text) else '')
+
+
+def _change(key: str, old: Any, new: Any) -> str:
+    """'key old -> new'; for dicts (e.g. the data's source, size and digest) the entries that
+    differ, each so."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        keys = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+        if keys:
+            return ', '.join(_change(f'{key}.{k}', old.get(k), new.get(k)) for k in keys)
+    return f'{key} {_short(old, new)} -> {_short(new, old)}'
 
 
 def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
@@ -177,8 +196,7 @@ def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
     changed = differences(_compared(old), _compared(record))
     refused = [k for k in changed if k not in allow]
     if refused:
-        what = ', '.join(f'{k} {_short(changed[k][0])} -> {_short(changed[k][1])}'
-                         for k in refused)
+        what = ', '.join(_change(k, *changed[k]) for k in refused)
         raise RunMismatchError(
             f'{workdir} holds a run with other settings ({what}); rerun with the same config, '
             f'use another --workdir, or allow it with --allow-change={",".join(refused)}')

@@ -37,10 +37,25 @@ def test_new_same_other_and_allowed_runs(tmp_path):
     assert allowed.resume and allowed.changed == {'max_steps': (0, 9)}
     assert allowed.record['changes'][-1] == {'at_step': 4, 'allowed': {'max_steps': [0, 9]},
                                              'operational': {}}
-    # Changed training data is a difference too, named 'data'.
-    with pytest.raises(records.RunMismatchError, match=r"\(data \{.*--allow-change=data$"):
+    # Changed training data is a difference too, named 'data': by the entry that differs.
+    with pytest.raises(records.RunMismatchError,
+                       match=r'\(data.sha256 "sha256:aa" -> "sha256:bb"\); .*'
+                             r'--allow-change=data$'):
         records.check_workdir(tmp_path, _record(derived={'data': {**DERIVED['data'],
                                                                   'sha256': 'sha256:bb'}}))
+    # Two long values that begin alike are shown where they differ.
+    digest = 'sha256:' + '0' * 60
+    with pytest.raises(records.RunMismatchError) as e:
+        records.check_workdir(tmp_path, _record(derived={'data': {**DERIVED['data'],
+                                                                  'sha256': digest}}))
+    assert 'data.sha256 "sha256:aa" -> "sha256:0000' in str(e.value)
+    records.write_json(tmp_path / 'config.json', _record(derived={'data': {
+        **DERIVED['data'], 'sha256': digest + 'a'}}))
+    with pytest.raises(records.RunMismatchError) as e:
+        records.check_workdir(tmp_path, _record(derived={'data': {**DERIVED['data'],
+                                                                  'sha256': digest + 'b'}}))
+    old, new = str(e.value).split('(data.sha256 ')[1].split(');')[0].split(' -> ')
+    assert old != new and old.endswith('0a"') and new.endswith('0b"'), (old, new)
 
 
 def test_keys_added_since_the_run_started_count_at_their_default(tmp_path):
