@@ -22,6 +22,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import tempfile
@@ -93,6 +94,36 @@ def _temp_sibling(p: Path, tag: str) -> Path:
     return p.parent / f".{p.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _remove_stale_siblings(p: Path) -> None:
+    """Removes what a killed writer of `p` (SIGKILL, power loss) left beside it: temporary
+    siblings of a process that is gone. A moved-aside old folder goes only once `p` exists
+    again (before that it may be the only copy)."""
+    folder = os.fspath(p.parent)
+    pattern = re.compile(rf"^\.{re.escape(p.name)}\.(tmp|old)-(\d+)-[0-9a-f]{{8}}$")
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        found = pattern.match(name)
+        if not found or _pid_alive(int(found.group(2))):
+            continue
+        if found.group(1) == "old" and not os.path.exists(os.fspath(p)):
+            continue
+        sibling = os.path.join(folder, name)
+        if os.path.isdir(sibling) and not os.path.islink(sibling):
+            shutil.rmtree(sibling, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(sibling)
+
+
 @contextlib.contextmanager
 def open_atomic(path: PathLike, mode: str = "wb", overwrite: bool = True,
                 what: str = "output") -> Iterator[IO]:
@@ -111,6 +142,7 @@ def open_atomic(path: PathLike, mode: str = "wb", overwrite: bool = True,
             p.write_text(data, encoding="utf-8")
         return
     p.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_siblings(p)
     tmp = _temp_sibling(p, "tmp")
     try:
         with _naming_failed_writes(p, tmp, what):
@@ -178,6 +210,7 @@ def replace_dir(path: PathLike, overwrite: bool = False, what: str = "output",
         yield p
         return
     p.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_siblings(p)
     tmp = _temp_sibling(p, "tmp")
     tmp.mkdir()
     os.chmod(tmp, 0o777 & ~_umask())  # the mode a plain mkdir would give the final folder
