@@ -194,6 +194,9 @@ def test_bad_bodies_get_json_errors(server):
         400, {"error": "body: not valid JSON", "field": "body"})
     status, answer = call(server.url, "/search", raw=b'{"queries": ["caf\xe9"]}')  # Latin-1
     assert status == 400 and answer["field"] == "body" and "UTF-8" in answer["error"], answer
+    deep = b"[" * 100_000 + b"]" * 100_000  # valid UTF-8, past the parser's recursion limit
+    assert call(server.url, "/search", raw=deep) == (
+        400, {"error": "body: not valid JSON (nested too deeply)", "field": "body"})
     status, answer = call(server.url, "/search", raw=b'{"queries": ["a"], "threshold": NaN}')
     assert status == 422 and answer["field"] == "threshold"
     status, answer = call(server.url, "/search", raw=b"queries=a",
