@@ -103,6 +103,10 @@ def serve_main(argv: Sequence[str]) -> int:
     if args.port_file is not None:  # before the model loads
         check_output_file(args.port_file, args.overwrite, "--port-file")
     service = open_service(args.index, args.model, limits=limits, batching=args.batching)
+    # Compiling takes up to a minute on a CPU: say so, not a silence before the port opens.
+    print(f"loaded {len(service.index)} sentences and model {service.describe()['model']}; "
+          f"compiling the encode shapes (--warm-up-tokens {args.warm_up_tokens}) before the "
+          f"port opens ...", file=sys.stderr, flush=True)
     service.warm_up(args.warm_up_tokens)
     app = create_app(service)
     sock = _bind(args.host, args.port)
