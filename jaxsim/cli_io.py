@@ -79,7 +79,7 @@ def refuse_inputs(target, option: str, inputs: Sequence[tuple[str, object]]) -> 
         if not source.exists():
             continue
         source = source.resolve()
-        if out == source or (source.is_dir() and source in out.parents):
+        if os.path.samefile(out, source) or (source.is_dir() and source in out.parents):
             raise store.StorageError(f"{option} {target} would overwrite an input ({flag} "
                                      f"{value}); name another file")
 

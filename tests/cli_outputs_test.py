@@ -101,13 +101,16 @@ def test_eval_json_refuses_an_existing_file_byte_identical(tmp_path, capsys, mon
 
 def test_an_input_is_never_an_output_even_with_overwrite(tmp_path, capsys, monkeypatch):
     """--overwrite replaces an earlier output, never what the command reads: a test set of
-    --data, a file inside --model, the --input sentences (also through a symlink)."""
+    --data, a file inside --model, the --input sentences (also through a symlink or a hard
+    link)."""
     root = write_tiny_senteval(tmp_path / 'data')
     test_set = next(root.rglob('sts-test.csv'))
     sentences = tmp_path / 'f.txt'
     sentences.write_text('a man plays a guitar .\n')
     link = tmp_path / 'link.txt'
     link.symlink_to(sentences)
+    hard = tmp_path / 'hard.txt'
+    os.link(sentences, hard)
     model = tmp_path / 'model'
     model.mkdir()
     (model / 'config.json').write_text('{}')
@@ -120,7 +123,7 @@ def test_an_input_is_never_an_output_even_with_overwrite(tmp_path, capsys, monke
     assert eval_cli.main(['--data', str(root), '--model', str(model), '--json',
                           str(model / 'config.json'), '--overwrite']) == 1
     assert f'would overwrite an input (--model {model})' in one_error_line(capsys)
-    for output in (sentences, link):
+    for output in (sentences, link, hard):
         assert cli_main(['encode', '--input', str(sentences), '--output', str(output),
                          '--overwrite']) == 1
         assert one_error_line(capsys) == (f'error: --output {output} would overwrite an input '
