@@ -35,14 +35,14 @@ from jaxsim.errors import JaxsimError
 from jaxsim.io.hf import encoder_params_to_hf
 from jaxsim.io import store
 from jaxsim.io.pretrained import describe_provenance, load_pretrained, provenance
-from jaxsim.io.st_folder import has_normalize_module
+from jaxsim.io.st_folder import RECORD_FILE, has_normalize_module
 from jaxsim.io.workdir import is_train_workdir
 from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
 from jaxsim.models.poolers import StModule, get_pooler, st_dense
 
 FORMATS = ("hf", "sentence-transformers")
-RECORD_FILE = "jaxsim_export.json"
+
 _IDENTITY = "torch.nn.modules.linear.Identity"
 _NORMALIZE = "sentence_transformers.models.Normalize"
 # sentence-transformers modules that read every layer's output: the Transformer module passes

@@ -127,4 +127,20 @@ def check_kwargs(objective: Objective, kwargs: Mapping[str, Any]) -> dict[str, A
                 isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ObjectiveError(f"objective {objective.name!r}: {name} must be a number, got "
                                  f"{value!r}")
+    _probe(objective, kwargs)
     return dict(kwargs)
+
+
+def _probe(objective: Objective, kwargs: Mapping[str, Any]) -> None:
+    """Traces the loss on tiny abstract inputs, so its own checks of the values (e.g. temp > 0)
+    refuse them before a run writes anything, not at its first step."""
+    import jax
+    import jax.numpy as jnp
+
+    z = jax.ShapeDtypeStruct((4, objective.views, 8), jnp.float32)
+    try:
+        jax.eval_shape(lambda z: objective.loss(z, **kwargs), z)
+    except JaxsimError as e:
+        raise ObjectiveError(f'objective {objective.name!r}: {e}') from None
+    except Exception:  # a loss tied to real shapes: the run's own trace reports it
+        pass
