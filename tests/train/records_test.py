@@ -50,7 +50,7 @@ def test_new_same_other_and_allowed_runs(tmp_path):
         records.check_workdir(tmp_path, _record(derived={'data': {**DERIVED['data'],
                                                                   'sha256': digest}}))
     assert 'data.sha256 "sha256:aa" -> "sha256:0000' in str(e.value)
-    records.write_json(tmp_path / 'config.json', _record(derived={'data': {
+    store.write_json(tmp_path / 'config.json', _record(derived={'data': {
         **DERIVED['data'], 'sha256': digest + 'a'}}))
     with pytest.raises(records.RunMismatchError) as e:
         records.check_workdir(tmp_path, _record(derived={'data': {**DERIVED['data'],

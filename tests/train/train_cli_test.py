@@ -78,7 +78,8 @@ def test_cli_prints_the_summary_and_no_start_up_noise(data, tmp_path):
     # so the corrected rerun is not refused as another run.
     (['--config.seed=99999999999999999999'],
      'train config: seed must fit in 64 bits, got 99999999999999999999'),
-    (['--seeds', '1,99999999999999999999'], 'train config: seed must fit in 64 bits'),
+    (['--seeds', '1,99999999999999999999'],
+     "--seeds '1,99999999999999999999': 99999999999999999999 is larger than 4294967295"),
     (['--config.objective_kwargs.temp=0'],
      "objective 'unsup': temp must be a positive number, got 0"),
     (['--config', 'YAML'], 'c.yaml: not a Python file; a config file is a .py file defining '
