@@ -30,7 +30,7 @@ key = F.dropout_key(cfg.seed, cfg.prng_impl)
 
 @jax.jit
 def train_step(params, opt_state, batch, step):
-    (value, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+    (value, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         params, batch, F.step_key(key, step))
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value

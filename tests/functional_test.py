@@ -14,7 +14,7 @@ from jaxsim.errors import ConfigError
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
-from jaxsim.models.st_head import ACTIVATIONS, Dense, Normalize
+from jaxsim.models.st_head import ACTIVATIONS, Dense, HeadError, Normalize
 from jaxsim.objectives import get_objective
 from jaxsim.sharding import make_mesh
 from jaxsim.train import build, optim
@@ -38,6 +38,7 @@ def _model(tokenizer, head=(), pooler='avg'):
 
 
 def test_jax_activations_equal_the_numpy_head():
+    assert set(F._JAX_ACTIVATIONS) == set(ACTIVATIONS)
     x = np.linspace(-4, 4, 41, dtype=np.float32).reshape(1, -1)
     for name, numpy_fn in ACTIVATIONS.items():
         np.testing.assert_allclose(np.asarray(F._JAX_ACTIVATIONS[name](jnp.asarray(x))),
@@ -84,6 +85,11 @@ def test_embed_fn_params_are_differentiable_head_included_and_key_turns_dropout_
     a, b = (apply(params, *args, key=jax.random.key(k)) for k in (0, 1))
     assert not np.allclose(a, b)  # two dropout masks
     np.testing.assert_array_equal(apply(params, *args), apply(params, *args))
+
+
+def test_embed_fn_refuses_a_head_module_it_cannot_express(tokenizer):
+    with pytest.raises(HeadError, match='no JAX form'):
+        F.embed_fn(_model(tokenizer, (lambda x: x,)))
 
 
 def test_keys_and_objective_are_the_train_programs():

@@ -8,13 +8,13 @@ from flax import traverse_util
 
 from jaxsim.train.config import DEFAULTS, TrainConfig
 
-# The TrainConfig fields the optimizer is built from (`hyperparameters`).
+# The TrainConfig fields the optimizer is built from.
 OPTIMIZER_KEYS = ('optimizer', 'learning_rate', 'warmup_steps', 'weight_decay', 'max_grad_norm',
                   'adam_b1', 'adam_b2', 'adam_eps')
 
 
 def hyperparameters(cfg: TrainConfig) -> dict:
-    """The config's optimizer fields (`OPTIMIZER_KEYS`) as keyword arguments of `build_optimizer`."""
+    """The config's optimizer fields (`OPTIMIZER_KEYS`), the keywords of `build_optimizer`."""
     return {k: getattr(cfg, k) for k in OPTIMIZER_KEYS}
 
 
