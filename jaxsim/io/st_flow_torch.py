@@ -123,7 +123,9 @@ class JaxsimFlow(nn.Module):
         for key, value in (tensors or {}).items():
             buffer = "p_" + key.replace("/", "__")  # buffer names may not hold '.'
             self._names[key] = buffer
-            self.register_buffer(buffer, torch.tensor(value, dtype=torch.float32))
+            value = (value.detach().clone() if isinstance(value, torch.Tensor)
+                     else torch.tensor(value))  # a copy: numpy arrays may be read-only
+            self.register_buffer(buffer, value.to(torch.float32))
 
     def _param(self, level, step):
         def p(key):

@@ -60,7 +60,10 @@ def _random_flow(config, dim: int, seed: int) -> FlowCalibration:
         name = jax.tree_util.keystr(path)
         if "perm" in name or "sign_s" in name:  # fixed: a permutation and signs
             return np.asarray(leaf)
-        return np.asarray(leaf) + 0.3 * rng.standard_normal(leaf.shape).astype(np.float32)
+        noise = rng.standard_normal(leaf.shape).astype(np.float32)
+        if "log" in name:  # small log-scales: many exp(3 logs) in a row would blow up
+            return 0.05 * noise
+        return np.asarray(leaf) + 0.1 * noise
 
     moved = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params),
                                          [move(p, v) for p, v in flat])
@@ -98,6 +101,9 @@ def test_every_shipped_layer_forward_in_torch_equals_jaxsim(name):
         got = torch_flow.flow(torch.from_numpy(x)).numpy()
     assert got.dtype == np.float32 and got.shape == want.shape
     scale = max(1.0, float(np.abs(want).max()))
+    print(f"{name}: max |torch - jaxsim| = {np.abs(got - want).max():.2e} (|z| up to "
+          f"{np.abs(want).max():.1f})")
+    # float32 rounding grows with the latents' size (exp of moved log-scales).
     assert np.abs(got - want).max() <= ATOL * scale, (name, np.abs(got - want).max())
     assert np.abs(want - x).max() > 0.1  # the flow moves the vectors
 
@@ -134,10 +140,9 @@ def test_export_post_flow_loads_in_sentence_transformers_and_back(tiny, tmp_path
         SentenceTransformer(str(out), device="cpu")
     got = SentenceTransformer(str(out), device="cpu", trust_remote_code=True).encode(SENTENCES)
     st_plain = SentenceTransformer(str(plain), device="cpu").encode(SENTENCES)
-    scale = max(1.0, float(np.abs(want).max()))
     diff = float(np.abs(got - want).max())
-    print(f"max |ST flow - jaxsim flow| = {diff:.2e} (scale {scale:.2f})")
-    assert diff <= ATOL * scale
+    print(f"max |ST flow - jaxsim flow| = {diff:.2e} (|z| up to {np.abs(want).max():.1f})")
+    assert diff <= ATOL
     assert np.abs(got - st_plain).max() > 0.1  # the flow is there
 
     # Read back by jaxsim: the flow applied, as `python -m jaxsim encode --model <folder>`.
@@ -146,20 +151,20 @@ def test_export_post_flow_loads_in_sentence_transformers_and_back(tiny, tmp_path
     back = jaxsim.encode(loaded, SENTENCES)
     diff_back = float(np.abs(back - got).max())
     print(f"max |jaxsim.load_pretrained(folder) - ST| = {diff_back:.2e}")
-    assert diff_back <= ATOL * scale
+    assert diff_back <= ATOL
     sentences = tmp_path / "s.txt"
     sentences.write_text("\n".join(s for s in SENTENCES if s) + "\n")
     assert cli_main(["encode", "--model", str(out), "--input", str(sentences),
                      "--output", str(tmp_path / "v.npy")]) == 0
     np.testing.assert_allclose(np.load(tmp_path / "v.npy"), got[[i for i, s in enumerate(
-        SENTENCES) if s]], atol=ATOL * scale)
+        SENTENCES) if s]], atol=ATOL)
     # Exported again, the flow goes along.
     re_export = export_lib.export_model(loaded, tmp_path / "again", "sentence-transformers")
     kinds = [m["type"] for m in json.loads((re_export / "modules.json").read_text())]
     assert kinds[-1] == st_flow.MODULE_TYPE and (re_export / st_flow.SOURCE_FILE).is_file()
     np.testing.assert_allclose(SentenceTransformer(str(re_export), device="cpu",
                                                    trust_remote_code=True).encode(SENTENCES),
-                               got, atol=ATOL * scale)
+                               got, atol=ATOL)
 
 
 def test_a_layer_without_torch_form_is_one_line(tiny, tmp_path, capsys, monkeypatch):
@@ -204,8 +209,11 @@ def test_post_flow_is_listed_and_other_non_affine_calibrations_are_refused(capsy
             return np.tanh(x)
 
     try:
-        with pytest.raises(export_lib.ExportError, match="squash is not an affine map"):
+        with pytest.raises(export_lib.ExportError, match="squash is not an affine map") as e:
             export_lib.check_post("squash", "sentence-transformers")
+        accepted = str(e.value).split("export accepts")[1]
+        assert "whitening[:K]" in accepted and "flow[:CONFIG]" in accepted
+        assert "squash" not in accepted
     finally:
         calibrate.CALIBRATIONS._entries.pop("squash", None)
         calibrate.CALIBRATIONS._origins.pop("squash", None)
