@@ -32,10 +32,10 @@ from safetensors.numpy import save as safetensors_bytes
 
 from jaxsim import calibrate
 from jaxsim.calibrate.flow import BERT_FLOW_AS_RUN, resolve_config
-from jaxsim.flows.config import FlowError
 from jaxsim.data.readers import read_sentences
 from jaxsim.encode import encode
 from jaxsim.errors import JaxsimError
+from jaxsim.flows.config import FlowError
 from jaxsim.io.hf import encoder_params_to_hf
 from jaxsim.io import st_flow, store
 from jaxsim.io.pretrained import describe_provenance, load_pretrained, provenance

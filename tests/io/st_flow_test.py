@@ -158,6 +158,15 @@ def test_export_post_flow_loads_in_sentence_transformers_and_back(tiny, tmp_path
                      "--output", str(tmp_path / "v.npy")]) == 0
     np.testing.assert_allclose(np.load(tmp_path / "v.npy"), got[[i for i, s in enumerate(
         SENTENCES) if s]], atol=ATOL)
+    # The same flow saved by jaxsim.calibrate and baked in with --calibration.
+    cal.spec = "flow"
+    cal.save(tmp_path / "cal")
+    saved = tmp_path / "st-saved"
+    assert cli_main(["export", *common, "--out", str(saved), "--calibration",
+                     str(tmp_path / "cal")]) == 0
+    np.testing.assert_allclose(SentenceTransformer(str(saved), device="cpu",
+                                                   trust_remote_code=True).encode(SENTENCES),
+                               got, atol=1e-6)
     # Exported again, the flow goes along.
     re_export = export_lib.export_model(loaded, tmp_path / "again", "sentence-transformers")
     kinds = [m["type"] for m in json.loads((re_export / "modules.json").read_text())]
@@ -167,7 +176,7 @@ def test_export_post_flow_loads_in_sentence_transformers_and_back(tiny, tmp_path
                                got, atol=ATOL)
 
 
-def test_a_layer_without_torch_form_is_one_line(tiny, tmp_path, capsys, monkeypatch):
+def test_a_layer_without_torch_form_is_one_line(tiny, tmp_path, capsys):
     @FLOW_LAYERS.register("mirror", replace=True)
     class Mirror(Reverse):
         """A user's layer (the same map as reverse, but not a shipped class)."""
