@@ -36,15 +36,15 @@ from jaxsim.data.readers import read_sentences
 from jaxsim.encode import encode
 from jaxsim.errors import JaxsimError
 from jaxsim.flows.config import FlowError
-from jaxsim.io.hf import encoder_params_to_hf
 from jaxsim.io import st_flow, store
+from jaxsim.io.hf import encoder_params_to_hf
 from jaxsim.io.pretrained import describe_provenance, load_pretrained, provenance
 from jaxsim.io.st_folder import has_normalize_module
 from jaxsim.io.workdir import is_train_workdir
 from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
-from jaxsim.models.st_head import HeadError
 from jaxsim.models.poolers import StModule, get_pooler, st_dense
+from jaxsim.models.st_head import HeadError
 
 FORMATS = ("hf", "sentence-transformers")
 RECORD_FILE = "jaxsim_export.json"

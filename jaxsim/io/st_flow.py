@@ -10,8 +10,9 @@ jaxsim's own code (`FlowCalibration.apply`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -19,8 +20,7 @@ from jaxsim.calibrate.base import Calibration
 from jaxsim.calibrate.flow import FlowCalibration
 from jaxsim.flows.config import FlowConfig
 from jaxsim.flows.couplings import AdditiveCoupling, AffineCoupling
-from jaxsim.flows.layers import (FLOW_LAYERS, ActNorm, InvertibleLinear, InvertibleLinearLU,
-                                 Reverse)
+from jaxsim.flows.layers import FLOW_LAYERS, ActNorm, InvertibleLinear, InvertibleLinearLU, Reverse
 from jaxsim.io import store
 from jaxsim.models.poolers import StModule
 from jaxsim.models.st_head import HeadError

@@ -16,7 +16,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxsim.io import store
-from jaxsim.io.st_flow import MODULE_TYPE as FLOW_MODULE_TYPE, read_flow
+from jaxsim.io.st_flow import MODULE_TYPE as FLOW_MODULE_TYPE
+from jaxsim.io.st_flow import read_flow
 from jaxsim.models.st_head import Dense, HeadError, Normalize
 
 MODULES_FILE = "modules.json"

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
 import transformers.dynamic_module_utils
+from safetensors.numpy import load_file
 from sentence_transformers import SentenceTransformer
 
 import jaxsim
@@ -25,9 +25,18 @@ from jaxsim.flows.models import make_flow
 from jaxsim.io import export as export_lib
 from jaxsim.io import st_flow
 from jaxsim.models.st_head import HeadError
-from tests.io.export_test import SENTENCES, _corpus, _fails, tiny  # noqa: F401  (fixture)
+from tests.conftest import write_tiny_model
+from tests.io.export_test import SENTENCES, _corpus, _fails
 
 ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    """A tiny random BERT folder (export_test's), loaded by jaxsim."""
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    write_tiny_model(folder, "bert")
+    return jaxsim.load_pretrained(folder)
 
 
 def _torch_module():
@@ -108,8 +117,8 @@ def test_every_shipped_layer_forward_in_torch_equals_jaxsim(name):
     assert np.abs(want - x).max() > 0.1  # the flow moves the vectors
 
 
-def test_export_post_flow_loads_in_sentence_transformers_and_back(tiny, tmp_path, capsys):
-    model = tiny["bert"].with_pooler("avg")
+def test_export_post_flow_loads_in_sentence_transformers_and_back(tiny_bert, tmp_path):
+    model = tiny_bert.with_pooler("avg")
     fit = tmp_path / "fit.txt"
     fit.write_text("\n".join(_corpus(96)) + "\n")
     out, plain = tmp_path / "st-flow", tmp_path / "st-plain"
@@ -176,7 +185,7 @@ def test_export_post_flow_loads_in_sentence_transformers_and_back(tiny, tmp_path
                                got, atol=ATOL)
 
 
-def test_a_layer_without_torch_form_is_one_line(tiny, tmp_path, capsys):
+def test_a_layer_without_torch_form_is_one_line(tiny_bert, tmp_path, capsys):
     @FLOW_LAYERS.register("mirror", replace=True)
     class Mirror(Reverse):
         """A user's layer (the same map as reverse, but not a shipped class)."""
@@ -189,7 +198,7 @@ def test_a_layer_without_torch_form_is_one_line(tiny, tmp_path, capsys):
             "    return FlowConfig(name='mine', levels=1, depth=1, step=(layer('mirror'),))\n")
         fit = tmp_path / "fit.txt"
         fit.write_text("a b c\nd e f\n")
-        err = _fails(capsys, ["export", "--checkpoint", tiny["bert"].path, "--out",
+        err = _fails(capsys, ["export", "--checkpoint", tiny_bert.path, "--out",
                               str(tmp_path / "out"), "--format", "sentence-transformers",
                               "--post", f"flow:{config_file}", "--fit-data", str(fit)],
                      "flow layer 'mirror' has no PyTorch form")
