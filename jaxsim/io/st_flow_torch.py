@@ -25,6 +25,7 @@ under jaxsim's names, each stacked over the `depth` steps of its level).
 """
 import json
 import os
+import shutil
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -32,6 +33,7 @@ from torch import nn
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+SOURCE_NAME = "jaxsim_flow.py"
 LAYERS = ("actnorm", "reverse", "linear", "linear_lu", "additive_coupling", "affine_coupling")
 GLOW_LOGSCALE_FACTOR = 3.0  # the glow net's exp(3 logs)
 
@@ -166,6 +168,11 @@ class JaxsimFlow(nn.Module):
         save_file({key: getattr(self, buffer).detach().cpu().contiguous()
                    for key, buffer in self._names.items()},
                   os.path.join(output_path, WEIGHTS_NAME), metadata={"format": "pt"})
+        # modules.json's "jaxsim_flow.JaxsimFlow" is looked up at the model's root, while
+        # SentenceTransformer.save copies this file into the module's own folder only.
+        root_copy = os.path.join(os.path.dirname(os.path.abspath(output_path)), SOURCE_NAME)
+        if os.path.abspath(__file__) != root_copy:
+            shutil.copyfile(__file__, root_copy)
 
     @staticmethod
     def load(input_path):

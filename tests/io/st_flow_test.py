@@ -147,7 +147,8 @@ def test_export_post_flow_loads_in_sentence_transformers_and_back(tiny_bert, tmp
 
     with pytest.raises(ValueError, match="trust_remote_code"):
         SentenceTransformer(str(out), device="cpu")
-    got = SentenceTransformer(str(out), device="cpu", trust_remote_code=True).encode(SENTENCES)
+    st_model = SentenceTransformer(str(out), device="cpu", trust_remote_code=True)
+    got = st_model.encode(SENTENCES)
     st_plain = SentenceTransformer(str(plain), device="cpu").encode(SENTENCES)
     diff = float(np.abs(got - want).max())
     print(f"max |ST flow - jaxsim flow| = {diff:.2e} (|z| up to {np.abs(want).max():.1f})")
@@ -167,6 +168,13 @@ def test_export_post_flow_loads_in_sentence_transformers_and_back(tiny_bert, tmp
                      "--output", str(tmp_path / "v.npy")]) == 0
     np.testing.assert_allclose(np.load(tmp_path / "v.npy"), got[[i for i, s in enumerate(
         SENTENCES) if s]], atol=ATOL)
+    # Saved by sentence-transformers itself, it loads again, there and in jaxsim.
+    st_model.save(str(tmp_path / "resaved"))
+    assert (tmp_path / "resaved" / st_flow.SOURCE_FILE).read_text() == st_flow.source_text()
+    np.testing.assert_array_equal(SentenceTransformer(
+        str(tmp_path / "resaved"), device="cpu", trust_remote_code=True).encode(SENTENCES), got)
+    np.testing.assert_allclose(jaxsim.encode(jaxsim.load_pretrained(tmp_path / "resaved"),
+                                             SENTENCES), got, atol=ATOL)
     # The same flow saved by jaxsim.calibrate and baked in with --calibration.
     cal.spec = "flow"
     cal.save(tmp_path / "cal")
