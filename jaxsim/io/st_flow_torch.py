@@ -131,7 +131,8 @@ class JaxsimFlow(nn.Module):
 
     def _param(self, level, step):
         def p(key):
-            return getattr(self, self._names[f"l{level}/{key}"])[step]
+            # float32 even in a half-precision model, as jaxsim applies the flow
+            return getattr(self, self._names[f"l{level}/{key}"])[step].float()
         return p
 
     def flow(self, x):
@@ -152,7 +153,8 @@ class JaxsimFlow(nn.Module):
         return torch.cat(set_aside + [x], dim=-1)
 
     def forward(self, features):
-        features["sentence_embedding"] = self.flow(features["sentence_embedding"])
+        x = features["sentence_embedding"]
+        features["sentence_embedding"] = self.flow(x).to(x.dtype)
         return features
 
     def get_sentence_embedding_dimension(self):
