@@ -5,7 +5,8 @@ encoder and pooler cover the first two, and `head_of` reads the rest into
 `SentenceModel.head` (`jaxsim.models.st_head`) so `jaxsim.encode` gives the vectors
 `SentenceTransformer(folder).encode` gives. In a jaxsim export the pooler's own modules (e.g.
 'cls': Pooling + the head's Dense(tanh)) are the pooler; its record says which modules follow
-(a calibration's Dense, Normalize).
+(a calibration's Dense or flow, Normalize). A jaxsim flow module (`jaxsim.io.st_flow`) is read
+back as a `FlowHead` applying the same flow with jaxsim's code.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxsim.io import store
+from jaxsim.io.st_flow import MODULE_TYPE as FLOW_MODULE_TYPE
+from jaxsim.io.st_flow import read_flow
 from jaxsim.models.st_head import Dense, HeadError, Normalize
 
 MODULES_FILE = "modules.json"
@@ -128,7 +131,10 @@ def head_of(folder: Path, read_state_dict: Callable,
             head.append(_dense(folder, entry, read_state_dict))
         elif kind == "Normalize":
             head.append(Normalize())
+        elif entry["type"] == FLOW_MODULE_TYPE:
+            head.append(read_flow(folder / entry.get("path", ""), read_state_dict))
         else:
             raise HeadError(f"{folder / MODULES_FILE}: module {entry['type']} after pooling "
-                            f"is not supported by jaxsim (it reproduces Dense and Normalize)")
+                            f"is not supported by jaxsim (it reproduces Dense, Normalize and its own flow "
+                            f"module)")
     return tuple(head)
