@@ -28,7 +28,8 @@ TENSORBOARD_DIR = 'tb'
 RESULT_FILE = 'result.json'
 RECORD_FORMAT = 'jaxsim-train-run'
 # Run-defining values that are not config keys: allowed like keys (--allow-change=data).
-DERIVED_KEYS = ('data', 'grad_divisor')
+# 'code': digests of the source the run executes (`fingerprint.code_digests`).
+DERIVED_KEYS = ('data', 'grad_divisor', 'code')
 
 
 class RunMismatchError(JaxsimError):
@@ -88,6 +89,16 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + '...'
 
 
+def _code_change(record: Mapping[str, Any], old: Any, new: Any) -> str:
+    """'the source of objective 'x' changed (sha256:1a2b3c4d -> sha256:5e6f7a8b)'."""
+    old, new = old or {}, new or {}
+    names = {'objective': (record.get('config') or {}).get('objective')}
+    parts = [f'the source of {part} {names.get(part)!r} changed '
+             f'({str(old.get(part))[:15]} -> {str(new.get(part))[:15]})'
+             for part in sorted(set(old) | set(new)) if old.get(part) != new.get(part)]
+    return ', '.join(parts)
+
+
 def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
                   step: Optional[int] = None) -> Decision:
     """Compares the run about to start with the one stored in `workdir`; writes nothing.
@@ -111,9 +122,12 @@ def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
         raise RunMismatchError(f'{workdir / CONFIG_FILE}: not a jaxsim train record; choose an '
                                f'empty or new --workdir')
     changed = differences(_compared(old), _compared(record))
+    if 'code' not in (old.get('derived') or {}):
+        changed.pop('code', None)  # a run recorded before code was hashed: nothing to compare
     refused = [k for k in changed if k not in allow]
     if refused:
-        what = ', '.join(f'{k} {_short(changed[k][0])} -> {_short(changed[k][1])}'
+        what = ', '.join(_code_change(record, *changed[k]) if k == 'code' else
+                         f'{k} {_short(changed[k][0])} -> {_short(changed[k][1])}'
                          for k in refused)
         raise RunMismatchError(
             f'{workdir} holds a run with other settings ({what}); rerun with the same config, '
