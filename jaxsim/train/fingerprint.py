@@ -88,6 +88,8 @@ def source_digest(fn: Callable) -> str:
     while isinstance(fn, functools.partial):
         fn = fn.func
     fn = inspect.unwrap(fn)
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.isclass(fn)):
+        fn = type(fn)  # a callable object: its class holds the code
     module = getattr(fn, '__module__', None)
     parts, seen, todo = [], set(), [fn]
     while todo:

@@ -149,6 +149,16 @@ def test_a_loss_without_source_is_hashed_by_its_code():
     digests = [source_digest(m['f']) for m in made]
     assert digests[0] == digests[1] != digests[2]
 
+    class Scaled:  # a callable object: its class's source
+        def __call__(self, z, temp=0.1):
+            return z / temp
+
+    class Shifted:
+        def __call__(self, z, temp=0.1):
+            return z - temp
+
+    assert source_digest(Scaled()) == source_digest(Scaled()) != source_digest(Shifted())
+
 
 def test_an_edited_objective_is_another_run_refused_naming_it(tmp_path):
     from jaxsim.train.fingerprint import code_digests
