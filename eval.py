@@ -105,13 +105,14 @@ def main(argv=None) -> int:
 def evaluate(args: argparse.Namespace) -> int:
     seeds = cli_io.parse_seeds(args.seeds) if args.seeds is not None else None
     if args.json:
-        cli_io.check_output_file(args.json, args.overwrite, '--json')
+        cli_io.check_output_file(args.json, args.overwrite, '--json',
+                                 inputs=cli_checks.inputs(args))
     if args.plots:
         cli_io.check_output_dir(args.plots, args.overwrite, '--plots',
                                 keep=plots.check_replaceable)
     if args.tb:
         report_tb.check_target(args.tb, args.overwrite)
-    sts_tasks, transfer_tasks = runner.split_tasks(args.tasks.split(',') if args.tasks else [])
+    sts_tasks, transfer_tasks = runner.split_tasks(cli_checks.parse_tasks(args.tasks))
     cli_checks.check_flag_effects(args, sts_tasks, transfer_tasks)
     roots = args.data or [runner.DEFAULT_DATA]
     runner.check_transfer_data(transfer_tasks, roots)

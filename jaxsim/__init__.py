@@ -17,6 +17,8 @@ from jaxsim.encode import encode
 from jaxsim.io.pretrained import bundled_model_path, load_pretrained
 from jaxsim.model import SentenceModel
 from jaxsim.search import similarity
+from jaxsim import functional  # the pure pieces (docs/api.md)
 
-__all__ = ["encode", "load_pretrained", "bundled_model_path", "SentenceModel", "similarity"]
+__all__ = ["encode", "load_pretrained", "bundled_model_path", "SentenceModel", "similarity",
+           "functional"]
 __version__ = "0.1.0"

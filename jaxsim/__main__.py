@@ -102,7 +102,8 @@ def encode_main(argv: Sequence[str]) -> int:
     args = encode_parser().parse_args(argv)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be positive, got {args.batch_size}")
-    output = cli_io.check_output_file(args.output, args.overwrite, "--output")
+    output = cli_io.check_output_file(args.output, args.overwrite, "--output",
+                                      inputs=[("--input", args.input), ("--model", args.model)])
     # Every process of a multi-process run encodes its devices' rows of each batch; the
     # vectors are gathered on all, and process 0 writes them.
     distributed.initialize_from_flags(args)

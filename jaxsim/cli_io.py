@@ -5,9 +5,10 @@ error / interrupt report.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 from jaxsim import interrupts
 from jaxsim.data.readers import DataError, decode_text, read_text
@@ -83,13 +84,40 @@ def add_output_flags(parser: argparse.ArgumentParser, option: str, help: str,
     parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
 
 
-def check_output_file(path, overwrite: bool, option: str):
-    """An output file the command writes at the end: not a folder, absent unless `overwrite`,
-    in a writable place; checked before a model loads. Returns its epath."""
+def refuse_inputs(target, option: str, inputs: Sequence[tuple[str, object]]) -> None:
+    """Refuses an existing output that is one of the command's inputs, or lies inside an input
+    folder (a model, a data root): --overwrite would destroy it.
+
+    Args:
+      target: the output's epath.
+      option: its flag, for the message.
+      inputs: (flag, path) of each input; None, '-' (stdin) and remote paths are skipped.
+    """
+    if store.is_remote(target) or not target.exists():
+        return
+    out = Path(os.fspath(target)).resolve()
+    for flag, value in inputs:
+        if value is None or str(value) == STDIN or store.is_remote(value):
+            continue
+        source = Path(value).expanduser()
+        if not source.exists():
+            continue
+        source = source.resolve()
+        if os.path.samefile(out, source) or (source.is_dir() and source in out.parents):
+            raise store.StorageError(f"{option} {target} would overwrite an input ({flag} "
+                                     f"{value}); name another file")
+
+
+def check_output_file(path, overwrite: bool, option: str,
+                      inputs: Sequence[tuple[str, object]] = ()):
+    """An output file the command writes at the end: not a folder, not one of `inputs` ((flag,
+    path) pairs, see `refuse_inputs`), absent unless `overwrite`, in a writable place; checked
+    before a model loads. Returns its epath."""
     target = store.as_path(path, option)
     if str(path).endswith("/") or (target.exists() and target.is_dir()):
         raise store.StorageError(f"{option} {path} is a folder; name a file, e.g. "
                                  f"{target / 'out'}")
+    refuse_inputs(target, option, inputs)
     store.refuse_existing(target, overwrite, option)
     # The file is written as a sibling and renamed: its folder must be writable.
     store.check_reachable(target.parent if target.exists() else target, option)

@@ -29,6 +29,9 @@ def run_get_config(path: Path, error: type[JaxsimError], what: str, arg: str = '
     if not path.is_file():
         raise error(f'{path}: no such {what} file')
     module_spec = importlib.util.spec_from_file_location(f'_jaxsim_config_{path.stem}', path)
+    if module_spec is None:  # e.g. a YAML file: no loader for its suffix
+        raise error(f'{path}: not a Python file; a {what} file is a .py file defining '
+                    f'get_config()')
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)

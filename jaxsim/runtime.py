@@ -16,8 +16,10 @@ What is silenced, and why:
   - "RuntimeError: Event loop is closed" tracebacks after a failed checkpoint read: orbax runs
     the read on a private asyncio loop and closes it as soon as the first tensorstore read
     fails; the reads still in flight then complete into the closed loop and tensorstore reports
-    each one through `sys.unraisablehook` (about ten lines per array). The failure itself is
-    raised normally; only these orphaned completions are dropped.
+    each one through `sys.unraisablehook` (about ten lines per array). Likewise the read
+    coroutines still pending: closing them makes orbax raise the read error once more, with
+    the whole TensorStore spec. The failure itself is raised normally; only these orphaned
+    completions are dropped.
 Every environment variable is set with `setdefault`: a value the user exported wins. This
 module owns that list (`QUIET_ENV`); train.py and eval.py apply it first thing, before
 transformers is imported or a JAX backend starts (`quiet_environment`).
@@ -88,6 +90,14 @@ def _is_orphaned_loop_callback(unraisable) -> bool:
     return any(f.name == "call_soon_threadsafe" for f in frames)
 
 
+def _is_orphaned_read(unraisable) -> bool:
+    """A read of a damaged checkpoint still pending when the restore failed: closing its
+    coroutine (GeneratorExit) makes orbax raise the read error again, to no one."""
+    code = getattr(unraisable.object, "cr_code", None)
+    return (code is not None and "orbax" in code.co_filename
+            and isinstance(getattr(unraisable.exc_value, "__cause__", None), GeneratorExit))
+
+
 def ignore_orphaned_loop_callbacks() -> None:
     """Installs (once) an unraisable-exception hook dropping orphaned-callback reports only.
 
@@ -98,7 +108,7 @@ def ignore_orphaned_loop_callbacks() -> None:
     previous = sys.unraisablehook
 
     def hook(unraisable):
-        if not _is_orphaned_loop_callback(unraisable):
+        if not (_is_orphaned_loop_callback(unraisable) or _is_orphaned_read(unraisable)):
             previous(unraisable)
 
     hook._jaxsim_filter = True  # type: ignore[attr-defined]

@@ -238,9 +238,14 @@ def _key_str(k) -> str:
     return str(k)
 
 
+def tensor_parallel(mesh: Mesh) -> bool:
+    """Whether the mesh splits the layers' products (its tensor axis has more than one device)."""
+    return mesh.shape['tensor'] > 1
+
+
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Sharding of a [batch, ...] array: batch over ('data', 'fsdp'), the rest replicated."""
-    return NamedSharding(mesh, P(('data', 'fsdp'), *([None] * (ndim - 1))))
+    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
 def process_batch_rows(mesh: Mesh, global_batch: int) -> np.ndarray:

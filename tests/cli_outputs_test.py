@@ -23,6 +23,7 @@ from jaxsim.__main__ import main as cli_main
 from jaxsim.encode import NonFiniteVectorsError
 from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.search import IndexFileError, SearchIndex, load_index
+from tests.conftest import write_tiny_model
 from tests.data.tiny_senteval import write_tiny_senteval
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +99,38 @@ def test_eval_json_refuses_an_existing_file_byte_identical(tmp_path, capsys, mon
     assert (plots / 'spectrum.png').read_bytes() == b'earlier figure'
 
 
+def test_an_input_is_never_an_output_even_with_overwrite(tmp_path, capsys, monkeypatch):
+    """--overwrite replaces an earlier output, never what the command reads: a test set of
+    --data, a file inside --model, the --input sentences (also through a symlink or a hard
+    link)."""
+    root = write_tiny_senteval(tmp_path / 'data')
+    test_set = next(root.rglob('sts-test.csv'))
+    sentences = tmp_path / 'f.txt'
+    sentences.write_text('a man plays a guitar .\n')
+    link = tmp_path / 'link.txt'
+    link.symlink_to(sentences)
+    hard = tmp_path / 'hard.txt'
+    os.link(sentences, hard)
+    model = tmp_path / 'model'
+    model.mkdir()
+    (model / 'config.json').write_text('{}')
+    before = tree_digest(tmp_path)
+    monkeypatch.setattr(jaxsim, 'load_pretrained', lambda *a, **k: pytest.fail('model loaded'))
+    assert eval_cli.main(['--data', str(root), '--tasks', 'stsb', '--json', str(test_set),
+                          '--overwrite']) == 1
+    assert one_error_line(capsys) == (f'error: --json {test_set} would overwrite an input '
+                                      f'(--data {root}); name another file\n')
+    assert eval_cli.main(['--data', str(root), '--model', str(model), '--json',
+                          str(model / 'config.json'), '--overwrite']) == 1
+    assert f'would overwrite an input (--model {model})' in one_error_line(capsys)
+    for output in (sentences, link, hard):
+        assert cli_main(['encode', '--input', str(sentences), '--output', str(output),
+                         '--overwrite']) == 1
+        assert one_error_line(capsys) == (f'error: --output {output} would overwrite an input '
+                                          f'(--input {sentences}); name another file\n')
+    assert tree_digest(tmp_path) == before
+
+
 def test_eval_overwrite_replaces_json_and_plots_whole(tmp_path, capsys):
     root = write_tiny_senteval(tmp_path / 'data')
     out, plots = tmp_path / 'r.json', tmp_path / 'plots'
@@ -126,6 +159,37 @@ def test_index_rows_reordered_after_saving_are_refused(tmp_path):
         load_index(tmp_path / 'iy')
 
 
+# python -m jaxsim, with files that stop growing past 100 kB as on a full disk: writes then fail
+# (EFBIG, or numpy's short write) instead of the process being killed by SIGXFSZ.
+_FULL_DISK = """
+import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+sys.argv = ['jaxsim'] + sys.argv[1:]
+runpy.run_module('jaxsim', run_name='__main__', alter_sys=True)
+"""
+
+
+def test_a_full_disk_is_one_line_naming_the_output(tmp_path):
+    """'115200 requested and 42976 written' or '[Errno 28]' alone named no file."""
+    write_tiny_model(tmp_path / 'tiny')
+    sentences = tmp_path / 's.txt'
+    sentences.write_text(''.join(f'sentence number {i} .\n' for i in range(2000)))
+    env = dict(os.environ, JAX_PLATFORMS='cpu', JAX_ENABLE_COMPILATION_CACHE='false',
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    for option, output, command in (
+            ('--output', tmp_path / 'v.npy', 'encode'), ('--out', tmp_path / 'ix', 'index')):
+        proc = subprocess.run(
+            [sys.executable, '-c', _FULL_DISK, command, '--model', str(tmp_path / 'tiny'),
+             '--input', str(sentences), option, str(output)], cwd=REPO, env=env,
+            capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert proc.stderr.startswith(f'error: {option} {output}: cannot be written: ')
+        assert proc.stderr.count('\n') == 1 and proc.stderr.endswith(
+            'the earlier content, if any, is kept\n'), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['s.txt', 'tiny']  # nothing half
+
+
 # ------------------------------------------------------------------ checks before work
 @pytest.mark.parametrize('args, message', [
     (['--seeds', '99999999999999999999'], 'is larger than 4294967295'),
@@ -135,6 +199,9 @@ def test_index_rows_reordered_after_saving_are_refused(tmp_path):
     (['--tasks', 'mr', '--post', 'whitening'], '--post whitening has no effect: calibrations '
                                                'apply to STS tasks'),
     (['--tasks', 'mr,cr', '--split', 'dev'], '--split dev has no effect'),
+    # An empty `--tasks $T` is not every task (minutes of work nobody asked for).
+    (['--tasks', ''], "--tasks '' names no task"),
+    (['--tasks', ' , '], "--tasks ' , ' names no task"),
 ])
 def test_eval_refuses_flags_without_effect_before_loading(tmp_path, capsys, monkeypatch, args,
                                                           message):
@@ -142,6 +209,16 @@ def test_eval_refuses_flags_without_effect_before_loading(tmp_path, capsys, monk
     monkeypatch.setattr(jaxsim, 'load_pretrained', lambda *a, **k: pytest.fail('model loaded'))
     assert eval_cli.main(['--data', str(root)] + args) == 1
     assert message in one_error_line(capsys)
+
+
+def test_prepare_refuses_snli_splits_without_the_snli_format(tmp_path, capsys):
+    corpus = tmp_path / 'corpus.txt'
+    corpus.write_text('a man plays a guitar .\n')
+    assert cli_main(['prepare', str(corpus), '--snli-splits', 'dev']) == 1
+    assert one_error_line(capsys).startswith(
+        'error: --snli-splits dev has no effect: it goes with --format snli (the files are read '
+        'as --format text)')
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['corpus.txt']  # no index built
 
 
 def test_eval_refuses_a_calibration_wider_than_the_model_before_encoding(tmp_path, capsys,

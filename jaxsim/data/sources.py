@@ -316,17 +316,22 @@ def prepare_parser():
     ap.add_argument('--format', choices=('text', 'csv', 'snli'), default='text',
                     help="'text': a sentence a line; 'csv': sent0,sent1,hard_neg triplets; "
                          "'snli': SentEval's SNLI folder")
-    ap.add_argument('--snli-splits', default='dev,test', help='with --format snli')
+    ap.add_argument('--snli-splits', default=None,
+                    help='with --format snli (default: dev,test)')
     return plugins.add_import_flag(ap)
 
 
 def prepare_main(argv: Sequence[str]) -> int:
     """`python -m jaxsim prepare FILE... [--format text|csv|snli]`: builds (or finds) the index
     of each training file and prints its examples, time and content digest."""
-    args = prepare_parser().parse_args(argv)
+    parser = prepare_parser()
+    args = parser.parse_args(argv)
+    if args.snli_splits is not None and args.format != 'snli':
+        parser.error(f'--snli-splits {args.snli_splits} has no effect: it goes with --format snli '
+                     f'(the files are read as --format {args.format})')
     for path in args.files:
         if args.format == 'snli':
-            src = SnliSource(path, args.snli_splits.split(','))
+            src = SnliSource(path, (args.snli_splits or 'dev,test').split(','))
             digest = src.fingerprint()
         else:
             src = (TextSource if args.format == 'text' else CsvSource)(path)

@@ -7,7 +7,29 @@ from __future__ import annotations
 
 from jaxsim import calibrate
 from jaxsim.cli_io import OptionError
-from jaxsim.eval.runner import is_seeded
+from jaxsim.errors import JaxsimError
+from jaxsim.eval.runner import DEFAULT_DATA, is_seeded
+
+
+def parse_tasks(text):
+    """--tasks as names: None (not given) runs every task found; a value naming none (an
+    empty variable in `--tasks $T`) is an error, not every task."""
+    if text is None:
+        return []
+    names = [n.strip() for n in text.split(',') if n.strip()]
+    if not names:
+        raise OptionError(f'--tasks {text!r} names no task (e.g. --tasks stsb,sickr); omit '
+                          f'--tasks to evaluate every task found in --data')
+    return names
+
+
+def inputs(args) -> list[tuple[str, object]]:
+    """(flag, path) of every file or folder an evaluation reads, which no output may replace."""
+    fit_files = [f for f in args.fit_on or () if f not in ('target', 'task', 'paper')]
+    return ([('--data', d) for d in args.data or [DEFAULT_DATA]]
+            + [('--model', m) for m in args.model or ()]
+            + [('--fit-on', f) for f in fit_files]
+            + [('--flow-checkpoint', args.flow_checkpoint), ('--flow-config', args.flow_config)])
 
 
 def check_flag_effects(args, sts_tasks, transfer_tasks) -> None:

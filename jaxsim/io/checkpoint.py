@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import jax
@@ -152,6 +154,42 @@ def _cause(error: BaseException, limit: int = 400) -> str:
     text = (lines[0] if lines else "").split(" [tensorstore_spec=")[0]
     text = text if len(text) <= limit else text[: limit - 3] + "..."
     return f"{type(error).__name__}: {text}"
+
+
+def _messages(error: BaseException) -> list[str]:
+    out, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        out.append(str(error))
+        error = error.__cause__ or error.__context__
+    return out
+
+
+def _damaged_file(folder: store.Path, error: BaseException) -> Optional[str]:
+    """The file of a checkpoint folder a failed read tripped on, where it can be told: one
+    tensorstore names, a data file of the size it reports (truncated), or a JSON file that no
+    longer parses. None for a remote folder or when nothing stands out."""
+    if store.is_remote(folder) or not folder.is_dir():
+        return None
+    files = [p for p in Path(os.fspath(folder)).rglob("*") if p.is_file()]
+    texts = _messages(error)
+    for text in texts:
+        for named in re.findall(r'local file "([^"]+)"', text):
+            if Path(named).is_file():  # e.g. a manifest that fails to decode
+                return named
+        for size in re.findall(r"is not valid for value of size (\d+)", text):
+            same = [p for p in files if p.parent.name == "d" and p.stat().st_size == int(size)]
+            if len(same) == 1:
+                return str(same[0])
+    # The rest orbax writes as JSON (metadata, sharding): a truncated one no longer parses.
+    for path in files:
+        if path.parent.name == "d" or path.name in ("manifest.ocdbt", "commit_success.txt"):
+            continue
+        try:
+            json.loads(path.read_bytes())
+        except (ValueError, UnicodeDecodeError):
+            return str(path)
+    return None
 
 
 def _to_json(obj: Any) -> Any:
@@ -318,6 +356,12 @@ class Checkpointer:
           `Restored(step, state, data, config)`.
         """
         step = self.resolve_step(step)
+        try:
+            return self._restore(step, target)
+        except CheckpointError as e:
+            raise self._damaged(step, e, lambda older: self._restore(older, target)) from e
+
+    def _restore(self, step: int, target: Any) -> Restored:
         if target is None:
             target = self.abstract_state_from_metadata(step)
         ocp = _orbax()
@@ -333,6 +377,25 @@ class Checkpointer:
         return Restored(step=step, state=out["state"], data=dict(out["data"] or {}),
                         config=dict(out["config"] or {}))
 
+    def _damaged(self, step: int, error: CheckpointError, restore) -> CheckpointError:
+        """`error` with the file at fault and, when an older checkpoint restores (`restore`),
+        how to go on from it."""
+        folder = self.directory / str(step)
+        text = str(error)
+        culprit = _damaged_file(folder, error)
+        if culprit:
+            text += f" (damaged file: {culprit})"
+        for older in reversed([s for s in self.all_steps() if s < step]):
+            try:
+                restore(older)
+            except CheckpointError:
+                continue
+            aside = self.directory.parent / f"damaged-step-{step}"
+            return CheckpointError(
+                f"{text}; the checkpoint of step {older} is intact: move the damaged one aside "
+                f"(mv {folder} {aside}) and rerun to go on from the checkpoints left")
+        return CheckpointError(text)
+
     def restore_params(self, step: Union[str, int, None] = None, sharding: Any = None) -> Any:
         """Restores only `state.params` (no optimizer state: a third of Adam's memory).
 
@@ -344,6 +407,13 @@ class Checkpointer:
           The parameter tree as nested dicts of jax.Arrays.
         """
         step = self.resolve_step(step)
+        try:
+            return self._restore_params(step, sharding)
+        except CheckpointError as e:
+            raise self._damaged(step, e, lambda older: self._restore_params(older, sharding)) \
+                from e
+
+    def _restore_params(self, step: int, sharding: Any) -> Any:
         tree = self.abstract_state_from_metadata(step, sharding)
         if not isinstance(tree, Mapping) or "params" not in tree:
             raise CheckpointError(f"{self.directory / str(step)}: the saved state has no 'params'")

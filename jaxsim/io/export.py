@@ -9,7 +9,9 @@ layer (`Pooler.hf_pooler`, e.g. 'cls': a SimCSE head becomes `pooler.dense`, so
 `sentence-transformers` adds, after the Transformer module, the modules the pooler's export
 rule returns (`jaxsim.models.poolers`: stock modules only, each exact), then an optional Dense
 carrying an affine calibration z = (x - mu) W (weight W^T, bias -mu W, identity activation)
-and an optional Normalize, so `SentenceTransformer(DIR).encode` returns jaxsim's vectors.
+or a flow as a PyTorch module file in the folder (`jaxsim.io.st_flow`, loaded with
+`trust_remote_code=True`), and an optional Normalize, so `SentenceTransformer(DIR).encode`
+returns jaxsim's vectors.
 
 Every export records its choices in `jaxsim_export.json` (pooler, mlp_only_train, calibration,
 normalize) and where it came from (`provenance`: source, workdir step, selection metric and
@@ -29,20 +31,23 @@ import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
 from jaxsim import calibrate
+from jaxsim.calibrate.flow import BERT_FLOW_AS_RUN, resolve_config
 from jaxsim.data.readers import read_sentences
 from jaxsim.encode import encode
 from jaxsim.errors import JaxsimError
+from jaxsim.flows.config import FlowError
+from jaxsim.io import st_flow, store
 from jaxsim.io.hf import encoder_params_to_hf
-from jaxsim.io import store
 from jaxsim.io.pretrained import describe_provenance, load_pretrained, provenance
-from jaxsim.io.st_folder import has_normalize_module
+from jaxsim.io.st_folder import RECORD_FILE, has_normalize_module
 from jaxsim.io.workdir import is_train_workdir
 from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
 from jaxsim.models.poolers import StModule, get_pooler, st_dense
+from jaxsim.models.st_head import HeadError
 
 FORMATS = ("hf", "sentence-transformers")
-RECORD_FILE = "jaxsim_export.json"
+
 _IDENTITY = "torch.nn.modules.linear.Identity"
 _NORMALIZE = "sentence_transformers.models.Normalize"
 # sentence-transformers modules that read every layer's output: the Transformer module passes
@@ -123,7 +128,13 @@ def affine_of(calibration: calibrate.Calibration) -> tuple[np.ndarray, np.ndarra
 
 
 def calibration_module(calibration: calibrate.Calibration, dim: int) -> StModule:
-    """A Dense module computing z = (x - mu) W = x W + (-mu W), exactly the calibration."""
+    """A Dense module computing z = (x - mu) W = x W + (-mu W), exactly the calibration; a
+    flow's PyTorch module for a flow."""
+    if st_flow.has_torch_form(type(calibration)):
+        try:
+            return st_flow.flow_module(calibration, dim)
+        except HeadError as e:
+            raise ExportError(str(e)) from None
     mu, w = affine_of(calibration)
     if mu.shape != (dim,) or w.ndim != 2 or w.shape[0] != dim:
         raise ExportError(f"the calibration maps {w.shape[0]}-dim vectors (mu {mu.shape}, W "
@@ -142,6 +153,8 @@ def head_modules(model: SentenceModel) -> list[StModule]:
         if isinstance(module, st_head.Dense):
             bias = module.bias if module.bias is not None else np.zeros(module.out_features)
             out.append(st_dense(module.weight.T, bias, module.activation))
+        elif isinstance(module, st_flow.FlowHead):
+            out.append(calibration_module(module.calibration, module.calibration.dim))
         else:
             out.append(StModule(_NORMALIZE, {}))
     return out
@@ -172,11 +185,13 @@ def _write_st(folder: Path, modules: Sequence[StModule], max_length: int) -> lis
         if module.tensors:
             _save_tensors(folder / sub / "model.safetensors", module.tensors)
         entries.append({"idx": idx, "name": str(idx), "path": sub, "type": module.type})
+        if module.type == st_flow.MODULE_TYPE:  # the flow's code, where modules.json names it
+            (folder / st_flow.SOURCE_FILE).write_text(st_flow.source_text(), encoding="utf-8")
     store.write_json(folder / "modules.json", entries, indent=2)
     store.write_json(folder / "sentence_bert_config.json",
                      {"max_seq_length": int(max_length), "do_lower_case": False}, indent=2)
     store.write_json(folder / "config_sentence_transformers.json", {
-        "_version()": {"jaxsim": _version()}, "similarity_fn_name": "cosine",
+        "__version__": {"jaxsim": _version()}, "similarity_fn_name": "cosine",
         "prompts": {}, "default_prompt_name": None}, indent=2)
     return entries
 
@@ -190,6 +205,9 @@ def hf_tensors(model: SentenceModel) -> dict[str, np.ndarray]:
 
 def describe_calibration(calibration: calibrate.Calibration) -> dict:
     """The record's description of a calibration (never its parameters)."""
+    if st_flow.has_torch_form(type(calibration)):
+        return {"kind": "flow", "spec": calibration.spec, "describe": calibration.describe(),
+                "dim_in": calibration.dim, "dim_out": calibration.dim}
     mu, w = affine_of(calibration)
     # The spec's name, not parse_spec: a saved calibration of a kind not registered here
     # (calibrate.load's affine fallback) is exported all the same.
@@ -209,7 +227,8 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
         exports another pooler.
       out: output folder: absent, empty, or a previous export when `overwrite`.
       format: 'hf' or 'sentence-transformers'.
-      calibration: an affine calibration applied after pooling (sentence-transformers only).
+      calibration: an affine calibration or a flow applied after pooling
+        (sentence-transformers only).
       normalize: L2-normalize the final vectors (sentence-transformers only).
       max_length: token limit (sentence-transformers `max_seq_length`); default: the model's.
       overwrite: replace a previous export in `out`.
@@ -261,14 +280,21 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
 
 
 # ------------------------------------------------------------- the command: source -> folder
+def _exportable(cls) -> bool:
+    """Affine calibrations become a Dense module, flows a PyTorch module file."""
+    return bool(getattr(cls, "linear", False)) or st_flow.has_torch_form(cls)
+
+
 def exportable_calibrations() -> list[str]:
-    """The --post values export accepts: the registered affine (`linear`) calibrations."""
+    """The --post values export accepts: the registered affine (`linear`) calibrations and the
+    flow."""
     accepted = []
     for name in calibrate.CALIBRATIONS.names():
         cls = calibrate.CALIBRATIONS.get(name)
-        if not getattr(cls, "linear", False):
+        if not _exportable(cls):
             continue
-        arg = "K" if getattr(cls, "arg_type", int) is int else "ARG"
+        arg = ("CONFIG" if st_flow.has_torch_form(cls) else
+               "K" if getattr(cls, "arg_type", int) is int else "ARG")
         accepted.append({"none": name, "optional": f"{name}[:{arg}]"}.get(
             getattr(cls, "arg", "none"), f"{name}:{arg}"))
     return accepted
@@ -276,28 +302,43 @@ def exportable_calibrations() -> list[str]:
 
 def check_post(spec: str, format: str) -> Optional[str]:
     """Validates `--post` before any model is loaded; returns the spec, or None for 'none'."""
-    name, _ = calibrate.parse_spec(spec)
+    name, arg = calibrate.parse_spec(spec)
     if name == "none":
         return None
-    if not getattr(calibrate.CALIBRATIONS.get(name), "linear", False):
+    cls = calibrate.CALIBRATIONS.get(name)
+    if not _exportable(cls):
         raise ExportError(f"--post {spec} cannot be exported: {name} is not an affine map, and "
                           f"sentence-transformers has no stock module for it; export accepts "
                           f"--post {', '.join(exportable_calibrations())}")
     if format != "sentence-transformers":
         raise ExportError("--post needs --format sentence-transformers (a Hugging Face model "
                           "folder has no place for it)")
+    if st_flow.has_torch_form(cls):  # a layer without a PyTorch form, before the fit
+        try:
+            config = resolve_config(arg if arg is not None else BERT_FLOW_AS_RUN)
+            st_flow.check_layers(config, f"--post {spec}")
+        except (calibrate.CalibrationError, FlowError, HeadError) as e:
+            raise ExportError(str(e)) from None
     return spec
 
 
 def fit_calibration(model: SentenceModel, spec: str, fit_data: Optional[Path],
                     batch_size: int = 64, max_length: Optional[int] = None
                     ) -> calibrate.Calibration:
-    """Encodes the fit sentences (one a line, blank lines skipped) and fits `spec` on them."""
+    """Encodes the fit sentences (one a line, blank lines skipped) and fits `spec` on them; a
+    flow as eval.py fits it (seed 0, dropout-noised vectors of the same sentences)."""
     if fit_data is None:
         raise ExportError(f"--post {spec} needs --fit-data FILE (one sentence a line) to fit on")
-    vectors = encode(model, read_sentences(fit_data), batch_size=batch_size,
-                     max_length=max_length)
-    return calibrate.fit(spec, vectors)
+    sentences = read_sentences(fit_data)
+    vectors = encode(model, sentences, batch_size=batch_size, max_length=max_length)
+    if not st_flow.has_torch_form(calibrate.CALIBRATIONS.get(calibrate.parse_spec(spec)[0])):
+        return calibrate.fit(spec, vectors)
+
+    def noised(key):
+        return encode(model, sentences, batch_size=batch_size, max_length=max_length,
+                      progress=False, dropout_key=key)
+
+    return calibrate.fit(spec, vectors, seed=0, embed=noised)
 
 
 def export_source(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
@@ -319,10 +360,11 @@ def export_source(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
       pooler: the pooler to export; default: the source's own. A train workdir is exported
         with the pooler it was trained and evaluated with (another one is refused).
       step: a workdir's checkpoint: 'best', 'latest' or a step number.
-      post: an affine calibration to bake in ('none', 'whitening[:K]', 'sn', 'natsv:K').
+      post: a calibration to bake in ('none', 'whitening[:K]', 'sn', 'natsv:K',
+        'flow[:CONFIG]').
       fit_data: sentences to fit `post` on.
       calibration: a saved calibration folder (`Calibration.save`) to bake in instead of
-        fitting one; it must be affine and fitted on this model's vectors.
+        fitting one; it must be affine or a flow, fitted on this model's vectors.
       normalize: append Normalize; default: as the source sentence-transformers folder.
       max_length: token limit, for the export and for encoding the fit sentences.
       batch_size: encoding batch for the fit.
@@ -340,7 +382,13 @@ def export_source(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
         if format != "sentence-transformers":
             raise ExportError("--calibration needs --format sentence-transformers")
         loaded = calibrate.load(calibration)
-        affine_of(loaded)  # an affine one, or a clear error before the model is loaded
+        if st_flow.has_torch_form(type(loaded)):  # a flow with PyTorch layers, else an error
+            try:
+                st_flow.check_layers(loaded.config, f"--calibration {calibration}")
+            except HeadError as e:
+                raise ExportError(str(e)) from None
+        else:
+            affine_of(loaded)  # an affine one, or a clear error before the model is loaded
     if normalize and format == "hf":
         raise ExportError("--normalize needs --format sentence-transformers")
     # Flags a Hugging Face folder (or an export without --post) has no use for are refused,

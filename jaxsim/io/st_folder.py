@@ -5,7 +5,8 @@ encoder and pooler cover the first two, and `head_of` reads the rest into
 `SentenceModel.head` (`jaxsim.models.st_head`) so `jaxsim.encode` gives the vectors
 `SentenceTransformer(folder).encode` gives. In a jaxsim export the pooler's own modules (e.g.
 'cls': Pooling + the head's Dense(tanh)) are the pooler; its record says which modules follow
-(a calibration's Dense, Normalize).
+(a calibration's Dense or flow, Normalize). A jaxsim flow module (`jaxsim.io.st_flow`) is read
+back as a `FlowHead` applying the same flow with jaxsim's code.
 """
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxsim.io import store
+from jaxsim.io.st_flow import MODULE_TYPE as FLOW_MODULE_TYPE
+from jaxsim.io.st_flow import read_flow
 from jaxsim.models.st_head import Dense, HeadError, Normalize
 
 MODULES_FILE = "modules.json"
+RECORD_FILE = "jaxsim_export.json"  # a jaxsim export's record
 _PREFIX = "sentence_transformers.models."
 
 
@@ -58,6 +62,37 @@ def _dense(folder: Path, entry: dict, read_state_dict: Callable) -> Dense:
                                            "torch.nn.modules.activation.Tanh")))
 
 
+def _layout(entries: list[dict]) -> list[tuple[str, str]]:
+    return [(_kind(e), str(e.get("path", ""))) for e in entries]
+
+
+def _recorded_head(folder: Path, entries: list[dict], record: dict) -> list[dict]:
+    """The modules after the pooler's own in a jaxsim export. modules.json wins over the
+    record: a folder sentence-transformers re-saved with modules added after the exported
+    ones applies them too; any other change is refused (the record's pooler no longer holds)."""
+    count = record.get("head_modules")
+    recorded = record.get("modules")
+    if recorded is None:  # an hf export, or an export from before the record listed modules
+        if record.get("format") == "hf":
+            raise HeadError(f"{folder / MODULES_FILE}: written after jaxsim's hf export "
+                            f"({folder / RECORD_FILE} records no sentence-transformers "
+                            f"modules); export it again with jaxsim, or delete {RECORD_FILE} "
+                            f"to load the folder by {MODULES_FILE} alone")
+        if count is None:  # an export from before the record counted them
+            count = int(record.get("post") is not None) + int(bool(record.get("normalize")))
+        after = entries[1:]
+        return after[len(after) - count:] if count else []
+    own = len(recorded) - int(count or 0)  # the Transformer and the pooler's own modules
+    if _layout(entries[:own]) != _layout(recorded[:own]):
+        names = ", ".join(_kind(e) for e in entries)
+        exported = ", ".join(_kind(e) for e in recorded[:own])
+        raise HeadError(f"{folder / MODULES_FILE}: modules {names} do not begin with the "
+                        f"modules jaxsim exported ({exported}, {RECORD_FILE}); export it again "
+                        f"with jaxsim, or delete {RECORD_FILE} to load the folder by "
+                        f"{MODULES_FILE} alone")
+    return entries[own:]
+
+
 def head_of(folder: Path, read_state_dict: Callable,
             record: Optional[dict] = None) -> tuple:
     """The modules a sentence-transformers folder applies after pooling, as `st_head` modules.
@@ -65,8 +100,8 @@ def head_of(folder: Path, read_state_dict: Callable,
     Args:
       folder: the model folder.
       read_state_dict: `folder -> (tensors, file)` (the model loader's weight reader).
-      record: a jaxsim export's jaxsim_export.json, whose 'head_modules' says how many
-        modules follow the pooler's own.
+      record: a jaxsim export's jaxsim_export.json, whose 'modules' and 'head_modules' say
+        which modules are the pooler's own; modules listed after them are applied too.
 
     Raises:
       HeadError: a module jaxsim cannot reproduce (named with its folder), or a broken one.
@@ -79,10 +114,7 @@ def head_of(folder: Path, read_state_dict: Callable,
                         f"not a Transformer")
     after = entries[1:]
     if record is not None:
-        count = record.get("head_modules")
-        if count is None:  # an export from before the record counted them
-            count = int(record.get("post") is not None) + int(bool(record.get("normalize")))
-        trailing = after[len(after) - count:] if count else []
+        trailing = _recorded_head(folder, entries, record)
     else:
         kinds = [_kind(e) for e in after]
         if "Pooling" not in kinds:
@@ -99,7 +131,10 @@ def head_of(folder: Path, read_state_dict: Callable,
             head.append(_dense(folder, entry, read_state_dict))
         elif kind == "Normalize":
             head.append(Normalize())
+        elif entry["type"] == FLOW_MODULE_TYPE:
+            head.append(read_flow(folder / entry.get("path", ""), read_state_dict))
         else:
             raise HeadError(f"{folder / MODULES_FILE}: module {entry['type']} after pooling "
-                            f"is not supported by jaxsim (it reproduces Dense and Normalize)")
+                            f"is not supported by jaxsim (it reproduces Dense, Normalize and its own flow "
+                            f"module)")
     return tuple(head)

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import signal
 import tempfile
@@ -94,6 +95,36 @@ def _temp_sibling(p: Path, tag: str) -> Path:
     return p.parent / f".{p.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _remove_stale_siblings(p: Path) -> None:
+    """Removes what a killed writer of `p` (SIGKILL, power loss) left beside it: temporary
+    siblings of a process that is gone. A moved-aside old folder goes only once `p` exists
+    again (before that it may be the only copy)."""
+    folder = os.fspath(p.parent)
+    pattern = re.compile(rf"^\.{re.escape(p.name)}\.(tmp|old)-(\d+)-[0-9a-f]{{8}}$")
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        found = pattern.match(name)
+        if not found or _pid_alive(int(found.group(2))):
+            continue
+        if found.group(1) == "old" and not os.path.exists(os.fspath(p)):
+            continue
+        sibling = os.path.join(folder, name)
+        if os.path.isdir(sibling) and not os.path.islink(sibling):
+            shutil.rmtree(sibling, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(sibling)
+
+
 @contextlib.contextmanager
 def open_atomic(path: PathLike, mode: str = "wb", overwrite: bool = True,
                 what: str = "output") -> Iterator[IO]:
@@ -112,16 +143,36 @@ def open_atomic(path: PathLike, mode: str = "wb", overwrite: bool = True,
             p.write_text(data, encoding="utf-8")
         return
     p.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_siblings(p)
     tmp = _temp_sibling(p, "tmp")
     try:
-        with open(tmp, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        with _naming_failed_writes(p, tmp, what):
+            with open(tmp, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, p)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+@contextlib.contextmanager
+def _naming_failed_writes(target: Path, tmp: Path, what: str) -> Iterator[None]:
+    """A write into `tmp` that fails (a full disk: '[Errno 28]', or numpy's '115200 requested
+    and 42976 written') is reported under the target's name, which the temporary one is not.
+    An error naming another file (an input read on the way) passes unchanged."""
+    try:
+        yield
+    except OSError as e:
+        named = getattr(e, "filename", None)
+        if named is not None and not os.fspath(named).startswith(os.fspath(tmp)):
+            raise
+        reason = e.strerror or str(e)
+        if e.errno is None and "written" in reason:
+            reason = f"the disk took only part of it ({reason}): is it full?"
+        raise StorageError(f"{what} {target}: cannot be written: {reason}; the earlier "
+                           f"content, if any, is kept") from None
 
 
 def write_atomic(path: PathLike, data: Union[bytes, str], overwrite: bool = True,
@@ -190,12 +241,14 @@ def replace_dir(path: PathLike, overwrite: bool = False, what: str = "output",
         yield p
         return
     p.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_siblings(p)
     tmp = _temp_sibling(p, "tmp")
     tmp.mkdir()
     os.chmod(tmp, 0o777 & ~_umask())  # the mode a plain mkdir would give the final folder
     old = None
     try:
-        yield tmp
+        with _naming_failed_writes(p, tmp, what):
+            yield tmp
         with _signals_held():  # between the two renames an interrupt would lose both folders
             if p.exists():
                 old = _temp_sibling(p, "old")

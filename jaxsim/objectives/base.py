@@ -26,6 +26,7 @@ signature names one gets it; the signature is read once, when the step is built.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, Mapping
 
@@ -173,4 +174,23 @@ def check_kwargs(objective: Objective, kwargs: Mapping[str, Any]) -> dict[str, A
                 isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ObjectiveError(f"objective {objective.name!r}: {name} must be a number, got "
                                  f"{value!r}")
+    _probe(objective, kwargs)
     return dict(kwargs)
+
+
+def _probe(objective: Objective, kwargs: Mapping[str, Any]) -> None:
+    """Traces the loss on tiny abstract inputs, so its own checks of the values (e.g. temp > 0)
+    refuse them before a run writes anything, not at its first step."""
+    import jax
+    import jax.numpy as jnp
+
+    z = jax.ShapeDtypeStruct((4, objective.views, 8), jnp.float32)
+    ids = jax.ShapeDtypeStruct((4, objective.views, 5), jnp.int32)
+    loss = with_context(functools.partial(objective.loss, **kwargs))
+    try:  # with what the step passes too (mask_duplicates needs the ids)
+        jax.eval_shape(lambda z, ids: loss(z, ids=ids, step=jnp.zeros((), jnp.int32),
+                                           key=jax.random.key(0)), z, ids)
+    except JaxsimError as e:
+        raise ObjectiveError(f'objective {objective.name!r}: {e}') from None
+    except Exception:  # a loss tied to real shapes: the run's own trace reports it
+        pass

@@ -84,7 +84,10 @@ def run_plan(config: str, overrides: Sequence[str], topology: str, num_slices: i
     if fields.get('data_format', 'text') in ('text', 'csv') and not fields.get('train_file'):
         fields['train_file'] = '(none: a plan reads no data)'  # shapes come from the config
     cfg = TrainConfig.from_dict(fields, source=config)
-    output = cli_io.check_output_file(json_path, overwrite, '--json') if json_path else None
+    output = (cli_io.check_output_file(json_path, overwrite, '--json',
+                                       inputs=[('--config', config if Path(config).is_file()
+                                                           else config.partition(':')[0])])
+              if json_path else None)
     # Several planning processes may share this machine (libtpu otherwise takes a lock).
     os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
     # The plan compiles for the topology's compile-only devices; the process itself needs no

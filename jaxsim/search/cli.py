@@ -103,6 +103,8 @@ def search_main(argv: Sequence[str]) -> int:
         queries += cli_io.input_sentences(args.queries)[0]
     if not queries:
         raise SearchError("no query: pass --query TEXT (repeatable) or --queries FILE")
+    if not -1 <= args.threshold <= 1:  # a cosine: above 1 keeps nothing, below -1 is -1
+        raise SearchError(f"--threshold must be in [-1, 1] (a cosine), got {args.threshold}")
     sentence_list(queries, "queries", allow_blank=False)  # before the index and model load
     index = load_index(args.index)  # a bad folder fails before a model is loaded
     model_path = args.model or index.info.model
@@ -125,4 +127,8 @@ def search_main(argv: Sequence[str]) -> int:
             print(f"query: {_one_line(query)}")
         for sentence, score in hits:
             print(f"{score:.4f}\t{_one_line(sentence)}")
+        if not hits:  # on stderr: stdout holds only result lines
+            which = f" for {_one_line(query)!r}" if len(queries) > 1 else ""
+            print(f"no result{which}: no cosine reaches --threshold {args.threshold:g} "
+                  f"(--threshold -1 keeps every hit)", file=sys.stderr, flush=True)
     return 0

@@ -210,8 +210,10 @@ def create_app(service: SearchService) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def on_http(_request: Request, exc: HTTPException):
-        if exc.status_code == 400:  # FastAPI could not decode the body (bytes not UTF-8)
-            return _error(400, "body: not valid JSON (JSON text must be UTF-8)", "body")
+        if exc.status_code == 400:  # FastAPI could not decode the body; its cause says why
+            why = ("nested too deeply" if isinstance(exc.__cause__, RecursionError)
+                   else "JSON text must be UTF-8")
+            return _error(400, f"body: not valid JSON ({why})", "body")
         return _error(exc.status_code, str(exc.detail))
 
     # Anything else is a server fault: the client gets JSON like every other answer, without

@@ -19,6 +19,7 @@ from typing import Sequence
 import uvicorn
 
 from jaxsim import plugins
+from jaxsim.cli_io import check_output_file
 from jaxsim.errors import JaxsimError
 from jaxsim.io.store import write_atomic
 from jaxsim.serve.app import create_app
@@ -43,6 +44,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--port-file", type=Path, default=None,
                    help="write the bound port here (a decimal number and a newline)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --port-file")
     p.add_argument("--no-batching", dest="batching", action="store_false",
                    help="one device call per request (for comparison)")
     p.add_argument("--batch-window-ms", type=float, default=defaults.window_ms,
@@ -99,13 +101,19 @@ def serve_main(argv: Sequence[str]) -> int:
                              window_ms=args.batch_window_ms)
     except ValueError as e:
         raise ServeUsageError(str(e)) from None
+    if args.port_file is not None:  # before the model loads
+        check_output_file(args.port_file, args.overwrite, "--port-file")
     service = open_service(args.index, args.model, limits=limits, batching=args.batching)
+    # Compiling takes up to a minute on a CPU: say so, not a silence before the port opens.
+    print(f"loaded {len(service.index)} sentences and model {service.describe()['model']}; "
+          f"compiling the encode shapes (--warm-up-tokens {args.warm_up_tokens}) before the "
+          f"port opens ...", file=sys.stderr, flush=True)
     service.warm_up(args.warm_up_tokens)
     app = create_app(service)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     if args.port_file is not None:
-        write_atomic(args.port_file, f"{port}\n", what="--port-file")
+        write_atomic(args.port_file, f"{port}\n", overwrite=args.overwrite, what="--port-file")
     shown = f"[{host}]" if ":" in host else host
     print(f"serving http://{shown}:{port} ({len(service.index)} sentences, model "
           f"{service.describe()['model']}, batching {'on' if args.batching else 'off'})",

@@ -301,6 +301,8 @@ def _check_type(name: str, value: Any, default: Any) -> None:
     if not ok(value):
         what = {tuple: 'a list of strings', dict: 'a dict'}.get(kind, f'a {kind.__name__}')
         _bad(f'{name} must be {what}, got {value!r}')
+    if kind is int and not -2**63 <= value < 2**63:  # JAX and numpy take 64-bit integers
+        _bad(f'{name} must fit in 64 bits, got {value}')
 
 
 def to_plain(d: Any) -> Any:

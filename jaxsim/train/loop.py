@@ -87,6 +87,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     main = jax.process_index() == 0
     say = functools.partial(_say, progress and main)
     records.check_writable(workdir)
+    records.check_own_files(workdir)
     allow = parse_key_list(allow_changes, extra=records.DERIVED_KEYS)
 
     # ---- 1. inputs, on the host -------------------------------------------------------------
@@ -135,7 +136,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
 
     # ---- 3. train -----------------------------------------------------------------------------
     # One run at a time writes a workdir; process 0 holds its lock for all processes.
-    with hold_workdir(workdir, main, say):
+    with hold_workdir(workdir, main, say), records.undone_if_it_fails_to_start(
+            workdir, main and not decision.resume) as start:
         if main:
             workdir.mkdir(parents=True, exist_ok=True)
             records.remove([workdir / records.RESULT_FILE])
@@ -168,6 +170,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
                                  tensorboard=cfg.tensorboard)
         loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
                      progress and main, build.batch_preparer(cfg, objective, mesh))
+        start.started()
         try:
             loop.run()
             test_at_best = loop.final_test()
@@ -345,9 +348,11 @@ def run_seeds(config: Union[TrainConfig, Mapping], workdir: Union[str, Path],
     """
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_dict(config)
     workdir = store.as_path(workdir, '--workdir')
+    records.check_seeds_workdir(workdir)
+    configs = {int(seed): cfg.replace(seed=int(seed)) for seed in seeds}  # all checked first
     runs = {}
-    for seed in seeds:
-        r = train_and_evaluate(cfg.replace(seed=int(seed)), workdir / f'seed_{seed}',
+    for seed, seed_cfg in configs.items():
+        r = train_and_evaluate(seed_cfg, workdir / f'seed_{seed}',
                                progress=progress, allow_changes=allow_changes)
         runs[int(seed)] = r.to_json()
 
@@ -364,7 +369,7 @@ def run_seeds(config: Union[TrainConfig, Mapping], workdir: Union[str, Path],
                'runs': runs}
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
-        store.write_json(workdir / 'seeds_summary.json', summary)
+        store.write_json(workdir / records.SEEDS_SUMMARY_FILE, summary)
     return summary
 
 

@@ -6,21 +6,36 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
-from jaxsim.train.config import TrainConfig
+from jaxsim.train.config import DEFAULTS, TrainConfig
+
+# The TrainConfig fields the optimizer is built from.
+OPTIMIZER_KEYS = ('optimizer', 'learning_rate', 'warmup_steps', 'weight_decay', 'max_grad_norm',
+                  'adam_b1', 'adam_b2', 'adam_eps')
 
 
-def make_schedule(cfg: TrainConfig, total_steps: int) -> optax.Schedule:
+def hyperparameters(cfg: TrainConfig) -> dict:
+    """The config's optimizer fields (`OPTIMIZER_KEYS`), the keywords of `build_optimizer`."""
+    return {k: getattr(cfg, k) for k in OPTIMIZER_KEYS}
+
+
+def linear_schedule(learning_rate: float, total_steps: int,
+                    warmup_steps: int = DEFAULTS['warmup_steps']) -> optax.Schedule:
     """Linear warmup to `learning_rate`, then linear decay to 0 at `total_steps`.
 
     Update k (0-based) uses schedule(k), as HF's `get_linear_schedule_with_warmup` stepped after
     each optimizer step: the first update uses the full rate when there is no warmup.
     """
-    warmup = min(cfg.warmup_steps, total_steps)
-    decay = optax.linear_schedule(cfg.learning_rate, 0.0, max(total_steps - warmup, 1))
+    warmup = min(warmup_steps, total_steps)
+    decay = optax.linear_schedule(learning_rate, 0.0, max(total_steps - warmup, 1))
     if warmup == 0:
         return decay
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, cfg.learning_rate, warmup), decay], [warmup])
+        [optax.linear_schedule(0.0, learning_rate, warmup), decay], [warmup])
+
+
+def make_schedule(cfg: TrainConfig, total_steps: int) -> optax.Schedule:
+    """`linear_schedule` of a config."""
+    return linear_schedule(cfg.learning_rate, total_steps, cfg.warmup_steps)
 
 
 def decay_mask(params):
@@ -105,9 +120,17 @@ def fused_adamw(schedule: optax.Schedule, *, b1: float, b2: float, eps: float,
     return optax.GradientTransformationExtraArgs(reference.init, update)
 
 
-def make_optimizer(cfg: TrainConfig, total_steps: int) -> optax.GradientTransformation:
-    """Global-norm clipping (when max_grad_norm > 0), then AdamW or plain SGD on the schedule.
-    Its `update` takes the gradients' global norm as `grad_norm=` (optional).
+def build_optimizer(*, total_steps: int, optimizer: str = DEFAULTS['optimizer'],
+                    learning_rate: float = DEFAULTS['learning_rate'],
+                    warmup_steps: int = DEFAULTS['warmup_steps'],
+                    weight_decay: float = DEFAULTS['weight_decay'],
+                    max_grad_norm: float = DEFAULTS['max_grad_norm'],
+                    adam_b1: float = DEFAULTS['adam_b1'], adam_b2: float = DEFAULTS['adam_b2'],
+                    adam_eps: float = DEFAULTS['adam_eps']) -> optax.GradientTransformation:
+    """Global-norm clipping (when max_grad_norm > 0), then AdamW or plain SGD on
+    `linear_schedule(learning_rate, total_steps, warmup_steps)`. Keywords and defaults are the
+    TrainConfig's fields. Its `update` takes the gradients' global norm as `grad_norm=`
+    (optional).
 
     AdamW matches `transformers.AdamW` (bias-corrected moments, decoupled weight decay scaled
     by the learning rate), fused with the clipping (`fused_adamw`: optax's state and
@@ -115,15 +138,21 @@ def make_optimizer(cfg: TrainConfig, total_steps: int) -> optax.GradientTransfor
     fixed multiple of the gradient, which makes cross-mesh comparisons exact up to gradient
     rounding.
     """
-    schedule = make_schedule(cfg, total_steps)
-    if cfg.optimizer != 'sgd':
-        return fused_adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-                           weight_decay=cfg.weight_decay, mask=decay_mask,
-                           max_norm=cfg.max_grad_norm)
+    if optimizer not in ('adamw', 'sgd'):
+        raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+    schedule = linear_schedule(learning_rate, total_steps, warmup_steps)
+    if optimizer != 'sgd':
+        return fused_adamw(schedule, b1=adam_b1, b2=adam_b2, eps=adam_eps,
+                           weight_decay=weight_decay, mask=decay_mask, max_norm=max_grad_norm)
     parts = []
-    if cfg.max_grad_norm > 0:
-        parts.append(clip_by_global_norm(cfg.max_grad_norm))
+    if max_grad_norm > 0:
+        parts.append(clip_by_global_norm(max_grad_norm))
     parts.append(optax.sgd(schedule))
-    if cfg.weight_decay > 0:
-        parts.insert(-1, optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
+    if weight_decay > 0:
+        parts.insert(-1, optax.add_decayed_weights(weight_decay, mask=decay_mask))
     return optax.chain(*parts)
+
+
+def make_optimizer(cfg: TrainConfig, total_steps: int) -> optax.GradientTransformation:
+    """`build_optimizer` from a config's fields (`hyperparameters`)."""
+    return build_optimizer(total_steps=total_steps, **hyperparameters(cfg))

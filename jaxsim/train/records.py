@@ -11,15 +11,19 @@ reader never sees half a file and a killed writer leaves the previous version.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from typing import Any, Iterable, Mapping, Optional, Sequence
+import math
+import re
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
-from jaxsim.errors import JaxsimError
+from jaxsim.errors import USER_ERRORS, JaxsimError
 from jaxsim.io import store
 from jaxsim.io.tb import ScalarWriter
 from jaxsim.io.checkpoint import CHECKPOINT_DIR
-from jaxsim.io.workdir import CONFIG_FILE
+from jaxsim.io.lock import LOCK_FILE
+from jaxsim.io.workdir import CONFIG_FILE, MODEL_FILE, TOKENIZER_DIR
 from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.fingerprint import OPERATIONAL_KEYS, differences, fingerprint, run_defining
 
@@ -27,6 +31,9 @@ METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tb'
 RESULT_FILE = 'result.json'
 RECORD_FORMAT = 'jaxsim-train-run'
+SEEDS_SUMMARY_FILE = 'seeds_summary.json'
+# What an interrupted writer leaves beside its target (jaxsim.io.store's temporary siblings).
+_LEFTOVER = re.compile(r'^\..+\.(tmp|old)-\d+-[0-9a-f]{8}$')
 # Run-defining values that are not config keys: allowed like keys (--allow-change=data).
 # 'code': digests of the source the run executes (`fingerprint.code_digests`).
 DERIVED_KEYS = ('data', 'grad_divisor', 'code')
@@ -46,6 +53,41 @@ def check_writable(workdir: store.Path) -> None:
         store.check_reachable(workdir, '--workdir')
     except store.StorageError as e:
         raise RunMismatchError(str(e)) from None
+
+
+def _foreign(workdir: store.Path, own=lambda name: False) -> list[str]:
+    """Names in `workdir` that no jaxsim run wrote (besides those `own` accepts)."""
+    if not workdir.is_dir():
+        return []
+    return sorted(p.name for p in workdir.iterdir()
+                  if not (p.name == LOCK_FILE or _LEFTOVER.match(p.name) or own(p.name)))
+
+
+def _refuse_foreign(workdir: store.Path, names: list[str]) -> None:
+    if names:
+        shown = ', '.join(names[:3]) + (f' and {len(names) - 3} more' if len(names) > 3 else '')
+        raise RunMismatchError(f'--workdir {workdir} holds files jaxsim did not write ({shown}); '
+                               f'choose an empty or new --workdir')
+
+
+def check_own_files(workdir: store.Path) -> None:
+    """Refuses, before any work, a workdir that holds no run record but other files: a run
+    would replace them (model.json, metrics.jsonl, result.json, ...)."""
+    if (workdir / CONFIG_FILE).exists():
+        return  # a run's (check_workdir compares it) or a foreign config.json (refused there)
+    if (workdir / CHECKPOINT_DIR).is_dir():
+        raise RunMismatchError(f'{workdir}: holds checkpoints but no {CONFIG_FILE}; not a '
+                               f'workdir this run can continue, choose another --workdir')
+    _refuse_foreign(workdir, _foreign(workdir))
+
+
+def check_seeds_workdir(workdir: store.Path) -> None:
+    """The same for `--seeds`: the workdir holds seed_N runs and their summary only."""
+    runs = re.compile(r'^seed_-?\d+$')
+    names = _foreign(workdir, lambda name: bool(runs.match(name)))
+    if len(names) < len(_foreign(workdir)):  # seed_N runs: the summary is theirs
+        names = [n for n in names if n != SEEDS_SUMMARY_FILE]
+    _refuse_foreign(workdir, names)
 
 
 def make_record(cfg: TrainConfig, derived: Mapping[str, Any], run: Mapping[str, Any]) -> dict:
@@ -84,9 +126,28 @@ class Decision:
     changed: dict
 
 
-def _short(value: Any) -> str:
+def _short(value: Any, other: Any = None) -> str:
+    """`value` as JSON in at most 40 characters; cut where it differs from `other`, so two long
+    values that share a beginning do not print alike."""
     text = json.dumps(value)
-    return text if len(text) <= 40 else text[:37] + '...'
+    if len(text) <= 40:
+        return text
+    theirs = json.dumps(other)
+    at = next((i for i, (a, b) in enumerate(zip(text, theirs)) if a != b),
+              min(len(text), len(theirs)))
+    start = max(0, min(at - 10, len(text) - 34))
+    return ('...' if start else '') + text[start:start + 34] + (
+        '...' if start + 34 < len(text) else '')
+
+
+def _change(key: str, old: Any, new: Any) -> str:
+    """'key old -> new'; for dicts (e.g. the data's source, size and digest) the entries that
+    differ, each so."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        keys = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+        if keys:
+            return ', '.join(_change(f'{key}.{k}', old.get(k), new.get(k)) for k in keys)
+    return f'{key} {_short(old, new)} -> {_short(new, old)}'
 
 
 def _code_change(record: Mapping[str, Any], old: Any, new: Any) -> str:
@@ -114,9 +175,7 @@ def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
     """
     old = _read(workdir / CONFIG_FILE)
     if old is None:
-        if (workdir / CHECKPOINT_DIR).is_dir():
-            raise RunMismatchError(f'{workdir}: holds checkpoints but no {CONFIG_FILE}; not a '
-                                   f'workdir this run can continue, choose another --workdir')
+        check_own_files(workdir)
         return Decision(record=record, resume=False, changed={})
     if old.get('format') != RECORD_FORMAT:
         raise RunMismatchError(f'{workdir / CONFIG_FILE}: not a jaxsim train record; choose an '
@@ -127,8 +186,7 @@ def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
     refused = [k for k in changed if k not in allow]
     if refused:
         what = ', '.join(_code_change(record, *changed[k]) if k == 'code' else
-                         f'{k} {_short(changed[k][0])} -> {_short(changed[k][1])}'
-                         for k in refused)
+                         _change(k, *changed[k]) for k in refused)
         raise RunMismatchError(
             f'{workdir} holds a run with other settings ({what}); rerun with the same config, '
             f'use another --workdir, or allow it with --allow-change={",".join(refused)}')
@@ -275,3 +333,31 @@ def remove(paths: Iterable[store.Path]) -> None:
     for p in paths:
         if p.is_file():
             p.unlink()
+
+
+class _Start:
+    def __init__(self):
+        self.training = False
+
+    def started(self) -> None:
+        """From here on the run keeps what it wrote (its first steps may be saved)."""
+        self.training = True
+
+
+@contextlib.contextmanager
+def undone_if_it_fails_to_start(workdir: store.Path, new_run: bool) -> Iterator[_Start]:
+    """For a new run (`new_run`: the workdir held none, see `check_own_files`): what it wrote
+    before training starts (its record, model, tokenizer, an empty checkpoint folder) is
+    removed again when it fails on the way, e.g. a sharding the mesh cannot take. The corrected
+    command is then a new run too, not refused as 'a run with other settings'."""
+    start = _Start()
+    try:
+        yield start
+    except USER_ERRORS:
+        if new_run and not start.training:
+            workdir = store.as_path(workdir)
+            remove([workdir / CONFIG_FILE, workdir / MODEL_FILE, workdir / METRICS_FILE])
+            for folder in (TOKENIZER_DIR, CHECKPOINT_DIR, TENSORBOARD_DIR):
+                if (workdir / folder).is_dir():
+                    (workdir / folder).rmtree()
+        raise

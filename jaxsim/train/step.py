@@ -122,7 +122,7 @@ def rows_stay_on_their_devices(mesh: Mesh):
         x, sharding_lib.batch_sharding(mesh, x.ndim))
 
     def keep_rows(next_fun, args, kwargs, context):
-        if (context.method_name != '__call__' or mesh.shape['tensor'] > 1
+        if (context.method_name != '__call__' or sharding_lib.tensor_parallel(mesh)
                 or not isinstance(context.module, BertLayer)):
             return next_fun(*args, **kwargs)
         return rows(next_fun(rows(args[0]), *args[1:], **kwargs))
@@ -224,7 +224,7 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
             def split(x):  # [B, ...] -> [A, B/A, ...]; micro-batch i = rows i::A
                 x = x.reshape((x.shape[0] // accum, accum) + x.shape[1:]).swapaxes(0, 1)
                 return jax.lax.with_sharding_constraint(
-                    x, NamedSharding(mesh, P(None, ('data', 'fsdp'), *([None] * (x.ndim - 2)))))
+                    x, NamedSharding(mesh, P(None, sharding_lib.BATCH_AXES, *([None] * (x.ndim - 2)))))
 
             micro = jax.tree.map(split, dict(batch))
             first = jax.tree.map(lambda x: x[0], micro)

@@ -128,6 +128,85 @@ def test_errors_are_clear(tmp_path):
         CheckpointOptions(best_mode="top")
 
 
+def _damage(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 8])  # every array in it cut
+
+
+@pytest.mark.parametrize("victim", ["data", "state/_METADATA", "state/manifest.ocdbt"])
+def test_a_damaged_latest_checkpoint_names_its_file_and_the_intact_one(tmp_path, victim):
+    """A truncated file in the latest checkpoint: one line naming the file, and the older
+    checkpoint that still restores with the move that lets a rerun go on from it."""
+    def state(step):  # arrays large enough for a data file of their own
+        w = jax.random.normal(jax.random.key(step), (128, 128))
+        return TrainState(step=jnp.int32(step), params={"w": w}, opt_state={"mu": w * 2},
+                          rng=jax.random.key_data(jax.random.key(step)))
+
+    states = {1: state(1), 2: state(2)}
+    folder = tmp_path / "w" / "checkpoints"
+    with Checkpointer(folder) as ckpt:
+        for step, state in states.items():
+            ckpt.save(step, state, data={"index": step})
+        ckpt.wait_until_finished()
+    if victim == "data":  # the arrays' files of step 2 (orbax writes one or two)
+        damaged = [p for p in (folder / "2" / "state").rglob("d/*")
+                   if p.stat().st_size > 10_000]
+        assert damaged
+    else:
+        damaged = [folder / "2" / victim]
+    for path in damaged:
+        _damage(path)
+    target = abstract_target(jax.eval_shape(lambda: states[2]))
+    aside = tmp_path / "w" / "damaged-step-2"
+    with Checkpointer(folder) as ckpt:
+        for restore in (lambda: ckpt.restore(target=target), ckpt.restore_params):
+            with pytest.raises(CheckpointError) as e:
+                restore()
+            message = str(e.value)
+            assert "\n" not in message and message.startswith(f"{folder / '2'}: cannot ")
+            named = message.split("(damaged file: ")[-1].split(")")[0]
+            assert Path(named) in damaged, message
+            assert message.endswith(
+                f"(damaged file: {named}); the checkpoint of step 1 is intact: move the "
+                f"damaged one aside (mv {folder / '2'} {aside}) and rerun to go on from the "
+                f"checkpoints left"), message
+    (folder / "2").rename(aside)
+    with Checkpointer(folder) as ckpt:
+        restored = ckpt.restore(target=target)
+    assert restored.step == 1 and restored.data == {"index": 1}
+    _assert_tree_equal(restored.state, states[1])
+
+
+def test_reads_a_failed_restore_leaves_pending_are_not_reported(monkeypatch):
+    """Closing orbax's pending read coroutines after a failed restore re-raises the read
+    error into sys.unraisablehook (a TensorStore spec per array, thousands of lines): dropped;
+    any other unraisable exception still reaches the hook installed before."""
+    import types
+
+    import orbax.checkpoint
+
+    from jaxsim import runtime
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    runtime.ignore_orphaned_loop_callbacks()
+    namespace = {}
+    exec(compile("async def _read_shard():\n    pass\n", orbax.checkpoint.__file__, "exec"),
+         namespace)
+    pending = namespace["_read_shard"]()
+    try:
+        error = Exception("Encountered error while reading array index")
+        error.__cause__ = GeneratorExit()
+        sys.unraisablehook(types.SimpleNamespace(exc_value=error, object=pending,
+                                                 exc_traceback=None))
+        assert seen == []
+        other = types.SimpleNamespace(exc_value=ValueError("x"), object=pending,
+                                      exc_traceback=None)
+        sys.unraisablehook(other)
+        assert seen == [other]
+    finally:
+        pending.close()
+
+
 def _run(script: str, devices: int, *args: str) -> subprocess.CompletedProcess:
     env = cpu_devices_env(devices)  # the device count must be set before jax starts
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

@@ -12,6 +12,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 
 import jaxsim
+from jaxsim.io.export import export_model
 from jaxsim.io.hf_folder import ModelLoadError
 from jaxsim.models import st_head
 from tests.conftest import write_tiny_model
@@ -72,3 +73,49 @@ def test_a_dense_module_prints_its_shape_not_its_weights():
                            "'torch.nn.modules.activation.Tanh')")
     assert str(st_head.Dense(np.eye(3), None, "torch.nn.modules.linear.Identity")) == \
         "Dense(3 -> 3, activation='torch.nn.modules.linear.Identity')"
+
+
+def _resave(folder, insert_at, module):
+    """Loads a folder in sentence-transformers, inserts a module and saves it in place (the
+    stale jaxsim_export.json stays)."""
+    modules = list(SentenceTransformer(str(folder), device="cpu"))
+    modules.insert(insert_at, module)
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+
+
+def test_a_resaved_export_follows_its_modules_json(tmp_path):
+    """An export that sentence-transformers re-saves with a Dense added before its Normalize
+    gives sentence-transformers' vectors (not the export's, which the record describes);
+    modules jaxsim cannot apply, or a changed pooler, are refused naming the folder."""
+    write_tiny_model(tmp_path / "base", "bert")
+    model = jaxsim.load_pretrained(tmp_path / "base")
+    export = tmp_path / "st"
+    export_model(model, export, "sentence-transformers", normalize=True)
+    torch.manual_seed(2)
+    _resave(export, 2, st_models.Dense(model.hidden_size, 8))
+    loaded = jaxsim.load_pretrained(export)
+    assert [type(m).__name__ for m in loaded.head] == ["Dense", "Normalize"]
+    got = jaxsim.encode(loaded, SENTENCES)
+    assert got.shape == (len(SENTENCES), 8)
+    np.testing.assert_allclose(got, st_encode(export), atol=ATOL)
+
+    lstm = tmp_path / "lstm"
+    export_model(model, lstm, "sentence-transformers")
+    _resave(lstm, 1, st_models.LSTM(model.hidden_size, 6))
+    with pytest.raises(st_head.HeadError, match=f"^{lstm}/modules.json: modules Transformer, "
+                                                f"LSTM, Pooling do not begin with"):
+        jaxsim.load_pretrained(lstm)
+
+    after = tmp_path / "after"
+    export_model(model, after, "sentence-transformers")
+    _resave(after, 2, st_models.LayerNorm(model.hidden_size))
+    with pytest.raises(st_head.HeadError, match=f"^{after}/modules.json: module .*LayerNorm "
+                                                f"after pooling is not supported"):
+        jaxsim.load_pretrained(after)
+
+    hf = tmp_path / "hf"
+    export_model(model.with_pooler("cls"), hf, "hf")
+    SentenceTransformer(str(hf), device="cpu").save(str(hf))  # mean pooling, not cls
+    with pytest.raises(st_head.HeadError, match=f"^{hf}/modules.json: written after jaxsim's "
+                                                f"hf export"):
+        jaxsim.load_pretrained(hf)

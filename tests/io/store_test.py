@@ -103,3 +103,46 @@ def test_read_json_errors_name_the_file_in_the_callers_type(tmp_path, content, m
         (tmp_path / 'r.json').write_bytes(content)
     with pytest.raises(RecordError, match=message):
         store.read_json(tmp_path / 'r.json', RecordError, 'record')
+
+
+_KILLED_MID_WRITE = """
+import sys
+from jaxsim.io import store
+with store.open_atomic(sys.argv[1], "w") as f:
+    f.write("half")
+    f.flush()
+    print("writing", flush=True)
+    sys.stdin.read()  # until killed
+"""
+
+
+def test_what_a_killed_writer_left_is_removed_by_the_next_write(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "out.txt"
+    repo = Path(__file__).resolve().parents[2]
+    writer = subprocess.Popen([sys.executable, "-c", _KILLED_MID_WRITE, str(out)], cwd=repo,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(repo)))
+    assert writer.stdout.readline() == "writing\n"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".out.txt.tmp-"), left
+    # A live writer's temporary file, and a moved-aside copy whose target is gone, stay.
+    live = tmp_path / f".out.txt.tmp-{os.getpid()}-0123abcd"
+    live.write_text("in progress")
+    aside = tmp_path / f".ix.old-{writer.pid}-0123abcd"
+    aside.mkdir()
+    store.write_atomic(out, "whole")
+    assert out.read_text() == "whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([aside.name, live.name,
+                                                                "out.txt"])
+    store.write_atomic(tmp_path / "ix", "1")
+    assert aside.exists()
+    store.write_atomic(tmp_path / "ix", "2")  # ix exists again: the copy aside is stale now
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "ix", "out.txt"])

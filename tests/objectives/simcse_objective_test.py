@@ -259,6 +259,9 @@ def test_sup_mask_duplicates_matches_numpy_with_the_columns_removed(views):
 
 
 def test_mask_duplicates_needs_ids_and_a_bool():
+    # The config check traces the loss with the ids the step passes: accepted there.
+    assert check_kwargs(get_objective('sup'), {'mask_duplicates': True}) == {
+        'mask_duplicates': True}
     z = jnp.ones((4, 2, 3))
     with pytest.raises(ObjectiveError, match='mask_duplicates needs the batch token ids'):
         get_objective('unsup').loss(z, mask_duplicates=True)

@@ -21,7 +21,9 @@ import pytest
 from jaxsim.models import dropout
 from jaxsim.models.encoder import param_shapes
 from jaxsim.plan import figures as fig
+from jaxsim.io.store import StorageError
 from jaxsim.plan import hlo
+from jaxsim.plan.cli import run_plan
 from jaxsim.plan.chips import CHIPS, TopologyError, parse_topology
 from jaxsim.plan.cli import format_plan
 from jaxsim.plan.planner import make_plan
@@ -268,6 +270,15 @@ def test_plan_command_writes_its_json_and_refuses_bad_input_in_one_line(tmp_path
         assert run.returncode != 0 and "Traceback" not in run.stderr
         last = run.stderr.strip().splitlines()[-1]
         assert says in last, run.stderr[-1000:]
+
+
+def test_plan_json_never_replaces_its_config(tmp_path):
+    config = tmp_path / "c.py"
+    config.write_text(TINY.read_text())
+    with pytest.raises(StorageError, match=f"^--json {config} would overwrite an input "
+                                           f"\\(--config {config}\\)"):
+        run_plan(str(config), [], "v5e:2x2", json_path=str(config), overwrite=True)
+    assert config.read_text() == TINY.read_text()
 
 
 def test_train_py_plans_instead_of_training(tmp_path):

@@ -370,10 +370,19 @@ def test_command_lines_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == f"query: {QUERIES[1]}" and printed[3] == f"query: {QUERIES[2]}"
     assert printed[4].endswith("\t" + CORPUS[1]) and len(printed) == 6
+    # No hit reaches the threshold: said on stderr (like the page), stdout keeps only results.
+    assert cli_main(["search", "--index", str(out), "--query", "zebra quantum invoice",
+                     "--threshold", "0.99"]) == 0
+    assert capsys.readouterr() == ("", "no result: no cosine reaches --threshold 0.99 "
+                                       "(--threshold -1 keeps every hit)\n")
 
     for argv, message in (
             (["search", "--index", str(tmp_path / "none"), "--query", "x"], "not a search index"),
             (["search", "--index", str(out), "--query", "x", "--top-k", "0"], "top_k must be"),
+            (["search", "--index", str(out), "--query", "x", "--threshold", "2"],
+             "--threshold must be in [-1, 1] (a cosine), got 2.0"),
+            (["search", "--index", str(out), "--query", "x", "--threshold", "nan"],
+             "--threshold must be in [-1, 1]"),
             (["index", "--input", str(tmp_path / "missing.txt"), "--out", str(out)],
              "missing.txt")):
         assert cli_main(argv) == 1

@@ -35,6 +35,14 @@ def test_health_names_model_pooler_and_rows(server, served_index):
     assert health["batching"] is True and health["limits"]["max_top_k"] == 100
 
 
+def test_the_compile_before_the_port_opens_is_announced(server):
+    """Up to a minute of compiling on a CPU is said, not a silence until `serving ...`."""
+    log = server.log.read_text()
+    assert f"loaded {CORPUS_SIZE} sentences and model " in log
+    assert log.index("compiling the encode shapes (--warm-up-tokens 12)") < log.index(
+        "serving http://")
+
+
 def test_search_matches_the_library(server, local):
     model, index, sentences = local
     queries = [sentences[3], "A dog runs through a field of flowers."]
@@ -194,6 +202,9 @@ def test_bad_bodies_get_json_errors(server):
         400, {"error": "body: not valid JSON", "field": "body"})
     status, answer = call(server.url, "/search", raw=b'{"queries": ["caf\xe9"]}')  # Latin-1
     assert status == 400 and answer["field"] == "body" and "UTF-8" in answer["error"], answer
+    deep = b"[" * 100_000 + b"]" * 100_000  # valid UTF-8, past the parser's recursion limit
+    assert call(server.url, "/search", raw=deep) == (
+        400, {"error": "body: not valid JSON (nested too deeply)", "field": "body"})
     status, answer = call(server.url, "/search", raw=b'{"queries": ["a"], "threshold": NaN}')
     assert status == 422 and answer["field"] == "threshold"
     status, answer = call(server.url, "/search", raw=b"queries=a",

@@ -45,3 +45,17 @@ def test_a_moved_model_is_named_as_the_one_the_index_records(served_index, tmp_p
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert "moved-away: no such model folder" in lines[0] and "pass --model" in lines[0], lines
+
+
+def test_an_existing_port_file_needs_overwrite(tmp_path):
+    port_file = tmp_path / "notes.txt"
+    port_file.write_text("the user's notes\n")
+    proc = _serve("--index", str(tmp_path / "missing"), "--port-file", str(port_file))
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == (f"error: --port-file {port_file} exists; pass --overwrite to "
+                           f"replace it\n")
+    # With --overwrite the file passes the check (the missing index is refused next).
+    proc = _serve("--index", str(tmp_path / "missing"), "--port-file", str(port_file),
+                  "--overwrite")
+    assert proc.returncode == 1 and "not a search index" in proc.stderr, proc.stderr
+    assert port_file.read_text() == "the user's notes\n"

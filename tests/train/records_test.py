@@ -38,10 +38,25 @@ def test_new_same_other_and_allowed_runs(tmp_path):
     assert allowed.resume and allowed.changed == {'max_steps': (0, 9)}
     assert allowed.record['changes'][-1] == {'at_step': 4, 'allowed': {'max_steps': [0, 9]},
                                              'operational': {}}
-    # Changed training data is a difference too, named 'data'.
-    with pytest.raises(records.RunMismatchError, match=r"\(data \{.*--allow-change=data$"):
+    # Changed training data is a difference too, named 'data': by the entry that differs.
+    with pytest.raises(records.RunMismatchError,
+                       match=r'\(data.sha256 "sha256:aa" -> "sha256:bb"\); .*'
+                             r'--allow-change=data$'):
         records.check_workdir(tmp_path, _record(derived={'data': {**DERIVED['data'],
                                                                   'sha256': 'sha256:bb'}}))
+    # Two long values that begin alike are shown where they differ.
+    digest = 'sha256:' + '0' * 60
+    with pytest.raises(records.RunMismatchError) as e:
+        records.check_workdir(tmp_path, _record(derived={'data': {**DERIVED['data'],
+                                                                  'sha256': digest}}))
+    assert 'data.sha256 "sha256:aa" -> "sha256:0000' in str(e.value)
+    store.write_json(tmp_path / 'config.json', _record(derived={'data': {
+        **DERIVED['data'], 'sha256': digest + 'a'}}))
+    with pytest.raises(records.RunMismatchError) as e:
+        records.check_workdir(tmp_path, _record(derived={'data': {**DERIVED['data'],
+                                                                  'sha256': digest + 'b'}}))
+    old, new = str(e.value).split('(data.sha256 ')[1].split(');')[0].split(' -> ')
+    assert old != new and old.endswith('0a"') and new.endswith('0b"'), (old, new)
 
 
 def test_keys_added_since_the_run_started_count_at_their_default(tmp_path):
@@ -61,6 +76,24 @@ def test_foreign_folders_are_refused(tmp_path):
     (other / 'checkpoints').mkdir(parents=True)
     with pytest.raises(records.RunMismatchError, match='holds checkpoints but no config.json'):
         records.check_workdir(other, _record())
+    # What a run leaves before its record (its lock, an interrupted write's temporary file) is
+    # its own; anything else is the user's.
+    fresh = tmp_path / 'fresh'
+    fresh.mkdir()
+    (fresh / '.lock').write_text('{}')
+    (fresh / '.config.json.tmp-123-0123abcd').write_text('{')
+    assert not records.check_workdir(fresh, _record()).resume
+    (fresh / 'model.json').write_text('{}')
+    with pytest.raises(records.RunMismatchError, match=r'holds files jaxsim did not write '
+                                                       r'\(model.json\)'):
+        records.check_workdir(fresh, _record())
+    seeds = tmp_path / 'seeds'
+    (seeds / 'seed_1').mkdir(parents=True)
+    (seeds / 'seeds_summary.json').write_text('{}')
+    records.check_seeds_workdir(seeds)
+    (seeds / 'run.log').write_text('')
+    with pytest.raises(records.RunMismatchError, match=r'\(run.log\)'):
+        records.check_seeds_workdir(seeds)
     (tmp_path / 'file').write_text('x')
     with pytest.raises(records.RunMismatchError, match='is not a folder'):
         records.check_writable(tmp_path / 'file' / 'run')
@@ -85,6 +118,27 @@ def test_metrics_log_continues_from_the_restored_step(tmp_path):
     assert [r['step'] for r in records.MetricsLog(tmp_path, None, enabled=False).rows] == []
 
 
+def test_a_new_run_that_fails_to_start_is_undone(tmp_path):
+    def write_run(folder):
+        folder.mkdir()
+        for name in ('config.json', 'model.json', 'metrics.jsonl'):
+            (folder / name).write_text('{}')
+        for name in ('tokenizer', 'checkpoints', 'tb'):
+            (folder / name).mkdir()
+            (folder / name / 'f').write_text('x')
+        (folder / '.lock').write_text('{}')
+
+    for new_run, started, kept in ((True, False, ['.lock']), (True, True, None),
+                                   (False, False, None)):
+        folder = tmp_path / f'{new_run}-{started}'
+        write_run(folder)
+        before = sorted(p.name for p in folder.iterdir())
+        with pytest.raises(records.RunMismatchError):
+            with records.undone_if_it_fails_to_start(folder, new_run) as start:
+                if started:
+                    start.started()
+                raise records.RunMismatchError('fails')
+        assert sorted(p.name for p in folder.iterdir()) == (kept or before)
 # ---- code in the fingerprint: the objective's source ---------------------------------------
 
 _LOSS_MODULE = '''

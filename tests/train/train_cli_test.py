@@ -74,11 +74,23 @@ def test_cli_prints_the_summary_and_no_start_up_noise(data, tmp_path):
     (['--config.max_len=100'], 'train config: max_len 100 is more than the 64 tokens'),
     (['--config.eval_max_len=100', '--config.eval_every=1', '--config.senteval_root=SENTEVAL'],
      'train config: eval_max_len must be in [2, 64] for this model, got 100'),
+    # Values the first step or JAX's key would refuse: refused before the workdir is written,
+    # so the corrected rerun is not refused as another run.
+    (['--config.seed=99999999999999999999'],
+     'train config: seed must fit in 64 bits, got 99999999999999999999'),
+    (['--seeds', '1,99999999999999999999'],
+     "--seeds '1,99999999999999999999': 99999999999999999999 is larger than 4294967295"),
+    (['--config.objective_kwargs.temp=0'],
+     "objective 'unsup': temp must be a positive number, got 0"),
+    (['--config', 'YAML'], 'c.yaml: not a Python file; a config file is a .py file defining '
+                           'get_config()'),
 ])
 def test_bad_input_is_one_error_line_and_exit_code_1(data, tmp_path, capsys, args, message):
     base = ['--config', TINY, '--workdir', str(tmp_path / 'w'), '--noprogress',
             f'--config.train_file={data / "corpus.txt"}']
-    args = [a.replace('SENTEVAL', str(data / 'senteval')) for a in args]
+    (tmp_path / 'c.yaml').write_text('seed: 1\n')
+    args = [a.replace('SENTEVAL', str(data / 'senteval')).replace('YAML', str(tmp_path / 'c.yaml'))
+            for a in args]
     assert train.main(base + args) == 1
     out, err = capsys.readouterr()
     assert out == '' and err.count('\n') == 1 and err.startswith('error: '), err
@@ -130,3 +142,45 @@ def test_a_signal_while_the_tokenizer_loads_exits_143(data, tmp_path, capsys, mo
     assert train.main(args) == 143
     out, err = capsys.readouterr()
     assert out == '' and err.startswith('interrupted by SIGTERM') and err.count('\n') == 1, err
+
+
+def test_a_folder_of_the_users_files_is_refused_as_workdir(data, tmp_path, capsys):
+    """Files a run would replace (model.json, metrics.jsonl, result.json) or leave mixed with
+    its own: without jaxsim's run record the workdir must be new or empty."""
+    mine = tmp_path / 'mine'
+    mine.mkdir()
+    names = ('metrics.jsonl', 'model.json', 'result.json', 'notes.txt')
+    for name in names:
+        (mine / name).write_text(f'the user\'s {name}\n')
+    seeds = tmp_path / 'seeds'
+    seeds.mkdir()
+    (seeds / 'seeds_summary.json').write_text('{}')
+    base = ['--config', TINY, '--noprogress', f'--config.train_file={data / "corpus.txt"}']
+    assert train.main(base + ['--workdir', str(mine)]) == 1
+    assert capsys.readouterr().err == (
+        f'error: --workdir {mine} holds files jaxsim did not write (metrics.jsonl, model.json, '
+        f'notes.txt and 1 more); choose an empty or new --workdir\n')
+    assert sorted(p.name for p in mine.iterdir()) == sorted(names)
+    assert all((mine / n).read_text() == f'the user\'s {n}\n' for n in names)
+    assert train.main(base + ['--workdir', str(seeds), '--seeds', '1,2']) == 1
+    assert capsys.readouterr().err == (
+        f'error: --workdir {seeds} holds files jaxsim did not write (seeds_summary.json); '
+        f'choose an empty or new --workdir\n')
+    assert [p.name for p in seeds.iterdir()] == ['seeds_summary.json']
+
+
+def test_a_run_that_fails_before_training_leaves_no_record(data, tmp_path):
+    """A sharding the mesh cannot take is found while the step is built, after the run wrote
+    its record: the record goes again, so the corrected command is a new run, not refused as
+    'a run with other settings'."""
+    from tests.conftest import cpu_devices_env
+
+    workdir = tmp_path / 'w'
+    p = subprocess.run([sys.executable, 'train.py', '--config', TINY, '--workdir', str(workdir),
+                        f'--config.train_file={data / "corpus.txt"}', '--noprogress',
+                        '--config.mesh_tensor=4'],
+                       cwd=REPO, env=cpu_devices_env(4), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 1 and p.stderr.count('\n') == 1, p.stderr[-2000:]
+    assert "its 'vocab' dimension 30522 cannot be split over mesh axes tensor" in p.stderr
+    assert [q.name for q in workdir.iterdir()] == [store.LOCK_FILE]  # released, nothing else

@@ -1,0 +1,176 @@
+"""The pure pieces of jaxsim, in one place: what a custom training loop or experiment needs.
+
+Each name is the piece `train.py`, `encode` and the commands use (imported from the module
+that owns it), or a thin wrapper taking plain arguments; docs/api.md shows each with an
+example, and `examples/custom_loop.py` rebuilds `train.py`'s losses from them.
+
+  load_config(path, **overrides)       a config file -> TrainConfig
+  initial_model(cfg)                   the SentenceModel a run starts from (train.py's init)
+  embed_fn(model) -> (apply, params)   pure `apply(params, ids, mask, types) -> vectors`,
+                                       pooler and sentence-transformers head included
+  tokenize, tokenize_examples          sentences -> padded int32 arrays
+  objective_loss(cfg) -> (loss, views) the configured objective, hyperparameters bound
+  make_loss_fn                         `loss_fn(params, batch, key) -> (loss, aux)`
+  dropout_key, step_key, init_key      the run's keys from its seed, as the train step derives them
+  batches(cfg, tokenizer)              train.py's batches, in train.py's order
+  make_optimizer(**hyperparameters)    the optax optimizer of train.py from plain keywords
+  train_program, make_train_step       the jitted, sharded train step train.py runs
+  create_state, TrainState             its state
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Callable, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxsim import sharding
+from jaxsim.data.batching import tokenize_examples
+from jaxsim.data.pipeline import StreamIterator
+from jaxsim.data.tokenize import TokenBatch, tokenize
+from jaxsim.model import SentenceModel
+from jaxsim.models.encoder import init_params
+from jaxsim.models.st_head import Dense, HeadError, Normalize
+from jaxsim.objectives import check_kwargs, get_objective
+from jaxsim.train import build, optim, step as step_lib
+from jaxsim.train.build import train_program
+from jaxsim.train.config import TrainConfig
+from jaxsim.train.config_files import load_config_file
+from jaxsim.train.state import TrainState, create_state
+from jaxsim.train.step import configure_jax, make_loss_fn, make_train_step
+
+__all__ = ["HEAD_KEY", "TokenBatch", "TrainConfig", "TrainState", "batches", "configure_jax",
+           "create_state", "dropout_key", "embed_fn", "init_key", "initial_model",
+           "load_config", "make_loss_fn", "make_optimizer", "make_train_step",
+           "objective_loss", "optimizer_hyperparameters", "step_key", "tokenize",
+           "tokenize_examples", "train_program"]
+
+# The JAX form of each activation a sentence-transformers Dense module may name
+# (`st_head.ACTIVATIONS` is the NumPy form `jaxsim.encode` applies).
+_JAX_ACTIVATIONS: dict[str, Callable] = {
+    "torch.nn.modules.linear.Identity": lambda x: x,
+    "torch.nn.modules.activation.Tanh": jnp.tanh,
+    "torch.nn.modules.activation.ReLU": jax.nn.relu,
+    "torch.nn.modules.activation.Sigmoid": jax.nn.sigmoid,
+    "torch.nn.modules.activation.GELU": functools.partial(jax.nn.gelu, approximate=False),
+}
+
+HEAD_KEY = "st_head"  # where embed_fn's params hold the Dense modules' weights
+
+
+def load_config(path: Union[str, Path], **overrides) -> TrainConfig:
+    """A config file (`configs/*.py`, or `path.py:arg`) with fields replaced by `overrides`,
+    validated, as `train.py --config path --config.key=value` reads it."""
+    fields = load_config_file(str(path))
+    fields.update(overrides)
+    return TrainConfig.from_dict(fields, source=str(path))
+
+
+def init_key(seed: int) -> jax.Array:
+    """The key the parameters not loaded from a checkpoint are drawn with
+    (`train_program(...).init_key`)."""
+    return jax.random.fold_in(jax.random.key(seed), 1)
+
+
+def dropout_key(seed: int, prng_impl: str = "threefry2x32") -> jax.Array:
+    """The run's dropout key (`train_program(...).dropout_key`, the state's `rng`)."""
+    return step_lib.dropout_key(jax.random.key(seed), prng_impl)
+
+
+def step_key(key: jax.Array, step) -> jax.Array:
+    """The dropout key of update `step` (0-based: the state's step before the update), as the
+    train step derives it from `dropout_key`."""
+    return jax.random.fold_in(key, step)
+
+
+def initial_model(cfg: TrainConfig) -> SentenceModel:
+    """The model a run of `cfg` starts from: its encoder (compute dtype, pooler, dropout), the
+    base checkpoint's weights where it has them and the rest drawn from `init_key(cfg.seed)`,
+    and its tokenizer: the parameters `train.py` starts with."""
+    base = build.load_base(cfg)
+    encoder = build.make_encoder(cfg, base.config)
+    params = init_params(encoder, init_key(cfg.seed), bert_params=base.bert_params,
+                         mlm_params=base.mlm_params)
+    return SentenceModel(encoder=encoder, params=params, tokenizer=base.tokenizer,
+                         path=base.path, max_seq_length=cfg.max_len)
+
+
+def objective_loss(cfg: TrainConfig) -> tuple[Callable, int]:
+    """(`loss(z [B, V, H]) -> (scalar, aux)` with the config's objective_kwargs bound, V: the
+    views it takes), the objective `train.py` optimizes (without the masked-LM term)."""
+    objective = get_objective(cfg.objective)
+    kwargs = check_kwargs(objective, cfg.objective_kwargs)
+    return functools.partial(objective.loss, **kwargs), objective.views
+
+
+def batches(cfg: TrainConfig, tokenizer: Any, mesh=None) -> StreamIterator:
+    """An iterator over train.py's batches of `cfg`, in its order (a function of the seed):
+    this process's rows of each global batch, {'input_ids', 'attention_mask',
+    'token_type_ids'}: int32 [rows, sentences per example, max_len]. `mesh` (default: the
+    config's) decides the rows each process feeds. `.close()` stops its reader threads."""
+    mesh = sharding.config_mesh(cfg) if mesh is None else mesh
+    return StreamIterator(
+        build.open_source(cfg), tokenizer, cfg.max_len, cfg.batch_size, seed=cfg.seed,
+        rows_fn=functools.partial(sharding.process_batch_rows, mesh),
+        process_count=jax.process_count(), last_batch=cfg.last_batch,
+        granularity=sharding.batch_granularity(mesh, cfg))
+
+
+def optimizer_hyperparameters(cfg: TrainConfig) -> dict:
+    """A config's optimizer fields, the keywords of `make_optimizer` (all but total_steps)."""
+    return optim.hyperparameters(cfg)
+
+
+def make_optimizer(**hyperparameters) -> optax.GradientTransformation:
+    """train.py's optimizer from plain keywords: total_steps (required; the linear decay ends
+    there), optimizer ('adamw' or 'sgd'), learning_rate, warmup_steps, weight_decay,
+    max_grad_norm, adam_b1, adam_b2, adam_eps; the others default as a TrainConfig does."""
+    return optim.build_optimizer(**hyperparameters)
+
+
+def _head_params(head) -> dict:
+    return {str(i): {"weight": jnp.asarray(m.weight, jnp.float32),
+                     **({} if m.bias is None else {"bias": jnp.asarray(m.bias, jnp.float32)})}
+            for i, m in enumerate(head) if isinstance(m, Dense)}
+
+
+def embed_fn(model: SentenceModel) -> tuple[Callable, Any]:
+    """(apply, params): a pure function from token ids to the model's sentence vectors.
+
+    `apply(params, input_ids, attention_mask, token_type_ids=None, key=None)` -> [batch, dim]
+    float32: the encoder, its pooler, then the sentence-transformers head (Dense, Normalize)
+    in JAX, as `jaxsim.encode` computes them. ids are [batch, len] int32; `key` turns dropout
+    on (training mode, the pooler's training-only head included). `params` is the model's
+    parameter tree, plus the Dense modules' weights under 'st_head' when it has any (so they
+    can be differentiated too). jit, grad and vmap apply as to any JAX function.
+    """
+    encoder, head = model.encoder, tuple(model.head)
+    for module in head:
+        if not isinstance(module, (Dense, Normalize)) or (
+                isinstance(module, Dense) and module.activation not in _JAX_ACTIVATIONS):
+            raise HeadError(f"embed_fn: no JAX form of the head module {module!r}")
+    params = dict(model.params)
+    if any(isinstance(m, Dense) for m in head):
+        params[HEAD_KEY] = _head_params(head)
+
+    def apply(params, input_ids, attention_mask, token_type_ids=None, key=None):
+        weights = {k: v for k, v in params.items() if k != HEAD_KEY}
+        x = encoder.apply({"params": weights}, input_ids, attention_mask, token_type_ids,
+                          train=key is not None, rngs={} if key is None else {"dropout": key})
+        x = x.astype(jnp.float32)
+        for i, module in enumerate(head):
+            if isinstance(module, Dense):
+                dense = params[HEAD_KEY][str(i)]
+                x = x @ dense["weight"].T
+                if "bias" in dense:
+                    x = x + dense["bias"]
+                x = _JAX_ACTIVATIONS[module.activation](x)
+            else:  # Normalize: torch.nn.functional.normalize
+                x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+        return x
+
+    return apply, params
+

@@ -1,0 +1,112 @@
+"""A fitted flow in a sentence-transformers folder, as a PyTorch module file, and read back.
+
+Export writes `jaxsim_flow.py` (the text of `jaxsim/io/st_flow_torch.py`) at the folder's root
+and a module folder holding the flow's config and parameters; modules.json names
+`jaxsim_flow.JaxsimFlow`, which sentence-transformers imports with `trust_remote_code=True`.
+Only the shipped layers have a PyTorch form there; a flow with any other layer is refused.
+`FlowHead` is the same module read back by `jaxsim.load_pretrained`: it applies the flow with
+jaxsim's own code (`FlowCalibration.apply`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxsim.calibrate.base import Calibration
+from jaxsim.calibrate.flow import FlowCalibration
+from jaxsim.flows.config import FlowConfig
+from jaxsim.flows.couplings import AdditiveCoupling, AffineCoupling
+from jaxsim.flows.layers import FLOW_LAYERS, ActNorm, InvertibleLinear, InvertibleLinearLU, Reverse
+from jaxsim.io import store
+from jaxsim.models.poolers import StModule
+from jaxsim.models.st_head import HeadError
+
+SOURCE = Path(__file__).with_name("st_flow_torch.py")
+SOURCE_FILE = "jaxsim_flow.py"  # the module file's name in an exported folder
+MODULE_TYPE = "jaxsim_flow.JaxsimFlow"
+# The layers jaxsim_flow.py implements, with the classes whose forward it reproduces: a name
+# registered to another class (a user's layer) has no PyTorch form.
+TORCH_LAYERS = {"actnorm": ActNorm, "reverse": Reverse, "linear": InvertibleLinear,
+                "linear_lu": InvertibleLinearLU, "additive_coupling": AdditiveCoupling,
+                "affine_coupling": AffineCoupling}
+_NOT_OPTIONS = ("features", "parent", "name")
+
+
+def has_torch_form(calibration_class: type) -> bool:
+    """Whether export can write calibrations of this class as a PyTorch module."""
+    return isinstance(calibration_class, type) and issubclass(calibration_class, FlowCalibration)
+
+
+def check_layers(config: FlowConfig, what: str) -> None:
+    """Refuses a flow with a layer jaxsim_flow.py does not implement, naming it."""
+    for spec in config.step:
+        if TORCH_LAYERS.get(spec.layer) is not FLOW_LAYERS.get(spec.layer):
+            raise HeadError(f"{what}: flow layer {spec.layer!r} has no PyTorch form for the "
+                            f"sentence-transformers export (it has "
+                            f"{', '.join(TORCH_LAYERS)})")
+
+
+def _layer_options(spec) -> dict[str, Any]:
+    """Every option of a layer, defaults included, so the PyTorch side assumes none."""
+    cls = TORCH_LAYERS[spec.layer]
+    options = {f.name: f.default for f in dataclasses.fields(cls)
+               if f.name not in _NOT_OPTIONS and f.default is not dataclasses.MISSING}
+    options.update(spec.kwargs())
+    return options
+
+
+def flow_module(calibration: Calibration, dim: int) -> StModule:
+    """The sentence-transformers module applying a fitted flow to `dim`-dim vectors."""
+    if not isinstance(calibration, FlowCalibration):
+        raise HeadError(f"calibration {calibration.describe()!r} has no PyTorch form")
+    check_layers(calibration.config, f"calibration {calibration.describe()!r}")
+    if calibration.dim != dim:
+        raise HeadError(f"the flow maps {calibration.dim}-dim vectors; the model gives "
+                        f"{dim}-dim vectors")
+    meta, arrays = calibration.state()
+    config = calibration.config
+    return StModule(MODULE_TYPE, {
+        "dim": calibration.dim, "levels": config.levels, "depth": config.depth,
+        "step": [{"layer": s.layer, "options": _layer_options(s)} for s in config.step],
+        # What jaxsim reads back: the calibration's own saved state.
+        "jaxsim": {"spec": calibration.spec, **meta}}, arrays)
+
+
+def source_text() -> str:
+    """The text of jaxsim_flow.py."""
+    return SOURCE.read_text(encoding="utf-8")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlowHead:
+    """A folder's flow module read back: maps pooled vectors to the flow's latent."""
+
+    calibration: FlowCalibration
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(self.calibration.apply(x), np.float32)
+
+    def __repr__(self) -> str:
+        return f"FlowHead({self.calibration.describe()})"
+
+
+def read_flow(module_dir: Path, read_state_dict: Callable) -> FlowHead:
+    """The flow module of an exported folder (its config.json and weights) as a FlowHead."""
+    config_file = module_dir / "config.json"
+    config = store.read_json(config_file, HeadError, "flow module config")
+    meta = config.get("jaxsim")
+    if not isinstance(meta, dict):
+        raise HeadError(f"{config_file}: no 'jaxsim' entry (the flow as jaxsim saved it)")
+    tensors, source = read_state_dict(module_dir)
+    try:
+        calibration = FlowCalibration.from_state(
+            meta, {k: np.asarray(v, np.float32) for k, v in tensors.items()})
+    except (ValueError, KeyError) as e:
+        raise HeadError(f"{source}: {e}") from None
+    calibration.spec = meta.get("spec") or "flow"
+    check_layers(calibration.config, str(config_file))
+    return FlowHead(calibration)
