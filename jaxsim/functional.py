@@ -10,7 +10,7 @@ example, and `examples/custom_loop.py` rebuilds `train.py`'s losses from them.
                                        pooler and sentence-transformers head included
   tokenize, tokenize_examples          sentences -> padded int32 arrays
   objective_loss(cfg) -> (loss, views) the configured objective, hyperparameters bound
-  make_loss_fn                         `loss_fn(params, batch, key) -> (loss, aux)`
+  make_loss_fn                         `loss_fn(params, batch, key, step=None) -> (loss, aux)`
   dropout_key, step_key, init_key      the run's keys from its seed, as the train step derives them
   batches(cfg, tokenizer)              train.py's batches, in train.py's order
   make_optimizer(**hyperparameters)    the optax optimizer of train.py from plain keywords

@@ -17,10 +17,16 @@ decorated function in the user's own file:
         return loss, {'mean_cos': ...}
 
 and `objective='margin', objective_kwargs={'margin': 0.3}` in a config.
+
+A loss may also take, by name, what the train step knows beside the vectors (CONTEXT_ARGS):
+`ids` (the batch's token ids [batch, sentences per example, len]), `step` (the optimizer step,
+an int32 scalar) and `key` (a PRNG key of its own for this (micro-)batch). Only a loss whose
+signature names one gets it; the signature is read once, when the step is built.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, Mapping
 
@@ -29,6 +35,10 @@ from jaxsim.registry import Registry
 
 # loss(z [batch, views, hidden], **kwargs) -> (scalar loss, {name: scalar})
 LossFn = Callable[..., tuple[Any, Mapping[str, Any]]]
+
+# Arguments the train step passes to a loss that names them (never from objective_kwargs).
+CONTEXT_ARGS = ('ids', 'step', 'key')
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 class ObjectiveError(JaxsimError):
@@ -93,11 +103,41 @@ def get_objective(name: str) -> Objective:
     return OBJECTIVES.get(name)
 
 
+def context_args(loss: LossFn) -> tuple[str, ...]:
+    """The CONTEXT_ARGS `loss` (a function or a functools.partial of one) names after `z`."""
+    try:
+        params = list(inspect.signature(loss).parameters.values())[1:]
+    except (TypeError, ValueError):  # a callable without a readable signature: vectors only
+        return ()
+    named = {p.name for p in params if p.kind in _NAMED}
+    return tuple(n for n in CONTEXT_ARGS if n in named)
+
+
+def with_context(loss: LossFn) -> Callable[..., tuple[Any, Mapping[str, Any]]]:
+    """`call(z, ids=, step=, key=)` -> `loss(z, <those of them loss names>)`.
+
+    The signature is read here, once; a context value that is None is left to the loss's own
+    default. `key` is the (micro-)batch's dropout key: the loss gets `fold_in(key, 2)`, a key
+    of its own (1 is the masked-LM term's).
+    """
+    wanted = context_args(loss)
+
+    def call(z, *, ids=None, step=None, key=None):
+        if key is not None and 'key' in wanted:
+            import jax  # noqa: PLC0415  (the registry itself imports no JAX)
+            key = jax.random.fold_in(key, 2)
+        given = {'ids': ids, 'step': step, 'key': key}
+        return loss(z, **{n: given[n] for n in wanted if given[n] is not None})
+
+    return call
+
+
 def hyperparameters(objective: Objective) -> dict[str, Any]:
-    """The keyword arguments the loss takes after `z`, with their defaults (None: required)."""
+    """The keyword arguments the loss takes after `z`, with their defaults (None: required);
+    the CONTEXT_ARGS it names are not hyperparameters."""
     params = list(inspect.signature(objective.loss).parameters.values())[1:]
     return {p.name: (None if p.default is inspect.Parameter.empty else p.default)
-            for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+            for p in params if p.kind in _NAMED and p.name not in CONTEXT_ARGS}
 
 
 def check_kwargs(objective: Objective, kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,17 +150,24 @@ def check_kwargs(objective: Objective, kwargs: Mapping[str, Any]) -> dict[str, A
     params = list(signature.parameters.values())[1:]
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
     known = hyperparameters(objective)
+    context = sorted(k for k in kwargs if k in CONTEXT_ARGS)
+    if context:
+        raise ObjectiveError(f"objective {objective.name!r}: {', '.join(context)} is passed by "
+                             f"the train step, not objective_kwargs")
     unknown = sorted(k for k in kwargs if k not in known)
     if unknown and not takes_any:
         raise ObjectiveError(
             f"objective {objective.name!r} takes no argument {', '.join(map(repr, unknown))} "
             f"(it takes: {', '.join(known) or 'nothing'})")
     missing = [p.name for p in params if p.default is inspect.Parameter.empty
-               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in kwargs]
+               and p.name in known and p.name not in kwargs]
     if missing:
         raise ObjectiveError(f"objective {objective.name!r} needs objective_kwargs "
                              f"{', '.join(map(repr, missing))}")
     for name, value in kwargs.items():
+        if isinstance(known.get(name), bool) and not isinstance(value, bool):
+            raise ObjectiveError(f"objective {objective.name!r}: {name} must be true or false, "
+                                 f"got {value!r}")
         # A number given as text ('0.05' in a config file) would fail only inside the traced
         # loss, with a TypeError naming no argument.
         if isinstance(known.get(name), (int, float)) and not isinstance(known[name], bool) and (
@@ -138,8 +185,11 @@ def _probe(objective: Objective, kwargs: Mapping[str, Any]) -> None:
     import jax.numpy as jnp
 
     z = jax.ShapeDtypeStruct((4, objective.views, 8), jnp.float32)
-    try:
-        jax.eval_shape(lambda z: objective.loss(z, **kwargs), z)
+    ids = jax.ShapeDtypeStruct((4, objective.views, 5), jnp.int32)
+    loss = with_context(functools.partial(objective.loss, **kwargs))
+    try:  # with what the step passes too (mask_duplicates needs the ids)
+        jax.eval_shape(lambda z, ids: loss(z, ids=ids, step=jnp.zeros((), jnp.int32),
+                                           key=jax.random.key(0)), z, ids)
     except JaxsimError as e:
         raise ObjectiveError(f'objective {objective.name!r}: {e}') from None
     except Exception:  # a loss tied to real shapes: the run's own trace reports it

@@ -9,6 +9,7 @@ Reference: princeton-nlp/SimCSE `simcse/models.py` (`cl_forward`).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,29 +32,68 @@ def cosine_matrix(a: jax.Array, b: jax.Array) -> jax.Array:
                       precision=jax.lax.Precision.HIGHEST)
 
 
-def _cross_entropy_diag(logits: jax.Array) -> jax.Array:
-    """Mean cross-entropy of [N, M] logits where row i's target is column i (M >= N)."""
+def _cross_entropy_diag(logits: jax.Array, masked: Optional[jax.Array] = None) -> jax.Array:
+    """Mean cross-entropy of [N, M] logits where row i's target is column i (M >= N); columns
+    where `masked` [N, M] is True are left out of the softmax (never a row's target)."""
+    if masked is not None:
+        logits = jnp.where(masked, -jnp.inf, logits)
     logp = jax.nn.log_softmax(logits, axis=-1)  # [N, M]
     n = logits.shape[0]
     return -jnp.mean(logp[jnp.arange(n), jnp.arange(n)])
 
 
-def unsup_simcse_loss(z1: jax.Array, z2: jax.Array, temp: float = 0.05) -> jax.Array:
+def _same_text(a: jax.Array, b: jax.Array) -> jax.Array:
+    """[N, L] and [M, L] token ids -> [N, M]: row i of `a` holds the same ids as row j of `b`."""
+    return jnp.all(a[:, None, :] == b[None, :, :], axis=-1)
+
+
+def duplicate_negatives(ids: jax.Array, hard_negatives: bool = False) -> jax.Array:
+    """Which in-batch negatives are the anchor's own text (false negatives), from token ids.
+
+    Column j of row i (example j's positive) is masked when that sentence equals row i's anchor
+    or positive, or when example j's anchor equals row i's anchor (its positive is then a
+    positive of row i too: SNLI repeats premises). With `hard_negatives`, N more columns
+    (example j's hard negative) are masked when that sentence equals row i's anchor or
+    positive. A row's own positive (the diagonal) is never masked.
+
+    Args:
+      ids: [N, D, L] token ids; sentence 0 is the anchor, 1 the positive (D = 1: the sentence
+        is its own positive), 2 the hard negative.
+      hard_negatives: add the hard-negative columns (supervised SimCSE).
+
+    Returns:
+      [N, N] bool, or [N, 2N] with `hard_negatives`.
+    """
+    anchor, positive = ids[:, 0], ids[:, min(1, ids.shape[1] - 1)]
+    own = _same_text(anchor, positive) | _same_text(positive, positive)  # [N, N]
+    masked = own | _same_text(anchor, anchor)
+    masked = masked & ~jnp.eye(ids.shape[0], dtype=bool)
+    if hard_negatives:
+        hard = ids[:, 2]
+        masked = jnp.concatenate([masked, _same_text(anchor, hard) | _same_text(positive, hard)],
+                                 axis=1)
+    return masked
+
+
+def unsup_simcse_loss(z1: jax.Array, z2: jax.Array, temp: float = 0.05,
+                      masked: Optional[jax.Array] = None) -> jax.Array:
     """InfoNCE with in-batch negatives: row i of `z2` is the positive of row i of `z1`.
 
     Args:
       z1: [N, D] first view of each sentence.
       z2: [N, D] second view (same sentences, independent dropout) or a paired sentence.
       temp: softmax temperature (0.05 in the paper).
+      masked: [N, N] bool, negatives left out of the softmax (`duplicate_negatives`).
 
     Returns:
       Scalar float32: cross-entropy of `cos(z1, z2) / temp` with the diagonal as target.
     """
-    return _cross_entropy_diag(cosine_matrix(z1, z2) / temp)  # logits [N, N]
+    return _cross_entropy_diag(cosine_matrix(z1, z2) / temp, masked)  # logits [N, N]
 
 
 def sup_simcse_loss(z1: jax.Array, z2: jax.Array, z3: jax.Array, temp: float = 0.05,
-                    hard_negative_weight: float = 0.0) -> jax.Array:
+                    hard_negative_weight: float = 0.0,
+                    masked: Optional[jax.Array] = None) -> jax.Array:
     """Supervised SimCSE over (premise, entailment, contradiction) triplets.
 
     Each premise is scored against all entailments and all contradictions of the batch. As in
@@ -66,6 +106,7 @@ def sup_simcse_loss(z1: jax.Array, z2: jax.Array, z3: jax.Array, temp: float = 0
       z3: [N, D] contradiction hypotheses (hard negatives).
       temp: softmax temperature.
       hard_negative_weight: additive logit bonus for the matching hard negative.
+      masked: [N, 2N] bool, negatives left out of the softmax (`duplicate_negatives`).
 
     Returns:
       Scalar float32 loss.
@@ -73,7 +114,7 @@ def sup_simcse_loss(z1: jax.Array, z2: jax.Array, z3: jax.Array, temp: float = 0
     n = z1.shape[0]
     pos = cosine_matrix(z1, z2) / temp  # [N, N]
     neg = cosine_matrix(z1, z3) / temp + hard_negative_weight * jnp.eye(n, dtype=jnp.float32)
-    return _cross_entropy_diag(jnp.concatenate([pos, neg], axis=1))  # logits [N, 2N]
+    return _cross_entropy_diag(jnp.concatenate([pos, neg], axis=1), masked)  # logits [N, 2N]
 
 
 def alignment(x: jax.Array, y: jax.Array, alpha: float = 2.0) -> jax.Array:
@@ -122,18 +163,33 @@ def _diagnostics(z: jax.Array) -> dict[str, jax.Array]:
     return {'align': alignment(z[:, 0], z[:, 1]), 'uniform': uniformity(z[:, 0])}
 
 
+def _duplicates(mask_duplicates, ids, hard_negatives: bool) -> Optional[jax.Array]:
+    if not isinstance(mask_duplicates, bool):
+        raise ObjectiveError(f'mask_duplicates must be true or false, got {mask_duplicates!r}')
+    if not mask_duplicates:
+        return None
+    if ids is None:
+        raise ObjectiveError('mask_duplicates needs the batch token ids (the loss\'s ids=)')
+    return duplicate_negatives(ids, hard_negatives)
+
+
 @register_objective('unsup', views=2, from_single=True)
-def unsup(z: jax.Array, temp: float = 0.05):
+def unsup(z: jax.Array, temp: float = 0.05, mask_duplicates: bool = False, *, ids=None):
     """Unsupervised SimCSE: z [B, 2, H], the two views of each sentence (two dropout masks),
-    or a sentence and its paired positive. Returns (loss, {'align', 'uniform'})."""
+    or a sentence and its paired positive. `mask_duplicates` leaves in-batch negatives with
+    the anchor's text out of the softmax (`duplicate_negatives`; needs `ids` [B, D, L]).
+    Returns (loss, {'align', 'uniform'})."""
     _check_temp(temp)
-    return unsup_simcse_loss(z[:, 0], z[:, 1], temp), _diagnostics(z)
+    masked = _duplicates(mask_duplicates, ids, hard_negatives=False)
+    return unsup_simcse_loss(z[:, 0], z[:, 1], temp, masked), _diagnostics(z)
 
 
 @register_objective('sup', views=3)
-def sup(z: jax.Array, temp: float = 0.05, hard_negative_weight: float = 0.0):
-    """Supervised SimCSE: z [B, 3, H] = (premise, entailment, contradiction).
-    Returns (loss, {'align', 'uniform'})."""
+def sup(z: jax.Array, temp: float = 0.05, hard_negative_weight: float = 0.0,
+        mask_duplicates: bool = False, *, ids=None):
+    """Supervised SimCSE: z [B, 3, H] = (premise, entailment, contradiction); mask_duplicates
+    as in `unsup` (ids [B, 3, L]). Returns (loss, {'align', 'uniform'})."""
     _check_temp(temp)
-    loss = sup_simcse_loss(z[:, 0], z[:, 1], z[:, 2], temp, hard_negative_weight)
+    masked = _duplicates(mask_duplicates, ids, hard_negatives=True)
+    loss = sup_simcse_loss(z[:, 0], z[:, 1], z[:, 2], temp, hard_negative_weight, masked)
     return loss, _diagnostics(z)

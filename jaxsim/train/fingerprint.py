@@ -1,13 +1,17 @@
 """What makes two configs the same run: the run-defining fields, their fingerprint, the changes.
 
 A rerun in an existing workdir must compute the same thing; settings in OPERATIONAL_KEYS change
-only how it is executed or logged. Imports no JAX.
+only how it is executed or logged. Code counts too: `code_digests` hashes the source of the
+objective's loss, so an edited loss is another run. Imports no JAX.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
-from typing import Any, Mapping, Sequence
+import types
+from typing import Any, Callable, Mapping, Sequence
 
 from jaxsim.errors import ConfigError
 from jaxsim.train.config import DEFAULTS, TrainConfig, to_plain, unknown_key_message
@@ -48,3 +52,67 @@ def parse_key_list(text: str | Sequence[str], extra: Sequence[str] = ()) -> tupl
         if key not in DEFAULTS and key not in extra:
             raise ConfigError(unknown_key_message(key))
     return keys
+
+
+_CONSTANTS = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _code_objects(code: types.CodeType):
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _text(obj: Any) -> str:
+    """The source of a function or class; without one (defined in a string, a REPL), its
+    bytecode and constants, which still change when it is edited."""
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        code = getattr(obj, '__code__', None)
+        if code is None:
+            return f'{getattr(obj, "__module__", "?")}.{getattr(obj, "__qualname__", obj)!r}'
+        return repr([(c.co_code.hex(), c.co_names,
+                      [k for k in c.co_consts if isinstance(k, _CONSTANTS)])
+                     for c in _code_objects(code)])
+
+
+def source_digest(fn: Callable) -> str:
+    """sha256 of `fn`'s source and of what it uses from its own module: the functions and
+    classes it names (and so on, transitively) and the plain constants (`_EPS = 1e-8`).
+
+    Code elsewhere (jax, numpy, another module) is not followed: a helper moved to another
+    module is not seen. `functools.partial` and decorators are unwrapped.
+    """
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = inspect.unwrap(fn)
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.isclass(fn)):
+        fn = type(fn)  # a callable object: its class holds the code
+    module = getattr(fn, '__module__', None)
+    parts, seen, todo = [], set(), [fn]
+    while todo:
+        obj = todo.pop(0)
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        parts.append(_text(obj))
+        names = getattr(obj, '__globals__', {})
+        code = getattr(obj, '__code__', None)
+        used = [n for c in (_code_objects(code) if code else ()) for n in c.co_names]
+        for name in dict.fromkeys(used):  # first-use order: the same code, the same digest
+            if name not in names:
+                continue
+            value = names[name]
+            if isinstance(value, _CONSTANTS):
+                parts.append(f'{name}={value!r}')
+            elif ((inspect.isfunction(value) or inspect.isclass(value))
+                  and getattr(value, '__module__', None) == module):
+                todo.append(value)
+    return 'sha256:' + hashlib.sha256('\0'.join(parts).encode()).hexdigest()
+
+
+def code_digests(objective: Any) -> dict[str, str]:
+    """The run record's 'code' entry: {'objective': source_digest of its loss}."""
+    return {'objective': source_digest(objective.loss)}

@@ -26,30 +26,32 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsim.models import dropout
 from jaxsim.models.encoder import SentenceEncoder
-from jaxsim.objectives import LossFn
+from jaxsim.objectives import LossFn, with_context
 from jaxsim.sharding import BATCH_AXES
 
 
 def make_cached_grad_fn(encoder: SentenceEncoder, loss: LossFn, views: int, micro_batch_size: int,
                         mesh: Mesh, encode_views: Callable) -> Callable:
-    """`grad_fn(params, batch, key) -> ((loss, aux), grads)`, equal to
+    """`grad_fn(params, batch, key, step=None) -> ((loss, aux), grads)`, equal to
     `jax.value_and_grad(loss(encode_views(...)), has_aux=True)` over the whole batch.
 
     Args:
       encoder: the module.
-      loss: `loss(z [B, V, H]) -> (scalar, aux)`.
+      loss: `loss(z [B, V, H]) -> (scalar, aux)`; one that names `ids`, `step` or `key` gets
+        the whole batch's token ids, the step and its key, as in the one-pass step.
       views: V.
       micro_batch_size: M, examples embedded at once; it divides the batch.
       mesh: the device mesh (micro-batches are split over its batch axes).
       encode_views: `encode_views(encoder, params, batch, key, views) -> z` (the train step's).
     """
     m = micro_batch_size
+    objective = with_context(loss)
 
     def constrain(x: jax.Array, leading: tuple) -> jax.Array:
         spec = P(*leading, *([None] * (x.ndim - len(leading))))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    def grad_fn(params: Any, batch, key: jax.Array):
+    def grad_fn(params: Any, batch, key: jax.Array, step=None):
         b = batch['input_ids'].shape[0]
         if b % m:
             raise ValueError(f'batch of {b} examples is not divisible by micro_batch_size {m}')
@@ -67,7 +69,8 @@ def make_cached_grad_fn(encoder: SentenceEncoder, loss: LossFn, views: int, micr
                         (jnp.arange(chunks), micro))  # [C, M, V, H]
         z = constrain(z.reshape((b,) + z.shape[2:]), (BATCH_AXES,))
         # 2. The whole batch's loss and its gradient with respect to the vectors.
-        (value, aux), dz = jax.value_and_grad(loss, has_aux=True)(z)
+        (value, aux), dz = jax.value_and_grad(
+            lambda v: objective(v, ids=batch['input_ids'], step=step, key=key), has_aux=True)(z)
         value, aux = value.astype(jnp.float32), dict(aux)
         dz = constrain(dz.reshape((chunks, m) + dz.shape[1:]), (None, BATCH_AXES))
 

@@ -37,7 +37,7 @@ from jaxsim.progress import progress_bar
 from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.evaluate import DEV_METRIC, optional_evaluator
-from jaxsim.train.fingerprint import parse_key_list
+from jaxsim.train.fingerprint import code_digests, parse_key_list
 from jaxsim.train.records import TrainResult
 from jaxsim.train.signals import deferred_signals
 from jaxsim.train.state import abstract_state, create_state, param_shardings
@@ -116,7 +116,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     # ---- 2. the workdir's run ---------------------------------------------------------------
     derived = {'data': {'source': source.name, 'examples': it.num_examples,
                         'sha256': pipeline.data_digest(source, base.tokenizer, cfg.max_len)},
-               'grad_divisor': build.grad_divisor(cfg, mesh)}
+               'grad_divisor': build.grad_divisor(cfg, mesh), 'code': code_digests(objective)}
     facts = {'total_steps': total, 'steps_per_epoch': it.steps_per_epoch,
              'dropped_per_epoch': it.dropped_per_epoch, 'base_model': base.path,
              'devices': jax.device_count(), 'processes': jax.process_count(),

@@ -35,7 +35,8 @@ SEEDS_SUMMARY_FILE = 'seeds_summary.json'
 # What an interrupted writer leaves beside its target (jaxsim.io.store's temporary siblings).
 _LEFTOVER = re.compile(r'^\..+\.(tmp|old)-\d+-[0-9a-f]{8}$')
 # Run-defining values that are not config keys: allowed like keys (--allow-change=data).
-DERIVED_KEYS = ('data', 'grad_divisor')
+# 'code': digests of the source the run executes (`fingerprint.code_digests`).
+DERIVED_KEYS = ('data', 'grad_divisor', 'code')
 
 
 class RunMismatchError(JaxsimError):
@@ -149,6 +150,16 @@ def _change(key: str, old: Any, new: Any) -> str:
     return f'{key} {_short(old, new)} -> {_short(new, old)}'
 
 
+def _code_change(record: Mapping[str, Any], old: Any, new: Any) -> str:
+    """'the source of objective 'x' changed (sha256:1a2b3c4d -> sha256:5e6f7a8b)'."""
+    old, new = old or {}, new or {}
+    names = {'objective': (record.get('config') or {}).get('objective')}
+    parts = [f'the source of {part} {names.get(part)!r} changed '
+             f'({str(old.get(part))[:15]} -> {str(new.get(part))[:15]})'
+             for part in sorted(set(old) | set(new)) if old.get(part) != new.get(part)]
+    return ', '.join(parts)
+
+
 def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
                   step: Optional[int] = None) -> Decision:
     """Compares the run about to start with the one stored in `workdir`; writes nothing.
@@ -170,9 +181,12 @@ def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
         raise RunMismatchError(f'{workdir / CONFIG_FILE}: not a jaxsim train record; choose an '
                                f'empty or new --workdir')
     changed = differences(_compared(old), _compared(record))
+    if 'code' not in (old.get('derived') or {}):
+        changed.pop('code', None)  # a run recorded before code was hashed: nothing to compare
     refused = [k for k in changed if k not in allow]
     if refused:
-        what = ', '.join(_change(k, *changed[k]) for k in refused)
+        what = ', '.join(_code_change(record, *changed[k]) if k == 'code' else
+                         _change(k, *changed[k]) for k in refused)
         raise RunMismatchError(
             f'{workdir} holds a run with other settings ({what}); rerun with the same config, '
             f'use another --workdir, or allow it with --allow-change={",".join(refused)}')

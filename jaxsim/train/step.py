@@ -21,7 +21,7 @@ from jaxsim.data.batching import FIELDS
 from jaxsim.data.packing import PACK_INDEX, PACKED_FIELDS, UNPACK_INDEX
 from jaxsim.models.bert import BertLayer
 from jaxsim.models.encoder import SentenceEncoder
-from jaxsim.objectives import LossFn, ObjectiveError
+from jaxsim.objectives import LossFn, ObjectiveError, with_context
 from jaxsim.objectives.mlm import MlmSettings, mlm_term
 from jaxsim.train.config import PRNG_IMPLS
 from jaxsim.train.grad_cache import make_cached_grad_fn
@@ -132,11 +132,15 @@ def rows_stay_on_their_devices(mesh: Mesh):
 
 def make_loss_fn(encoder: SentenceEncoder, loss: LossFn, views: int,
                  mlm: Optional[MlmSettings] = None) -> Callable:
-    """`loss_fn(params, batch, key) -> (loss, aux)`: encode the views, apply the objective,
-    plus `mlm.weight` x the masked-LM term on masked copies of the same sentences (aux 'mlm')."""
+    """`loss_fn(params, batch, key, step=None) -> (loss, aux)`: encode the views, apply the
+    objective, plus `mlm.weight` x the masked-LM term on masked copies of the same sentences
+    (aux 'mlm'). An objective that names `ids`, `step` or `key` also gets the batch's token ids,
+    the step and a key of its own (`jaxsim.objectives.with_context`)."""
+    objective = with_context(loss)
 
-    def loss_fn(params, batch: Batch, key):
-        value, aux = loss(encode_views(encoder, params, batch, key, views))
+    def loss_fn(params, batch: Batch, key, step=None):
+        value, aux = objective(encode_views(encoder, params, batch, key, views),
+                               ids=batch['input_ids'], step=step, key=key)
         value, aux = value.astype(jnp.float32), dict(aux)
         if mlm is not None:
             ids = batch['input_ids']
@@ -164,7 +168,8 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
     Args:
       encoder: the SentenceEncoder (its dtype is the compute dtype).
       loss: `loss(z [B, V, H]) -> (scalar, aux dict)`, the objective with its hyperparameters
-        bound (e.g. `functools.partial(objective.loss, temp=0.05)`).
+        bound (e.g. `functools.partial(objective.loss, temp=0.05)`); if it names `ids`,
+        `step` or `key` it gets them too (see `make_loss_fn`).
       tx: the optimizer.
       views: V, vectors per example the loss takes.
       mesh: the device mesh; the batch is split over its ('data', 'fsdp') axes.
@@ -214,7 +219,7 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng, impl=prng_impl),
                                  state.step)
         if accum == 1:
-            (value, aux), grads = grad_fn(state.params, batch, key)
+            (value, aux), grads = grad_fn(state.params, batch, key, state.step)
         else:
             def split(x):  # [B, ...] -> [A, B/A, ...]; micro-batch i = rows i::A
                 x = x.reshape((x.shape[0] // accum, accum) + x.shape[1:]).swapaxes(0, 1)
@@ -224,12 +229,12 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
             micro = jax.tree.map(split, dict(batch))
             first = jax.tree.map(lambda x: x[0], micro)
             # The aux structure is whatever the objective returns: zeros shaped like it.
-            aux_shape = jax.eval_shape(lambda p, b, k: grad_fn(p, b, k)[0][1],
-                                       state.params, first, key)
+            aux_shape = jax.eval_shape(lambda p, b, k, s: grad_fn(p, b, k, s)[0][1],
+                                       state.params, first, key, state.step)
 
             def body(carry, xs):
                 i, mb = xs
-                (v, a), g = grad_fn(state.params, mb, jax.random.fold_in(key, i))
+                (v, a), g = grad_fn(state.params, mb, jax.random.fold_in(key, i), state.step)
                 acc_g, acc_v, acc_a = carry
                 return (jax.tree.map(jnp.add, acc_g, g), acc_v + v,
                         jax.tree.map(jnp.add, acc_a, a)), None

@@ -29,15 +29,15 @@ PACKING = 'tests/train/packing_test.py'
 FAULTS = (
     # ---- objectives
     Fault('temperature ignored', 'jaxsim/objectives/simcse.py',
-          'return _cross_entropy_diag(cosine_matrix(z1, z2) / temp)',
-          'return _cross_entropy_diag(cosine_matrix(z1, z2))',
+          'return _cross_entropy_diag(cosine_matrix(z1, z2) / temp, masked)',
+          'return _cross_entropy_diag(cosine_matrix(z1, z2), masked)',
           (f'{O}::test_unsup_matches_numpy',)),
     Fault('hard-negative weight off', 'jaxsim/objectives/simcse.py',
           'neg = cosine_matrix(z1, z3) / temp + hard_negative_weight * jnp.eye(n',
           'neg = cosine_matrix(z1, z3) / temp + 0.0 * jnp.eye(n',
           (f'{O}::test_sup_matches_numpy',)),
     Fault('hard negatives left out of the softmax', 'jaxsim/objectives/simcse.py',
-          'return _cross_entropy_diag(jnp.concatenate([pos, neg], axis=1))',
+          'return _cross_entropy_diag(jnp.concatenate([pos, neg], axis=1), masked)',
           'return _cross_entropy_diag(pos)',
           (f'{O}::test_sup_matches_reference_torch_formulation',)),
     Fault('positive is not the diagonal', 'jaxsim/objectives/simcse.py',
@@ -245,6 +245,35 @@ FAULTS = (
           'if not any((Path(folder) / name).is_file() for name in _VOCAB_FILES):',
           'if not any((Path(folder) / name).is_dir() or True for name in _VOCAB_FILES):',
           ('tests/io/tokenizer_load_test.py::test_a_folder_without_vocabulary_is_an_error',)),
+    # ---- objectives that see the batch, code in the run record
+    Fault('duplicate negatives stay in the softmax', 'jaxsim/objectives/simcse.py',
+          'masked = own | _same_text(anchor, anchor)', 'masked = own & ~own',
+          (f'{O}::test_unsup_mask_duplicates_leaves_the_repeated_sentence_out_of_the_softmax',)),
+    Fault('a repeated premise is not a duplicate', 'jaxsim/objectives/simcse.py',
+          'masked = own | _same_text(anchor, anchor)', 'masked = own',
+          (f'{O}::test_sup_mask_duplicates_matches_numpy_with_the_columns_removed',)),
+    Fault('GradCache hands the loss no ids', 'jaxsim/train/grad_cache.py',
+          "lambda v: objective(v, ids=batch['input_ids'], step=step, key=key)",
+          'lambda v: objective(v, step=step, key=key)',
+          ('tests/train/grad_cache_test.py::'
+           'test_cached_gradient_masks_duplicates_across_micro_batches',)),
+    Fault('the objective gets a constant step', 'jaxsim/train/step.py',
+          '(value, aux), grads = grad_fn(state.params, batch, key, state.step)',
+          '(value, aux), grads = grad_fn(state.params, batch, key, jnp.int32(0))',
+          ('tests/train/step_test.py::'
+           'test_an_objective_naming_ids_step_and_key_gets_them_in_every_path',)),
+    Fault('the objective shares the dropout key', 'jaxsim/objectives/base.py',
+          'key = jax.random.fold_in(key, 2)', 'key = key',
+          ('tests/objectives/simcse_objective_test.py::'
+           'test_context_arguments_are_read_from_the_signature_once',)),
+    Fault("the loss's module helpers left out of its code digest", 'jaxsim/train/fingerprint.py',
+          '                todo.append(value)', '                pass',
+          ('tests/train/records_test.py::'
+           'test_the_code_digest_follows_the_loss_its_helpers_and_constants',)),
+    Fault('an edited objective resumes', 'jaxsim/train/loop.py',
+          "'code': code_digests(objective)}", "'code': {}}",
+          ('tests/train/train_smoke_test.py::'
+           'test_an_edited_objective_is_not_resumed_as_the_finished_run',)),
     # ---- the MLM term
     Fault('MLM term does not reach the encoder', 'jaxsim/objectives/mlm.py',
           'logits = mlm_logits(encoder, params, masked,',

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxsim.objectives import (OBJECTIVES, ObjectiveError, check_kwargs, get_objective,
-                               hyperparameters, register_objective)
+from jaxsim.objectives import (OBJECTIVES, ObjectiveError, check_kwargs, context_args,
+                               get_objective, hyperparameters, register_objective, with_context)
 from jaxsim.objectives import simcse as obj
 
 
@@ -84,7 +84,8 @@ def test_registered_objectives_take_b_v_h(views):
     loss, aux = unsup.loss(jnp.stack([_f32(z1), _f32(z2)], axis=1), temp=0.1)
     np.testing.assert_allclose(float(loss), _np_unsup(z1, z2, 0.1), rtol=1e-5)
     np.testing.assert_allclose(float(aux['align']), float(obj.alignment(_f32(z1), _f32(z2))))
-    assert hyperparameters(get_objective('sup')) == {'temp': 0.05, 'hard_negative_weight': 0.0}
+    assert hyperparameters(get_objective('sup')) == {'temp': 0.05, 'hard_negative_weight': 0.0,
+                                                     'mask_duplicates': False}
 
 
 def test_hard_negative_weight_raises_loss(views):
@@ -170,3 +171,134 @@ def test_numeric_hyperparameters_given_as_text_are_refused():
     with pytest.raises(ObjectiveError, match='hard_negative_weight must be a number, got True'):
         check_kwargs(get_objective('sup'), {'hard_negative_weight': True})
     assert check_kwargs(get_objective('sup'), {'temp': 1, 'hard_negative_weight': 0.5})
+
+
+# ---- objectives that see the batch: ids / step / key, and mask_duplicates ------------------
+
+def _np_masked_ce(logits, drop):
+    """Mean over rows of -log softmax at column i, the columns in drop[i] removed by hand."""
+    total = 0.0
+    for i, row in enumerate(logits):
+        keep = [j for j in range(len(row)) if j not in drop[i]]
+        kept = row[keep]
+        target = keep.index(i)
+        m = kept.max()
+        total += -(kept[target] - m - np.log(np.exp(kept - m).sum()))
+    return total / len(logits)
+
+
+def _ids(rows, sentences, length=6, seed=0):
+    return np.random.default_rng(seed).integers(5, 90, (rows, sentences, length)).astype(np.int32)
+
+
+def _unsup_value_and_grad(z, ids, mask):
+    f = lambda z: get_objective('unsup').loss(z, temp=0.05, mask_duplicates=mask, ids=ids)[0]
+    value, grad = jax.value_and_grad(f)(z)
+    return float(value), np.asarray(grad)
+
+
+def test_unsup_mask_duplicates_leaves_the_repeated_sentence_out_of_the_softmax(views):
+    z1, z2, _ = views
+    z = jnp.stack([_f32(z1), _f32(z2)], axis=1)  # [7, 2, 13]
+    ids = _ids(7, 1)
+    ids[4] = ids[1]  # the same sentence twice in the batch
+    masked, _ = _unsup_value_and_grad(z, jnp.asarray(ids), True)
+    plain, _ = _unsup_value_and_grad(z, jnp.asarray(ids), False)
+    logits = _np_cos(z1, z2) / 0.05
+    np.testing.assert_allclose(plain, _np_unsup(z1, z2, 0.05), rtol=1e-5)
+    want = _np_masked_ce(logits, {i: {4} if i == 1 else {1} if i == 4 else set()
+                                  for i in range(7)})
+    np.testing.assert_allclose(masked, want, rtol=1e-5)
+    assert abs(masked - plain) > 1e-3
+    # Paired data (D = 2): a negative equal to the anchor's positive, another with the
+    # anchor's own text as its anchor.
+    ids2 = _ids(7, 2, seed=1)
+    ids2[5, 1] = ids2[0, 1]
+    ids2[6, 0] = ids2[2, 0]
+    got = float(get_objective('unsup').loss(z, mask_duplicates=True, ids=jnp.asarray(ids2))[0])
+    want = _np_masked_ce(logits, {0: {5}, 5: {0}, 2: {6}, 6: {2}, 1: set(), 3: set(),
+                                  4: set()})
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_mask_duplicates_without_duplicates_changes_nothing(views):
+    z1, z2, z3 = (_f32(v) for v in views)
+    z = jnp.stack([z1, z2], axis=1)
+    ids = jnp.asarray(_ids(7, 1))
+    on, g_on = _unsup_value_and_grad(z, ids, True)
+    off, g_off = _unsup_value_and_grad(z, ids, False)
+    assert on == off
+    np.testing.assert_array_equal(g_on, g_off)
+    z3v = jnp.stack([z1, z2, z3], axis=1)
+    ids3 = jnp.asarray(_ids(7, 3))
+    f = lambda z, m: get_objective('sup').loss(z, hard_negative_weight=0.3, mask_duplicates=m,
+                                               ids=ids3)[0]
+    (a, ga), (b, gb) = (jax.value_and_grad(f)(z3v, m) for m in (True, False))
+    assert float(a) == float(b)
+    np.testing.assert_array_equal(np.asarray(ga), np.asarray(gb))
+
+
+def test_sup_mask_duplicates_matches_numpy_with_the_columns_removed(views):
+    z1, z2, z3 = views
+    ids = _ids(7, 3, seed=2)
+    ids[3, 0] = ids[0, 0]   # SNLI: the same premise in two examples
+    ids[6, 2] = ids[2, 1]   # a hard negative with row 2's positive text
+    z = jnp.stack([_f32(v) for v in views], axis=1)
+    got = float(get_objective('sup').loss(z, hard_negative_weight=0.3, mask_duplicates=True,
+                                          ids=jnp.asarray(ids))[0])
+    plain = float(get_objective('sup').loss(z, hard_negative_weight=0.3,
+                                            ids=jnp.asarray(ids))[0])
+    n = 7
+    logits = np.concatenate([_np_cos(z1, z2), _np_cos(z1, z3)], axis=1) / 0.05
+    logits[:, n:] += 0.3 * np.eye(n)
+    drop = {i: set() for i in range(n)}
+    drop[0], drop[3], drop[2] = {3}, {0}, {n + 6}
+    np.testing.assert_allclose(got, _np_masked_ce(logits, drop), rtol=1e-5)
+    np.testing.assert_allclose(plain, _np_sup(z1, z2, z3, 0.05, 0.3), rtol=1e-5)
+    assert abs(got - plain) > 1e-3
+
+
+def test_mask_duplicates_needs_ids_and_a_bool():
+    # The config check traces the loss with the ids the step passes: accepted there.
+    assert check_kwargs(get_objective('sup'), {'mask_duplicates': True}) == {
+        'mask_duplicates': True}
+    z = jnp.ones((4, 2, 3))
+    with pytest.raises(ObjectiveError, match='mask_duplicates needs the batch token ids'):
+        get_objective('unsup').loss(z, mask_duplicates=True)
+    with pytest.raises(ObjectiveError, match="objective 'sup': mask_duplicates must be true or "
+                                             "false, got 'yes'"):
+        check_kwargs(get_objective('sup'), {'mask_duplicates': 'yes'})
+    with pytest.raises(ObjectiveError, match="objective 'unsup': ids is passed by the train "
+                                             "step, not objective_kwargs"):
+        check_kwargs(get_objective('unsup'), {'ids': 1})
+
+
+def test_context_arguments_are_read_from_the_signature_once():
+    seen = []
+
+    def old_style(z, temp=0.1):
+        return jnp.sum(z) * temp, {}
+
+    def wants_all(z, scale=1.0, *, ids, step, key):
+        seen.append((ids, step, key))
+        return jnp.sum(z) * scale, {}
+
+    def wants_step(z, step=None):
+        return jnp.sum(z), {'step': step}
+
+    import functools
+    assert context_args(old_style) == ()
+    assert context_args(functools.partial(wants_all, scale=2.0)) == ('ids', 'step', 'key')
+    assert context_args(wants_step) == ('step',)
+    assert context_args(get_objective('sup').loss) == ('ids',)
+    z, ids, key = jnp.ones((2, 2, 3)), jnp.zeros((2, 1, 4), jnp.int32), jax.random.key(0)
+    # An old-style loss gets the vectors only, whatever the step knows.
+    assert float(with_context(old_style)(z, ids=ids, step=3, key=key)[0]) == pytest.approx(1.2)
+    with_context(wants_all)(z, ids=ids, step=7, key=key)
+    got_ids, got_step, got_key = seen[-1]
+    assert got_ids is ids and got_step == 7
+    # The objective's key is its own, not the dropout key.
+    assert np.array_equal(jax.random.key_data(got_key),
+                          jax.random.key_data(jax.random.fold_in(key, 2)))
+    assert with_context(wants_step)(z, ids=ids)[1]['step'] is None  # its default stands
+    assert hyperparameters(OBJECTIVES.get('unsup')) == {'temp': 0.05, 'mask_duplicates': False}

@@ -139,3 +139,104 @@ def test_a_new_run_that_fails_to_start_is_undone(tmp_path):
                     start.started()
                 raise records.RunMismatchError('fails')
         assert sorted(p.name for p in folder.iterdir()) == (kept or before)
+# ---- code in the fingerprint: the objective's source ---------------------------------------
+
+_LOSS_MODULE = '''
+import jax.numpy as jnp
+from jaxsim.objectives import register_objective
+
+SCALE = 2.0
+
+
+def _helper(z):
+    return jnp.mean(z) * SCALE
+
+
+def unrelated():
+    return 1
+
+
+@register_objective('test_code_obj', views=2, from_single=True, replace=True)
+def code_loss(z, temp=0.1):
+    return _helper(z) / temp, {}
+'''
+
+
+def _load_objective(tmp_path, source):
+    """Writes the user's module and imports it afresh (as a new process would)."""
+    import importlib.util
+    import sys
+    from jaxsim.objectives import get_objective
+    path = tmp_path / 'lab_losses.py'
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location('lab_losses', path)
+    module = importlib.util.module_from_spec(spec)
+    dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no stale .pyc
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = dont_write
+    return get_objective('test_code_obj')
+
+
+def test_the_code_digest_follows_the_loss_its_helpers_and_constants(tmp_path):
+    from jaxsim.train.fingerprint import code_digests
+    first = code_digests(_load_objective(tmp_path, _LOSS_MODULE))
+    assert set(first) == {'objective'} and first['objective'].startswith('sha256:')
+    assert code_digests(_load_objective(tmp_path, _LOSS_MODULE)) == first  # same code, same run
+    # Code the loss does not use is not part of the run.
+    assert code_digests(_load_objective(
+        tmp_path, _LOSS_MODULE.replace('return 1', 'return 10'))) == first
+    for edit in [('/ temp', '/ (2 * temp)'),          # the loss itself
+                 ('* SCALE', '* SCALE + 1.0'),          # a helper of its module
+                 ('SCALE = 2.0', 'SCALE = 2.50')]:      # a constant a helper reads
+        edited = code_digests(_load_objective(tmp_path, _LOSS_MODULE.replace(*edit)))
+        assert edited != first, edit
+
+
+def test_a_loss_without_source_is_hashed_by_its_code():
+    from jaxsim.train.fingerprint import source_digest
+    made = [{}, {}, {}]
+    exec('def f(z, temp=0.1):\n    return z / temp', made[0])
+    exec('def f(z, temp=0.1):\n    return z / temp', made[1])
+    exec('def f(z, temp=0.1):\n    return z * temp', made[2])
+    digests = [source_digest(m['f']) for m in made]
+    assert digests[0] == digests[1] != digests[2]
+
+    class Scaled:  # a callable object: its class's source
+        def __call__(self, z, temp=0.1):
+            return z / temp
+
+    class Shifted:
+        def __call__(self, z, temp=0.1):
+            return z - temp
+
+    assert source_digest(Scaled()) == source_digest(Scaled()) != source_digest(Shifted())
+
+
+def test_an_edited_objective_is_another_run_refused_naming_it(tmp_path):
+    from jaxsim.train.fingerprint import code_digests
+    work = tmp_path / 'w'
+    work.mkdir()
+
+    def record(source):
+        code = code_digests(_load_objective(tmp_path, source))
+        return _record(objective='test_code_obj', derived={'code': code})
+
+    store.write_json(work / 'config.json', records.check_workdir(work, record(_LOSS_MODULE))
+                     .record)
+    assert records.check_workdir(work, record(_LOSS_MODULE)).changed == {}
+    edited = _LOSS_MODULE.replace('/ temp', '/ (2 * temp)')
+    with pytest.raises(records.RunMismatchError) as e:
+        records.check_workdir(work, record(edited))
+    message = str(e.value)
+    assert '\n' not in message
+    assert "(the source of objective 'test_code_obj' changed (sha256:" in message
+    assert message.endswith('--allow-change=code')
+    allowed = records.check_workdir(work, record(edited), allow=('code',), step=2)
+    assert allowed.resume and set(allowed.changed) == {'code'}
+    # A run recorded before code was hashed resumes: there is nothing to compare.
+    old = record(_LOSS_MODULE)
+    del old['derived']['code']
+    store.write_json(work / 'config.json', old)
+    assert records.check_workdir(work, record(edited)).changed == {}

@@ -147,3 +147,55 @@ def test_schedule_is_hf_linear_with_warmup():
     flat = make_schedule(TrainConfig(train_file='x', learning_rate=1e-3), 4)
     np.testing.assert_allclose([float(flat(k)) for k in range(4)], [1e-3, 7.5e-4, 5e-4, 2.5e-4])
     assert isinstance(make_optimizer(cfg, 10), optax.GradientTransformation)
+
+
+def test_an_objective_naming_ids_step_and_key_gets_them_in_every_path():
+    @register_objective('test_context', views=2, from_single=True, replace=True)
+    def with_context(z, temp=0.05, *, ids, step, key):
+        loss, _ = get_objective('unsup').loss(z, temp=temp)
+        return loss, {'step_seen': step.astype(jnp.float32),
+                      'ids_sum': jnp.sum(ids).astype(jnp.float32),
+                      'ids_rows': ids.shape[0] * jnp.ones(()),
+                      'key_draw': jax.random.uniform(key)}
+
+    enc = _encoder(0.0, pooler='avg')
+    batch = _batch(8)
+    root = jax.random.key(1)
+    for accum in (1, 2):
+        state, step = _setup(enc, _sgd(), loss=get_objective('test_context').loss, accum=accum)
+        for k in range(2):
+            state, m = step(state, batch)
+            assert float(m['step_seen']) == k  # the optimizer step, not a constant
+            key = jax.random.fold_in(root, k)
+            if accum == 1:
+                assert float(m['ids_sum']) == float(batch['input_ids'].sum())
+                assert float(m['ids_rows']) == 8.0
+                want = float(jax.random.uniform(jax.random.fold_in(key, 2)))
+            else:  # each micro-batch (rows i::2) sees its own ids and its own key
+                np.testing.assert_allclose(float(m['ids_sum']),
+                                           float(batch['input_ids'].sum()) / 2, rtol=1e-6)
+                assert float(m['ids_rows']) == 4.0
+                want = np.mean([float(jax.random.uniform(jax.random.fold_in(
+                    jax.random.fold_in(key, i), 2))) for i in range(2)])
+            np.testing.assert_allclose(float(m['key_draw']), want, rtol=1e-6)
+    # The same objective through make_loss_fn: the step is the caller's.
+    fn = _jit(make_loss_fn(enc, get_objective('test_context').loss, 2))
+    _, aux = fn(init_params(enc, jax.random.key(0)), batch, jax.random.key(3), jnp.int32(5))
+    assert float(aux['step_seen']) == 5.0
+
+
+def test_mask_duplicates_reaches_the_objective_through_the_loss_fn():
+    enc = _encoder(0.1, pooler='avg')
+    params = init_params(enc, jax.random.key(0))
+    batch = _batch(6)
+    batch['input_ids'][4] = batch['input_ids'][1]  # the same sentence twice
+    key = jax.random.key(3)
+    z = _jit(functools.partial(encode_views, enc, views=2))(params, batch, key)
+    got = {}
+    for mask in (False, True):
+        loss = functools.partial(get_objective('unsup').loss, mask_duplicates=mask)
+        got[mask] = float(_jit(make_loss_fn(enc, loss, 2))(params, batch, key)[0])
+        want = get_objective('unsup').loss(z, mask_duplicates=mask,
+                                           ids=jnp.asarray(batch['input_ids']))[0]
+        np.testing.assert_allclose(got[mask], float(want), rtol=1e-5)
+    assert abs(got[True] - got[False]) > 1e-3

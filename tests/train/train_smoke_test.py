@@ -207,6 +207,21 @@ def test_user_objective_gets_its_hyperparameters_from_the_config(corpus, tmp_pat
     assert (run['steps_per_epoch'], run['dropped_per_epoch']) == (3, 0)
 
 
+def test_an_edited_objective_is_not_resumed_as_the_finished_run(corpus, tmp_path):
+    from tests.train.records_test import _LOSS_MODULE, _load_objective
+    w = tmp_path / 'edited'
+    _load_objective(tmp_path, _LOSS_MODULE)
+    cfg = _cfg(corpus, objective='test_code_obj', max_steps=1, checkpoint=False)
+    assert loop.train_and_evaluate(cfg, w, progress=False).steps == 1
+    code = _strict_json(w / 'config.json')['derived']['code']['objective']
+    assert loop.train_and_evaluate(cfg, w, progress=False).already_finished
+    _load_objective(tmp_path, _LOSS_MODULE.replace('/ temp', '/ (2 * temp)'))
+    with pytest.raises(RunMismatchError, match="the source of objective 'test_code_obj' "
+                                               "changed .*--allow-change=code$"):
+        loop.train_and_evaluate(cfg, w, progress=False)
+    assert _strict_json(w / 'config.json')['derived']['code']['objective'] == code
+
+
 def test_run_seeds_reports_mean_and_sample_std(tmp_path, monkeypatch):
     scores = {1: (80.0, 78.0), 2: (82.0, 79.0), 3: (84.0, 83.0)}
     seen = []
