@@ -85,7 +85,7 @@ def test_roots_none_is_the_default_data_root(tmp_path, monkeypatch):
     rows = runner.evaluate_rows(CountingEncoder(), ['stsb'], None, diagnostics=False)
     assert rows[0].avg == pytest.approx(100 * STSB_TEST, abs=1e-9)
     assert rows[0].details['data_sources'] == {'STSBenchmark': [str(root)]}
-    assert runner.stsb_dev_score(CountingEncoder(), None) == pytest.approx(100 * STSB_DEV)
+    assert runner.stsb_score(CountingEncoder(), None) == pytest.approx(100 * STSB_DEV)
 
 
 def test_each_sentence_encoded_once_across_posts(tmp_path):
