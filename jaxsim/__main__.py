@@ -150,12 +150,13 @@ def export_parser() -> argparse.ArgumentParser:
                    help="default: the source's own (a workdir refuses another one)")
     p.add_argument("--step", default="best", help="workdir checkpoint: best | latest | N")
     p.add_argument("--post", default="none",
-                   help="affine calibration baked in as a Dense module (sentence-transformers "
-                        f"format): {' | '.join(exportable_calibrations())}")
+                   help="calibration baked into the sentence-transformers folder (an affine one "
+                        "as a Dense module, a flow as a PyTorch module file): "
+                        f"{' | '.join(exportable_calibrations())}")
     p.add_argument("--fit-data", type=Path, default=None,
                    help="sentences (one a line, blank lines skipped) to fit --post on")
     p.add_argument("--calibration", type=Path, default=None,
-                   help="a saved affine calibration folder to bake in instead of --post")
+                   help="a saved calibration or flow folder to bake in instead of --post")
     p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="append Normalize (default: as the source sentence-transformers "
                         "folder, else off)")
