@@ -72,7 +72,7 @@ def load_config(path: Union[str, Path], **overrides) -> TrainConfig:
 def init_key(seed: int) -> jax.Array:
     """The key the parameters not loaded from a checkpoint are drawn with
     (`train_program(...).init_key`)."""
-    return jax.random.fold_in(jax.random.key(seed), 1)
+    return build.init_key(seed)
 
 
 def dropout_key(seed: int, prng_impl: str = "threefry2x32") -> jax.Array:
@@ -112,11 +112,7 @@ def batches(cfg: TrainConfig, tokenizer: Any, mesh=None) -> StreamIterator:
     'token_type_ids'}: int32 [rows, sentences per example, max_len]. `mesh` (default: the
     config's) decides the rows each process feeds. `.close()` stops its reader threads."""
     mesh = sharding.config_mesh(cfg) if mesh is None else mesh
-    return StreamIterator(
-        build.open_source(cfg), tokenizer, cfg.max_len, cfg.batch_size, seed=cfg.seed,
-        rows_fn=functools.partial(sharding.process_batch_rows, mesh),
-        process_count=jax.process_count(), last_batch=cfg.last_batch,
-        granularity=sharding.batch_granularity(mesh, cfg))
+    return build.train_batches(cfg, build.open_source(cfg), tokenizer, mesh)
 
 
 def optimizer_hyperparameters(cfg: TrainConfig) -> dict:

@@ -17,6 +17,7 @@ import numpy as np
 from jaxsim import distributed, sharding
 from jaxsim.cpu import warn_if_bf16_emulated
 from jaxsim.data import readers, sources
+from jaxsim.data.pipeline import StreamIterator
 from jaxsim.data.packing import pack_batch
 from jaxsim.errors import ConfigError
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
@@ -213,14 +214,28 @@ class TrainProgram:
     compiler_options: Optional[dict]
 
 
+def init_key(seed: int) -> jax.Array:
+    """The key a run draws the parameters no checkpoint gives with (its dropout key is
+    `step.dropout_key` of the same root)."""
+    return jax.random.fold_in(jax.random.key(seed), 1)
+
+
+def train_batches(cfg: TrainConfig, source: Any, tokenizer: Any, mesh) -> StreamIterator:
+    """A run's batches in its order (a function of the seed): this process's rows of each
+    global batch, read and tokenized ahead of the step."""
+    return StreamIterator(
+        source, tokenizer, cfg.max_len, cfg.batch_size, seed=cfg.seed,
+        rows_fn=functools.partial(sharding.process_batch_rows, mesh),
+        process_count=jax.process_count(), last_batch=cfg.last_batch,
+        granularity=sharding.batch_granularity(mesh, cfg))
+
+
 def train_program(cfg: TrainConfig, encoder: SentenceEncoder, objective: Objective,
                   objective_kwargs: dict, mesh, total_steps: int,
                   mlm: Optional[MlmSettings] = None) -> TrainProgram:
     """The one way a config becomes a train step: training runs it, `plan` compiles it."""
     options = step_lib.compiler_options(cfg.fast_compile)
-    root_key = jax.random.key(cfg.seed)
-    init_key = jax.random.fold_in(root_key, 1)
-    dropout_key = step_lib.dropout_key(root_key, cfg.prng_impl)
+    dropout_key = step_lib.dropout_key(jax.random.key(cfg.seed), cfg.prng_impl)
     tx = optim.make_optimizer(cfg, total_steps)
     shape = state_lib.state_shape(encoder, tx, dropout_key)
     shardings = state_lib.state_shardings(shape, mesh, *param_rules(cfg))
@@ -232,4 +247,5 @@ def train_program(cfg: TrainConfig, encoder: SentenceEncoder, objective: Objecti
         prng_impl=cfg.prng_impl, micro_batch_size=cfg.micro_batch_size,
         packed=bool(cfg.pack_length))
     return TrainProgram(train_step=train_step, tx=tx, state_shape=shape, shardings=shardings,
-                        init_key=init_key, dropout_key=dropout_key, compiler_options=options)
+                        init_key=init_key(cfg.seed), dropout_key=dropout_key,
+                        compiler_options=options)

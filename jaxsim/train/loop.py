@@ -101,11 +101,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     sharding_lib.check_global_batch(cfg.batch_size, mesh, cfg.grad_accum_steps,
                                     cfg.micro_batch_size)
     # Each process reads and tokenizes only the rows its devices hold, ahead of the step.
-    it = pipeline.StreamIterator(
-        source, base.tokenizer, cfg.max_len, cfg.batch_size, seed=cfg.seed,
-        rows_fn=functools.partial(sharding_lib.process_batch_rows, mesh),
-        process_count=jax.process_count(), last_batch=cfg.last_batch,
-        granularity=sharding_lib.batch_granularity(mesh, cfg))
+    it = build.train_batches(cfg, source, base.tokenizer, mesh)
     total = cfg.max_steps or math.ceil(cfg.num_epochs * it.steps_per_epoch)
     model = SentenceModel(encoder=encoder.clone(dtype=jnp.float32, remat="none"), params=None,
                           tokenizer=base.tokenizer, path=str(workdir),
