@@ -31,7 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from jaxsim import runtime, sharding  # noqa: E402
+from jaxsim import sharding  # noqa: E402
+from jaxsim.cli import environment  # noqa: E402
 from jaxsim.models.encoder import init_params  # noqa: E402
 from jaxsim.objectives import get_objective  # noqa: E402
 from jaxsim.train import build, optim, state as state_lib, step as step_lib  # noqa: E402
@@ -114,7 +115,7 @@ def main():
                    help='XLA -O0 (smoke tests: the figures are not those of a default compile)')
     p.add_argument('--json', type=Path, default=None)
     args = p.parse_args()
-    runtime.setup()
+    environment.setup()
     step_lib.configure_jax()
     mesh = sharding.make_mesh()
     rows = []

@@ -6,7 +6,7 @@ import sys as _sys
 # Models won't be available ...") is noise here. Advisories only; its warnings stay.
 _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from jaxsim import interrupts as _interrupts
+from jaxsim.cli import interrupts as _interrupts
 
 # `python -m jaxsim ...` imports this package (and JAX through it) before jaxsim/__main__.py
 # runs (sys.argv[0] is '-m' only during that import). Hold signals back until the command

@@ -6,12 +6,12 @@ Three sources, loaded in this order, each module once per process:
   - `JAXSIM_PLUGINS`: comma-separated modules;
   - `--import MODULE` (repeatable) on train.py, eval.py and every `python -m jaxsim` command.
 A module is a dotted name (importable from sys.path or the current folder) or a path to a
-.py file. `add_import_flag(parser)` declares `--import` and loads all three before the parser
-reads the rest of the command line, so a registered pooler is a valid `--pooler` choice.
+.py file. `jaxsim.cli.cli_io.add_import_flag(parser)` declares `--import` and loads all three
+before the parser reads the rest of the command line, so a registered pooler is a valid
+`--pooler` choice.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.metadata
 import importlib.util
@@ -145,27 +145,3 @@ def imports_in(argv: Iterable[str]) -> list[str]:
         elif arg.startswith(FLAG + "="):
             found.append(arg[len(FLAG) + 1:])
     return found
-
-
-def add_import_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Declares `--import MODULE` on a command's parser. Parsing then loads the plugins
-    (`load_plugins`) before the rest of the command line is read, whatever the flags' order;
-    a failure is the parser's one error line."""
-    parser.add_argument(FLAG, dest="imports", action="append", default=[], metavar="MODULE",
-                        help="a module of your own that registers objectives, poolers, "
-                             "calibrations or flow layers: a dotted name or a .py file; "
-                             f"repeatable (also ${ENV_VAR}, comma-separated)")
-    parse = parser.parse_known_args
-
-    def parse_known_args(args=None, namespace=None):
-        try:
-            load_plugins(imports_in(sys.argv[1:] if args is None else args))
-            parsed = parse(args, namespace)
-            # An abbreviated flag (`--imp M`) escapes the scan above; loaded now, once.
-            load_plugins(parsed[0].imports, environ={}, entry_points=False)
-        except PluginError as e:
-            parser.error(str(e))
-        return parsed
-
-    parser.parse_known_args = parse_known_args
-    return parser

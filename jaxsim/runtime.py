@@ -1,16 +1,12 @@
-"""Process set-up shared by every entry point: environment, log noise, compilation cache.
+"""Process-wide helpers the library calls where noise or cost starts: log filters and the
+persistent compilation cache.
 
-Entry points (`python -m jaxsim`, train.py, eval.py, benchmarks) call `setup()` first, before
-anything initializes a JAX backend or imports transformers. Library code calls the two narrow
-helpers below where the noise starts (`quiet_absl_messages`, `ignore_orphaned_loop_callbacks`)
-so `jaxsim.load_pretrained` is quiet from a notebook too. Nothing here imports jaxsim.
+Library code calls the two narrow helpers (`quiet_absl_messages`, `ignore_orphaned_loop_callbacks`)
+where the noise starts, so `jaxsim.load_pretrained` is quiet from a notebook too; the command
+lines' process set-up (environment variables, then these) is `jaxsim.cli.environment.setup`.
+Nothing here imports jaxsim.
 
-What is silenced, and why:
-  - transformers' "PyTorch was not found" line and its other import-time advice: jaxsim runs
-    JAX models; transformers is used for tokenizers and configs only
-    (TRANSFORMERS_NO_ADVISORY_WARNINGS, TRANSFORMERS_VERBOSITY).
-  - libtpu / XLA C++ INFO and WARNING logs at backend start-up (TPU_MIN_LOG_LEVEL,
-    TPU_STDERR_LOG_LEVEL, TF_CPP_MIN_LOG_LEVEL, GRPC_VERBOSITY). Errors still print.
+What is silenced here, and why:
   - orbax's "Given directory is read only" warning, logged every time a checkpoint folder is
     opened for reading (which is what loading a train workdir does).
   - "RuntimeError: Event loop is closed" tracebacks after a failed checkpoint read: orbax runs
@@ -20,9 +16,6 @@ What is silenced, and why:
     coroutines still pending: closing them makes orbax raise the read error once more, with
     the whole TensorStore spec. The failure itself is raised normally; only these orphaned
     completions are dropped.
-Every environment variable is set with `setdefault`: a value the user exported wins. This
-module owns that list (`QUIET_ENV`); train.py and eval.py apply it first thing, before
-transformers is imported or a JAX backend starts (`quiet_environment`).
 """
 from __future__ import annotations
 
@@ -33,33 +26,6 @@ import sys
 import traceback
 from pathlib import Path
 from typing import Iterator
-
-QUIET_ENV = {
-    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-    "TRANSFORMERS_VERBOSITY": "error",
-    "TF_CPP_MIN_LOG_LEVEL": "1",
-    "TPU_MIN_LOG_LEVEL": "2",
-    "TPU_STDERR_LOG_LEVEL": "2",
-    "GRPC_VERBOSITY": "ERROR",
-}
-
-
-def quiet_environment() -> None:
-    """Sets `QUIET_ENV` where the user has not: before transformers loads or a backend starts."""
-    for name, value in QUIET_ENV.items():
-        os.environ.setdefault(name, value)
-
-
-def setup(compilation_cache: bool = True) -> None:
-    """The one process set-up of an entry point; call it before loading models.
-
-    Args:
-      compilation_cache: turn on the persistent XLA compilation cache.
-    """
-    quiet_environment()
-    ignore_orphaned_loop_callbacks()
-    if compilation_cache:
-        enable_compilation_cache()
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsim import distributed, runtime, sharding as sharding_lib
 from jaxsim.data import pipeline
-from jaxsim.interrupts import Interrupted
+from jaxsim.errors import Interrupted
 from jaxsim.io import store
 from jaxsim.io.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
 from jaxsim.io.lock import hold_workdir

@@ -2,7 +2,7 @@
 
 Inside `deferred_signals()` a signal only sets a flag; the train loop checks it after each step,
 completes any checkpoint in flight, saves the current state and raises
-`jaxsim.interrupts.Interrupted` with the step saved. A second signal while that happens is
+`jaxsim.errors.Interrupted` with the step saved. A second signal while that happens is
 ignored (the save is what makes the resume possible).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import signal
 import threading
 from typing import Iterator, Optional
 
-from jaxsim.interrupts import SIGNALS
+from jaxsim.errors import SIGNALS
 
 
 class StopRequest:

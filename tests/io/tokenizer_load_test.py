@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from jaxsim.interrupts import Interrupted
+from jaxsim.errors import Interrupted
 from jaxsim.io.hf_folder import ModelLoadError, bundled_model_path, load_tokenizer
 
 TEXTS = ["Hello world, this is a Test!", "naïve café déjà vu", "a " * 60, ""]

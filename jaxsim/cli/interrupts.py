@@ -14,6 +14,7 @@ entry point reports it with `report()`. Two places where Python would lose it:
     thread, and it is raised at an ordinary line then. An interrupt lost in another such place
     (a `__del__`) reaches the unraisable-exception hook, which does the same.
 
+`Interrupted` itself is the library's (jaxsim.errors): training raises it with the step saved.
 Nothing here imports JAX or the rest of jaxsim: entry points import it first.
 """
 from __future__ import annotations
@@ -27,23 +28,7 @@ import threading
 import time
 from typing import Optional
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class Interrupted(KeyboardInterrupt):
-    """A command stopped by SIGINT or SIGTERM; `exit_code` is 128 + signum (130 / 143).
-
-    Not an `Exception`: a loader's `except Exception` (which turns library failures into one
-    error line) must let it through. Training sets `step`, the step its saved state is at
-    (None when nothing was saved).
-    """
-
-    def __init__(self, signum: int, step: Optional[int] = None):
-        self.signum, self.step = signum, step
-        self.exit_code = 128 + signum
-        saved = f": state saved at step {step}" if step is not None else ""
-        super().__init__(signal.Signals(signum).name + saved)
-
+from jaxsim.errors import SIGNALS, Interrupted
 
 def block() -> None:
     """Holds SIGINT/SIGTERM back (start-up); `install()` delivers any that arrived meanwhile."""

@@ -1,21 +1,21 @@
-"""runtime: the one list of library-quieting variables, applied without overriding the user's."""
+"""jaxsim.cli.environment: the one list of library-quieting variables, applied without overriding the user's."""
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from jaxsim import runtime
+from jaxsim.cli import environment
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_quiet_environment_sets_what_is_missing_and_keeps_what_the_user_set(monkeypatch):
-    for name in runtime.QUIET_ENV:
+    for name in environment.QUIET_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv('TF_CPP_MIN_LOG_LEVEL', '0')  # the user wants XLA's INFO lines
-    runtime.quiet_environment()
+    environment.quiet_environment()
     assert os.environ['TF_CPP_MIN_LOG_LEVEL'] == '0'
-    for name, value in runtime.QUIET_ENV.items():
+    for name, value in environment.QUIET_ENV.items():
         if name != 'TF_CPP_MIN_LOG_LEVEL':
             assert os.environ[name] == value, name
 
@@ -28,9 +28,9 @@ def test_importing_train_or_eval_script_applies_the_list():
             "spec = importlib.util.spec_from_file_location('script', {path!r})\n"
             "module = importlib.util.module_from_spec(spec)\n"
             "spec.loader.exec_module(module)\n"
-            "from jaxsim import runtime\n"
-            "print(all(os.environ.get(k) == v for k, v in runtime.QUIET_ENV.items()))\n")
-    env = {k: v for k, v in os.environ.items() if k not in runtime.QUIET_ENV}
+            "from jaxsim.cli import environment\n"
+            "print(all(os.environ.get(k) == v for k, v in environment.QUIET_ENV.items()))\n")
+    env = {k: v for k, v in os.environ.items() if k not in environment.QUIET_ENV}
     for script in ('train.py', 'eval.py'):
         out = subprocess.run([sys.executable, '-c', code.format(repo=str(REPO),
                                                                 path=str(REPO / script))],

@@ -1,16 +1,18 @@
 """What the command lines share: reading sentence inputs (a file or `-` for stdin), seed lists,
-declaring and checking output targets before any work, and running a command with the one
-error / interrupt report.
+declaring and checking output targets before any work, the `--import` flag, and running a
+command with the one error / interrupt report.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
-from jaxsim import interrupts
+from jaxsim import plugins
+from jaxsim.cli import interrupts
 from jaxsim.data.readers import DataError, decode_text, read_text
 from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS, JaxsimError
 from jaxsim.io import store
@@ -21,8 +23,25 @@ STDIN = "-"
 MAX_SEED = 2**32 - 1
 
 
-class OptionError(JaxsimError):
-    """A command-line value that cannot be used; the message names the option."""
+class UsageError(JaxsimError):
+    """A bad command line (unknown option, missing argument, a value that cannot be used); the
+    message names the option."""
+
+
+@contextlib.contextmanager
+def usage_errors_as_exceptions() -> Iterator[None]:
+    """argparse prints usage and exits 2 on a bad option; here every command's parser raises
+    UsageError instead, so all errors share the one `error: ...` line and exit status."""
+
+    def error(parser: argparse.ArgumentParser, message: str):
+        raise UsageError(f"{message} (see {parser.prog} --help)")
+
+    saved = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = saved
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -31,14 +50,14 @@ def parse_seeds(text: str) -> list[int]:
     for part in str(text).split(","):
         part = part.strip()
         if not (part.isascii() and part.isdigit()):
-            raise OptionError(f"--seeds {text!r}: {part!r} is not a non-negative integer "
-                              "(expected e.g. --seeds 0,1,2)")
+            raise UsageError(f"--seeds {text!r}: {part!r} is not a non-negative integer "
+                             "(expected e.g. --seeds 0,1,2)")
         if int(part) > MAX_SEED:
-            raise OptionError(f"--seeds {text!r}: {part} is larger than {MAX_SEED} (seeds are "
-                              "32-bit: NumPy and JAX keys take no more)")
+            raise UsageError(f"--seeds {text!r}: {part} is larger than {MAX_SEED} (seeds are "
+                             "32-bit: NumPy and JAX keys take no more)")
         seeds.append(int(part))
     if len(set(seeds)) != len(seeds):
-        raise OptionError(f"--seeds {text!r}: a seed is listed twice")
+        raise UsageError(f"--seeds {text!r}: a seed is listed twice")
     return seeds
 
 
@@ -49,6 +68,31 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
+
+
+def add_import_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Declares `--import MODULE` on a command's parser. Parsing then loads the plugins
+    (`plugins.load_plugins`) before the rest of the command line is read, whatever the flags'
+    order; a failure is the parser's one error line."""
+    parser.add_argument(plugins.FLAG, dest="imports", action="append", default=[],
+                        metavar="MODULE",
+                        help="a module of your own that registers objectives, poolers, "
+                             "calibrations or flow layers: a dotted name or a .py file; "
+                             f"repeatable (also ${plugins.ENV_VAR}, comma-separated)")
+    parse = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        try:
+            plugins.load_plugins(plugins.imports_in(sys.argv[1:] if args is None else args))
+            parsed = parse(args, namespace)
+            # An abbreviated flag (`--imp M`) escapes the scan above; loaded now, once.
+            plugins.load_plugins(parsed[0].imports, environ={}, entry_points=False)
+        except plugins.PluginError as e:
+            parser.error(str(e))
+        return parsed
+
+    parser.parse_known_args = parse_known_args
+    return parser
 
 
 def read_input_text(path: Union[str, Path]) -> tuple[str, str]:
