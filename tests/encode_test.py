@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxsim
-from jaxsim.__main__ import main as cli_main
+from jaxsim.cli.main import main as cli_main
 from jaxsim.data import encode_layout
 from jaxsim.data.tokenize import bucket_length
 from jaxsim.models.bert import BertConfig

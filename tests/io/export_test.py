@@ -21,7 +21,7 @@ from sentence_transformers import SentenceTransformer
 
 import jaxsim
 from jaxsim import calibrate
-from jaxsim.__main__ import main as cli_main
+from jaxsim.cli.main import main as cli_main
 from jaxsim.io import export as export_lib
 from jaxsim.io.pretrained import bundled_model_path
 from jaxsim.models.bert import BertModel

@@ -15,7 +15,7 @@ import pytest
 
 import jaxsim
 from configs.tiny_unsup_simcse import get_config
-from jaxsim.__main__ import main as cli_main
+from jaxsim.cli.main import main as cli_main
 from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.train import loop
 from jaxsim.train.config import TrainConfig, base_config

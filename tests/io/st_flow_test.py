@@ -17,7 +17,7 @@ from sentence_transformers import SentenceTransformer
 
 import jaxsim
 from jaxsim import calibrate
-from jaxsim.__main__ import main as cli_main
+from jaxsim.cli.main import main as cli_main
 from jaxsim.calibrate.flow import FlowCalibration, resolve_config
 from jaxsim.flows import FLOW_LAYERS, layer
 from jaxsim.flows.layers import Reverse

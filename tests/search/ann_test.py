@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxsim.__main__ import main as jaxsim_main
+from jaxsim.cli.main import main as jaxsim_main
 from jaxsim.search import IndexFileError, ModelMismatchError, SearchError, build_index, load_index
 from jaxsim.search.index import SearchIndex
 

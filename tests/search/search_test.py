@@ -17,7 +17,7 @@ import pytest
 
 import jaxsim
 from jaxsim import sharding
-from jaxsim.__main__ import main as cli_main
+from jaxsim.cli.main import main as cli_main
 from jaxsim.search import topk
 from jaxsim.search import (IndexFileError, IndexInfo, ModelMismatchError, SearchError,
                            SearchIndex, VectorError, build_index, load_index, similarity)
