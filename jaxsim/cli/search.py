@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from jaxsim import cli_io
-from jaxsim import plugins
+from jaxsim.cli import cli_io
 from jaxsim.data.tokenize import token_ids
 from jaxsim.io.hf_folder import ModelLoadError
 from jaxsim.io.pretrained import bundled_model_path, load_pretrained
@@ -56,7 +55,7 @@ def index_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", choices=METHODS, default="exact",
                         help="exact (default; sharded device search) or approximate through "
                              "faiss: ivf | hnsw (pip install 'jaxsim[ann]')")
-    return plugins.add_import_flag(parser)
+    return cli_io.add_import_flag(parser)
 
 
 def index_main(argv: Sequence[str]) -> int:
@@ -93,7 +92,7 @@ def search_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None,
                         help="model to encode queries with (default: the index's; checked)")
     parser.add_argument("--batch-size", type=int, default=64)
-    return plugins.add_import_flag(parser)
+    return cli_io.add_import_flag(parser)
 
 
 def search_main(argv: Sequence[str]) -> int:
