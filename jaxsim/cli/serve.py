@@ -16,14 +16,23 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import uvicorn
-
-from jaxsim import plugins
-from jaxsim.cli_io import check_output_file
+from jaxsim.cli import cli_io
+from jaxsim.cli.cli_io import check_output_file
 from jaxsim.errors import JaxsimError
 from jaxsim.io.store import write_atomic
-from jaxsim.serve.app import create_app
-from jaxsim.serve.service import SearchService, ServeLimits, open_service
+from jaxsim.serve.service import ServeLimits, open_service
+
+# The HTTP stack is the [serve] extra (pip install 'jaxsim[serve]'), not the core install: a
+# process without it runs every other command, and this one says what to install.
+SERVE_EXTRA = ("fastapi", "starlette", "pydantic", "uvicorn", "httptools", "orjson")
+try:
+    from jaxsim.serve import server
+except ModuleNotFoundError as e:
+    if (e.name or "").split(".")[0] not in SERVE_EXTRA:
+        raise
+    server, MISSING = None, e.name
+else:
+    MISSING = None
 
 
 class ServeUsageError(JaxsimError):
@@ -61,11 +70,11 @@ def serve_parser() -> argparse.ArgumentParser:
                         "before serving (0: only the one-query shape)")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
-    return plugins.add_import_flag(p)
+    return cli_io.add_import_flag(p)
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port, handed to uvicorn (which then never binds itself)."""
+    """A listening socket on host:port, handed to the server (which then never binds itself)."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -78,21 +87,11 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, but on a stop request the requests still queued are answered 503 at once
-    (the batch being computed finishes) instead of waiting out the graceful-shutdown time."""
-
-    def __init__(self, config: uvicorn.Config, service: SearchService):
-        super().__init__(config)
-        self.service = service
-
-    async def shutdown(self, sockets=None) -> None:
-        self.service.batcher.close(timeout=0)
-        await super().shutdown(sockets)
-
-
 def serve_main(argv: Sequence[str]) -> int:
     args = serve_parser().parse_args(argv)
+    if server is None:
+        raise ServeUsageError(f"python -m jaxsim serve needs the serve extra (no module named "
+                              f"{MISSING!r}): pip install 'jaxsim[serve]'")
     if not 0 <= args.port <= 65535:
         raise ServeUsageError(f"--port must be in [0, 65535], got {args.port}")
     try:
@@ -109,7 +108,7 @@ def serve_main(argv: Sequence[str]) -> int:
           f"compiling the encode shapes (--warm-up-tokens {args.warm_up_tokens}) before the "
           f"port opens ...", file=sys.stderr, flush=True)
     service.warm_up(args.warm_up_tokens)
-    app = create_app(service)
+    app = server.create_app(service)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     if args.port_file is not None:
@@ -118,17 +117,13 @@ def serve_main(argv: Sequence[str]) -> int:
     print(f"serving http://{shown}:{port} ({len(service.index)} sentences, model "
           f"{service.describe()['model']}, batching {'on' if args.batching else 'off'})",
           flush=True)
-    # httptools (a dependency) parses HTTP; no access log: a line per request costs the event
-    # loop more than routing the request does.
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                            lifespan="on", http="httptools", access_log=False)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM (requests in flight finish, queued ones
     # get 503), then re-raises the signal to the handler it found: this one, so a requested
     # stop ends with one line and the shell's status (130 / 143) rather than death by signal.
     received = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: received.append(signum))
-    _Server(config, service).run(sockets=[sock])
+    server.run(app, service, sock, log_level=args.log_level)
     stats = service.batcher.stats
     reason = signal.Signals(received[0]).name if received else "server exited"
     print(f"stopped ({reason}) after {stats.requests} requests in {stats.batches} batches",
