@@ -23,9 +23,9 @@ from jaxsim.models.encoder import param_shapes
 from jaxsim.plan import figures as fig
 from jaxsim.io.store import StorageError
 from jaxsim.plan import hlo
-from jaxsim.plan.cli import run_plan
+from jaxsim.cli.plan import run_plan
 from jaxsim.plan.chips import CHIPS, TopologyError, parse_topology
-from jaxsim.plan.cli import format_plan
+from jaxsim.cli.plan import format_plan
 from jaxsim.plan.planner import make_plan
 from jaxsim.sharding import MeshError, ShardingError
 from jaxsim.train import build

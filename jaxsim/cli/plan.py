@@ -19,8 +19,7 @@ from typing import Optional, Sequence
 
 import jax
 
-from jaxsim import cli_io
-from jaxsim import plugins
+from jaxsim.cli import cli_io
 from jaxsim.io import store
 from jaxsim.plan.chips import parse_topology
 from jaxsim.plan.planner import make_plan
@@ -50,7 +49,7 @@ def plan_parser() -> argparse.ArgumentParser:
                         '(train_step.hlo, encode.hlo): what its bytes and collectives are')
     p.add_argument('--no-search', dest='search', action='store_false',
                    help='one compile: no largest-batch estimate, no settings that fit')
-    return plugins.add_import_flag(p)
+    return cli_io.add_import_flag(p)
 
 
 def parse_plan_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -173,6 +172,3 @@ def format_plan(r: dict) -> str:
     lines.append('(the compiler\'s estimates and the chip\'s published peaks, not measurements)')
     return '\n'.join(lines)
 
-
-if __name__ == '__main__':  # pragma: no cover
-    sys.exit(plan_main(sys.argv[1:]))
