@@ -314,29 +314,3 @@ def build_unsup_corpus(senteval_root: str | Path, out_path: str | Path,
     sentences = collect_corpus(senteval_root, files, min_words)
     out_path.write_text('\n'.join(sentences) + '\n', encoding='utf-8')
     return out_path
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m jaxsim.data.readers snli-csv SNLI_DIR OUT.csv` or `corpus ROOT OUT.txt`."""
-    import argparse
-    ap = argparse.ArgumentParser(prog='python -m jaxsim.data.readers')
-    sub = ap.add_subparsers(dest='cmd', required=True)
-    a = sub.add_parser('snli-csv', help='SentEval SNLI -> sent0,sent1,hard_neg CSV')
-    a.add_argument('snli_dir')
-    a.add_argument('out')
-    a.add_argument('--splits', default='dev,test')
-    b = sub.add_parser('corpus', help='SentEval text files -> one sentence per line')
-    b.add_argument('senteval_root')
-    b.add_argument('out')
-    args = ap.parse_args(argv)
-    if args.cmd == 'snli-csv':
-        rows = build_snli_triplets(args.snli_dir, args.splits.split(','))
-        print(f'{write_nli_csv(rows, args.out)}: {len(rows)} triplets')
-    else:
-        out = build_unsup_corpus(args.senteval_root, args.out)
-        print(f'{out}: {len(out.read_text().splitlines())} sentences')
-    return 0
-
-
-if __name__ == '__main__':
-    raise SystemExit(main())
