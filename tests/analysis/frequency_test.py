@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import cdist
 
-from jaxsim.__main__ import main as jaxsim_main
-from jaxsim.eval.frequency import (analyze, count_tokens, frequency_table, knn_distances,
+from jaxsim.cli.main import main as jaxsim_main
+from jaxsim.analysis.frequency import (analyze, count_tokens, frequency_table, knn_distances,
                                    rank_tokens, token_embeddings)
 from jaxsim.paths import SENTEVAL_ROOT
 

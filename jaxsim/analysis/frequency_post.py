@@ -7,6 +7,8 @@ they live in the same space (same size: no projection head). The question it ans
 BERT-flow's: does the calibration undo the frequency bias (rare tokens far from the origin
 and sparse, frequent ones near it and dense)?
 
+`analyze_model` runs the whole analysis of a loaded model (`python -m jaxsim analyze`).
+
 Beside each table, the diagnostics of the sentence vectors themselves before and after:
 anisotropy (mean cosine over all pairs of distinct sentences, `diagnostics.mean_random_cosine`),
 the singular-value spectrum, its top direction's share of the energy and its effective rank
@@ -19,14 +21,16 @@ import dataclasses
 import os
 import pathlib
 import re
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from jaxsim import calibrate
 from jaxsim.errors import JaxsimError
-from jaxsim.eval import diagnostics
-from jaxsim.eval.frequency import PAPER_BUCKETS, frequency_table
+from jaxsim.analysis.frequency import (PAPER_BUCKETS, count_tokens, frequency_table, rank_tokens,
+                                       token_embeddings)
+from jaxsim.eval import diagnostics, runner
 
 FitFn = Callable[..., calibrate.Calibration]
 
@@ -133,3 +137,28 @@ def plot_spectra(result: dict, path: str | os.PathLike) -> pathlib.Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def analyze_model(model: Any, sentences: Sequence[str], unique: Sequence[str],
+                  posts: Sequence[str], buckets: Sequence[int], k: int, tb: str | None) -> dict:
+    """The analysis of a loaded model: counts on `sentences`, calibrations and diagnostics on
+    the vectors of the `unique` sentences (encoded, and for flows noised, as eval.py does)."""
+    t0 = time.perf_counter()
+    counts = count_tokens(model.tokenizer, sentences)
+    ranked = rank_tokens(counts)
+    vectors = runner.make_encoder(model)(unique)
+    encode_s = time.perf_counter() - t0
+    noisy = runner.make_noisy_encoder(model)
+    # eval.py's fit options: seed 0; flows fit on dropout-noised vectors of the same sentences.
+    options = {"seed": 0, "embed": lambda key: noisy(list(unique), key)}
+    post = analyze_calibrations(
+        token_embeddings(model), ranked, vectors, posts, buckets=buckets, k=k,
+        options=options, tb_dir=tb)
+    return {"model": str(model.path), "sentences": len(sentences),
+            "unique_sentences": len(unique), "tokens_counted": int(counts.sum()),
+            "tokens_ranked": int(len(ranked)), "k": k, **post["raw"],
+            "most_frequent": [model.tokenizer.convert_ids_to_tokens(int(i))
+                              for i in ranked[:20]],
+            "calibrations": post["calibrations"],
+            "timing": {"encode_s": round(encode_s, 2),
+                       "total_s": round(time.perf_counter() - t0, 2)}}

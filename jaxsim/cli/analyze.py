@@ -1,5 +1,5 @@
 """Command line `python -m jaxsim analyze`: BERT-flow's frequency analysis of a model's token
-embeddings (see `jaxsim.eval.frequency`).
+embeddings (the analysis: `jaxsim.analysis`).
 
     python -m jaxsim analyze --corpus sentences.txt --out DIR [--model M] [--k 3]
         [--post whitening --post flow ...] [--tb DIR]
@@ -7,23 +7,21 @@ embeddings (see `jaxsim.eval.frequency`).
 Writes DIR/frequency.json (the table, per rank bucket: tokens, mean L2 norm, mean distance to
 the k nearest neighbours; the sentence vectors' anisotropy and spectrum; the same after each
 --post calibration, fitted on the corpus's sentence vectors as eval.py fits it and applied to
-the token embeddings, see `jaxsim.eval.frequency_post`), DIR/frequency.png and
+the token embeddings, see `jaxsim.analysis.frequency_post`), DIR/frequency.png and
 DIR/spectrum.png, and prints the tables.
 """
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from jaxsim import calibrate
-from jaxsim import plugins
+from jaxsim.analysis import frequency_post
+from jaxsim.analysis.frequency import PAPER_BUCKETS, plot_frequency
+from jaxsim.cli import cli_io
 from jaxsim.data.readers import read_sentences
 from jaxsim.errors import JaxsimError
-from jaxsim.eval import frequency_post, runner
-from jaxsim.eval.frequency import (PAPER_BUCKETS, count_tokens, plot_frequency, rank_tokens,
-                                   token_embeddings)
 from jaxsim.io import store
 from jaxsim.io.pretrained import bundled_model_path, load_pretrained
 
@@ -54,7 +52,7 @@ def analyze_parser() -> argparse.ArgumentParser:
     p.add_argument("--tb", default=None,
                    help="TensorBoard folder: flow fits write their NLL curves to TB/<post>")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier analysis")
-    return plugins.add_import_flag(p)
+    return cli_io.add_import_flag(p)
 
 
 def analyze_main(argv: Sequence[str]) -> int:
@@ -80,7 +78,7 @@ def analyze_main(argv: Sequence[str]) -> int:
     if len(unique) < 2:
         raise AnalyzeUsageError(f"--corpus {args.corpus}: needs at least 2 distinct sentences")
     model = load_pretrained(args.model or bundled_model_path())
-    result = analyze_model(model, sentences, unique, args.post, buckets, args.k, args.tb)
+    result = frequency_post.analyze_model(model, sentences, unique, args.post, buckets, args.k, args.tb)
     result["corpus"] = str(args.corpus)
     args.out.mkdir(parents=True, exist_ok=True)
     store.write_json(args.out / JSON_FILE, result)
@@ -101,28 +99,3 @@ def analyze_main(argv: Sequence[str]) -> int:
               f"{d['effective_rank']:.1f} of {d['dim']}, top-1 energy {d['top1_energy']:.3f}")
     print(f"\nwrote {args.out / JSON_FILE}, {args.out / PNG_FILE} and {args.out / SPECTRUM_FILE}")
     return 0
-
-
-def analyze_model(model: Any, sentences: Sequence[str], unique: Sequence[str],
-                  posts: Sequence[str], buckets: Sequence[int], k: int, tb: str | None) -> dict:
-    """The analysis of a loaded model: counts on `sentences`, calibrations and diagnostics on
-    the vectors of the `unique` sentences (encoded, and for flows noised, as eval.py does)."""
-    t0 = time.perf_counter()
-    counts = count_tokens(model.tokenizer, sentences)
-    ranked = rank_tokens(counts)
-    vectors = runner.make_encoder(model)(unique)
-    encode_s = time.perf_counter() - t0
-    noisy = runner.make_noisy_encoder(model)
-    # eval.py's fit options: seed 0; flows fit on dropout-noised vectors of the same sentences.
-    options = {"seed": 0, "embed": lambda key: noisy(list(unique), key)}
-    post = frequency_post.analyze_calibrations(
-        token_embeddings(model), ranked, vectors, posts, buckets=buckets, k=k,
-        options=options, tb_dir=tb)
-    return {"model": str(model.path), "sentences": len(sentences),
-            "unique_sentences": len(unique), "tokens_counted": int(counts.sum()),
-            "tokens_ranked": int(len(ranked)), "k": k, **post["raw"],
-            "most_frequent": [model.tokenizer.convert_ids_to_tokens(int(i))
-                              for i in ranked[:20]],
-            "calibrations": post["calibrations"],
-            "timing": {"encode_s": round(encode_s, 2),
-                       "total_s": round(time.perf_counter() - t0, 2)}}
