@@ -48,7 +48,7 @@ _CHILD = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import jax
-import train
+from jaxsim.cli import train
 from jaxsim.train import step as step_lib
 
 steps, marks, real_make = int(sys.argv[2]), {}, step_lib.make_train_step

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import train
+from jaxsim.cli import train
 from tests.conftest import write_run_data
 
 U = 2.0 ** -24

@@ -31,7 +31,7 @@ STEPS = 20  # 120 sentences / 16 = 7 batches an epoch: the run crosses two epoch
 _CHILD = """
 import os, signal, sys, threading
 sys.path.insert(0, os.getcwd())
-import train
+from jaxsim.cli import train
 from orbax.checkpoint import checkpoint_manager
 from jaxsim.io import checkpoint
 from jaxsim.train import evaluate, loop, step as step_lib

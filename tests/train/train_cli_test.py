@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import train
+from jaxsim.cli import train
 from tests.conftest import write_run_data
 from jaxsim.io import hf_folder, store
 

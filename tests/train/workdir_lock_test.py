@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-import train
+from jaxsim.cli import train
 from tests.conftest import write_run_data
 
 REPO = Path(__file__).resolve().parents[2]
