@@ -24,7 +24,6 @@ from typing import Optional
 
 import numpy as np
 
-from jaxsim import cli_io
 from jaxsim.eval import runner
 from jaxsim.eval.protocol import StsResult
 from jaxsim.eval.transfer import TransferResult
@@ -83,14 +82,6 @@ def check_replaceable(directory) -> None:
         raise store.StorageError(
             f'--tb {directory} holds other files ({", ".join(others[:3])}); it is not replaced '
             'even with --overwrite: choose another folder')
-
-
-def check_target(folder, overwrite: bool) -> None:
-    """Refuses, before any work, a --tb folder that cannot be written (see `write_scores`)."""
-    if store.is_remote(folder):
-        # Event files are written locally through tensorboardX; copy them to a bucket after.
-        raise store.StorageError(f'--tb must be a local folder, got {folder}')
-    cli_io.check_output_dir(folder, overwrite, '--tb', keep=check_replaceable)
 
 
 def write_scores(folder, models: Sequence[Optional[str]], rows: Sequence[StsResult],

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-import eval as eval_cli
 import jaxsim
+from jaxsim.cli import eval as eval_cli
 from jaxsim.eval import runner
 from jaxsim.paths import SENTEVAL_ROOT
 from tests.conftest import write_tiny_workdir
