@@ -17,9 +17,9 @@ import jax
 import numpy as np
 import pytest
 
-import eval as eval_cli
 import jaxsim
-from jaxsim.__main__ import main as cli_main
+from jaxsim.cli import eval as eval_cli
+from jaxsim.cli.main import main as cli_main
 from jaxsim.encode import NonFiniteVectorsError
 from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.search import IndexFileError, SearchIndex, load_index

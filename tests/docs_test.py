@@ -9,15 +9,17 @@ from pathlib import Path
 
 import pytest
 
-import eval as eval_cli
-import train as train_cli
-from jaxsim import __main__ as jaxsim_cli
-from jaxsim.data import sources
+from jaxsim.cli import analyze as analyze_cli
+from jaxsim.cli import cli_io
+from jaxsim.cli import encode as encode_cli
+from jaxsim.cli import eval as eval_cli
+from jaxsim.cli import export as export_cli
+from jaxsim.cli import plan as plan_cli
+from jaxsim.cli import prepare as prepare_cli
+from jaxsim.cli import search as search_cli
+from jaxsim.cli import serve as serve_cli
+from jaxsim.cli import train as train_cli
 from jaxsim.paths import SENTEVAL_ROOT
-from jaxsim.search import cli as search_cli
-from jaxsim.serve import cli as serve_cli
-from jaxsim.eval import frequency_cli
-from jaxsim.plan import cli as plan_cli
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
@@ -93,14 +95,14 @@ def _parsers():
     def jaxsim_command(args):
         name, rest = args[0], args[1:]
         if name == 'plan':  # --config.KEY=VALUE overrides: parsed as the command parses them
-            with jaxsim_cli._usage_errors_as_exceptions():
+            with cli_io.usage_errors_as_exceptions():
                 plan_cli.parse_plan_args(rest)
             return
-        parser = {'encode': jaxsim_cli.encode_parser, 'export': jaxsim_cli.export_parser,
+        parser = {'encode': encode_cli.encode_parser, 'export': export_cli.export_parser,
                   'index': search_cli.index_parser, 'search': search_cli.search_parser,
-                  'serve': serve_cli.serve_parser, 'prepare': sources.prepare_parser,
-                  'analyze': frequency_cli.analyze_parser}[name]()
-        with jaxsim_cli._usage_errors_as_exceptions():
+                  'serve': serve_cli.serve_parser, 'prepare': prepare_cli.prepare_parser,
+                  'analyze': analyze_cli.analyze_parser}[name]()
+        with cli_io.usage_errors_as_exceptions():
             parser.parse_args(rest)
 
     def train(args):

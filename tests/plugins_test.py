@@ -18,6 +18,7 @@ import scipy.stats
 
 import jaxsim
 from jaxsim import calibrate, plugins
+from jaxsim.cli import cli_io
 from jaxsim.io.export import RECORD_FILE
 from jaxsim.plugins import PluginError
 from jaxsim.search import build_index
@@ -390,7 +391,7 @@ def test_an_abbreviated_flag_loads_too(tmp_path):
     import argparse
 
     (tmp_path / "abbrev_plugin.py").write_text("VALUE = 41 + 1\n")
-    parser = plugins.add_import_flag(argparse.ArgumentParser())
+    parser = cli_io.add_import_flag(argparse.ArgumentParser())
     args = parser.parse_args(["--imp", str(tmp_path / "abbrev_plugin.py")])
     assert args.imports == [str(tmp_path / "abbrev_plugin.py")]
     assert sys.modules["abbrev_plugin"].VALUE == 42
@@ -399,7 +400,7 @@ def test_an_abbreviated_flag_loads_too(tmp_path):
 def test_every_command_takes_import():
     import importlib
 
-    from jaxsim.__main__ import COMMANDS
+    from jaxsim.cli.main import COMMANDS
     parsers = {name: getattr(importlib.import_module(fn.__module__), f"{name}_parser")
                for name, fn in COMMANDS.items()}
     for name, make in parsers.items():
