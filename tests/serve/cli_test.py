@@ -59,3 +59,49 @@ def test_an_existing_port_file_needs_overwrite(tmp_path):
                   "--overwrite")
     assert proc.returncode == 1 and "not a search index" in proc.stderr, proc.stderr
     assert port_file.read_text() == "the user's notes\n"
+
+
+
+_BLOCK_SERVE_EXTRA = ("import sys\n"
+                      "for name in ('fastapi', 'uvicorn', 'orjson', 'httptools'):\n"
+                      # `import fastapi` then fails as when it is not installed
+                      "    sys.modules[name] = None\n")
+
+
+def _run_code(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_without_the_serve_extra_serve_says_what_to_install(tmp_path):
+    proc = _run_code(_BLOCK_SERVE_EXTRA + "import runpy\n"
+                     f"sys.argv = ['jaxsim', 'serve', '--index', {str(tmp_path)!r}]\n"
+                     "runpy.run_module('jaxsim', run_name='__main__', alter_sys=True)\n")
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: python -m jaxsim serve needs the serve extra"), lines
+    assert "pip install 'jaxsim[serve]'" in lines[0] and "'fastapi'" in lines[0], lines
+    assert proc.stdout == ""
+
+
+def test_without_the_serve_extra_every_other_command_runs():
+    # Each command's parser built and run (`--help` exits 0 after printing it).
+    proc = _run_code(_BLOCK_SERVE_EXTRA +
+                     "import contextlib, io\n"
+                     "from jaxsim.cli.main import COMMANDS, main\n"
+                     "for name in COMMANDS:\n"
+                     "    if name == 'serve':\n"
+                     "        continue\n"
+                     "    out = io.StringIO()\n"
+                     "    with contextlib.redirect_stdout(out):\n"
+                     "        try:\n"
+                     "            main([name, '--help'])\n"
+                     "        except SystemExit as e:\n"
+                     "            assert e.code == 0, (name, e.code)\n"
+                     "    assert f'python -m jaxsim {name}' in out.getvalue(), name\n"
+                     "    print(name)\n")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["encode", "export", "index", "search", "prepare", "analyze",
+                                   "plan"]
