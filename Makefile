@@ -30,11 +30,13 @@ $(BIN)/python:
 demo: .venv/.demo
 	$(BIN)/python eval.py --post none --post whitening --post whitening:256
 
-# Two pytest-xdist workers, each running whole test files (module fixtures built once), the
-# longest first (tests/conftest.py); the 15 slowest tests are listed at the end. TEST_WORKERS=0
-# runs the suite in this one process.
+# `ruff check` first (pyproject.toml's [tool.ruff]: seconds), then two pytest-xdist workers,
+# each running whole test files (module fixtures built once), the longest first
+# (tests/conftest.py); the 15 slowest tests are listed at the end. TEST_WORKERS=0 runs the suite
+# in this one process.
 TEST_WORKERS ?= 2
 test: .venv/.test
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # The suite on a loaded machine: STRESS_BURNERS processes spin on the CPU for the whole run

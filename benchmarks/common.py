@@ -84,7 +84,8 @@ class ChildContender:
         self._proc.wait()
         self._stderr.seek(0)
         raise RuntimeError(f"benchmark child {' '.join(map(str, self.cmd))} exited "
-                           f"({self._proc.returncode}) before {tag}:\n{self._stderr.read()[-3000:]}")
+                           f"({self._proc.returncode}) before {tag}:\n"
+                           f"{self._stderr.read()[-3000:]}")
 
     def __call__(self) -> dict:
         self._proc.stdin.write("RUN\n")

@@ -160,9 +160,11 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
     row["peak_rss_gb_exact"] = peak_rss_gb()
     # The approximate indexes need only the host rows and the exact answers: the flat index
     # and the device copy go first (at 1M x 384 each is 1.5 GB).
-    del flat, faiss_search, contenders
+    # (Rebound rather than deleted: the closures above read these names.)
+    flat = None
+    contenders.clear()
     exact_vectors = np.array(index.vectors)
-    del index, approx, low
+    index = approx = low = None
     gc.collect()
     for method in args.ann:
         options = ann_options(method, args)
@@ -182,7 +184,7 @@ def run_config(rows: int, dim: int, args, faiss, SearchIndex) -> dict:
                 "qps": args.queries / took, "recall": overlap(found.rows, ours.rows),
                 "speedup_vs_exact": jax_s / took}
         row[method]["peak_rss_gb"] = peak_rss_gb()
-        del approximate
+        approximate = None
         gc.collect()
     return row
 
@@ -227,7 +229,8 @@ def main():
     parser.add_argument("--data", choices=("random", "clustered"), default="random")
     parser.add_argument("--nprobe", default="4,8,16,32,64", help="ivf cells probed, swept")
     parser.add_argument("--ef-search", default="16,32,64,128", help="hnsw beams, swept")
-    parser.add_argument("--nlist", type=int, default=None, help="ivf cells (default: ~4 sqrt(rows))")
+    parser.add_argument("--nlist", type=int, default=None,
+                        help="ivf cells (default: ~4 sqrt(rows))")
     parser.add_argument("--hnsw-m", type=int, default=None, help="hnsw links a node")
     parser.add_argument("--ef-construction", type=int, default=None, help="hnsw build beam")
     parser.add_argument("--json", default=None, help="write the figures here")
@@ -272,7 +275,8 @@ def main():
             results.append(r)
             print(f"{rows:>9} {dim:>4} {r['jaxsim_qps']:>11.0f} {r['faiss_qps']:>10.0f} "
                   f"{r['ratio']:>6.2f} {r['bf16_qps']:>9.0f} {r['bf16_ratio']:>6.2f} "
-                  f"{r['bf16_same_top_k_as_float32']:>5.3f} {r['overlap_with_faiss']:>8.4f} {r['approx_qps']:>11.0f} "
+                  f"{r['bf16_same_top_k_as_float32']:>5.3f} {r['overlap_with_faiss']:>8.4f} "
+                  f"{r['approx_qps']:>11.0f} "
                   f"{r['approx_recall']:>7.4f} {r['jaxsim_first_call_s']:>10.1f}", flush=True)
             for method in args.ann:
                 (key, sweep), = ((k, v) for k, v in r[method].items() if k.startswith("by_"))
@@ -296,13 +300,15 @@ def main():
                "ratio_bfloat16": ratio_bf16,
                "ratio_bfloat16_definition": "the same for the bfloat16 corpus option "
                                             "(corpus_dtype='bfloat16', float32 results)",
-               "ratio_cpu": ratio_cpu["ratio_cpu"], "ratio_bfloat16_cpu": ratio_cpu["bf16_ratio_cpu"],
+               "ratio_cpu": ratio_cpu["ratio_cpu"],
+               "ratio_bfloat16_cpu": ratio_cpu["bf16_ratio_cpu"],
                "configs": results, "faiss_threads": args.faiss_threads, "cpus": os.cpu_count(),
                "data": args.data, "ann": args.ann,
                "faiss_blas_threshold": args.faiss_blas_threshold,
                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                "faiss_default_blas_threshold": default_blas_threshold,
-               "peak_gflops": args.peaks, "block_rows": args.block_rows, "query_batch": args.query_batch,
+               "peak_gflops": args.peaks, "block_rows": args.block_rows,
+               "query_batch": args.query_batch,
                "load_average_before": load_before, "load_average_after": load_after,
                "jax": jax.__version__, "faiss": faiss.__version__,
                "machine": platform.processor() or platform.machine()}

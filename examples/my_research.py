@@ -32,7 +32,8 @@ class ScaledMean(nn.Module):
     @nn.compact
     def __call__(self, output, attention_mask, use_head=True):
         h = self.config.hidden_size
-        scale, shift = self.param("scale", nn.initializers.ones, (h,)), self.param("shift", nn.initializers.zeros, (h,))
+        scale = self.param("scale", nn.initializers.ones, (h,))
+        shift = self.param("shift", nn.initializers.zeros, (h,))
         return masked_mean(output.hidden_states[-1], attention_mask) * scale + shift
 
 
@@ -54,6 +55,7 @@ class DiagAffine(nn.Module):
         self.log_scale = self.param("log_scale", nn.initializers.zeros, (self.features,))
         self.shift = self.param("shift", nn.initializers.zeros, (self.features,))
     def forward(self, x):                      # -> (z, logdet per row)
-        return FlowOutput(x * jnp.exp(self.log_scale) + self.shift, jnp.full(x.shape[:1], self.log_scale.sum()))
+        return FlowOutput(x * jnp.exp(self.log_scale) + self.shift,
+                          jnp.full(x.shape[:1], self.log_scale.sum()))
     def inverse(self, z):
         return (z - self.shift) * jnp.exp(-self.log_scale)

@@ -55,7 +55,8 @@ from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
 
 REPO = Path(__file__).resolve().parents[1]
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "vocab.txt")
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +83,8 @@ def xla_defaults():
 
 
 def write_tiny_model(folder, model_type: str = "bert", seed: int = 0, add_pooler: bool = True):
-    """Saves a tiny random PyTorch BERT/RoBERTa (odd dims) with the bundled tokenizer; returns it."""
+    """Saves a tiny random PyTorch BERT/RoBERTa (odd dims) with the bundled tokenizer; returns
+    it."""
     import torch
     import transformers
 
@@ -118,7 +120,8 @@ def tiny_model_dir(tmp_path):
     return make
 
 
-def random_padded_ids(rng: np.random.Generator, lengths, vocab: int, pad_id: int, first_id: int = 5):
+def random_padded_ids(rng: np.random.Generator, lengths, vocab: int, pad_id: int,
+                      first_id: int = 5):
     """[batch, max(lengths)] ids with padding after each length, and the matching mask."""
     width = max(lengths)
     ids = np.full((len(lengths), width), pad_id, np.int64)

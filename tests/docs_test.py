@@ -110,7 +110,8 @@ def _parsers():
         if '/' in options.config:  # a path, not a placeholder
             assert (REPO / options.config.split(':')[0]).is_file(), options.config
 
-    return {'eval.py': eval_cli.parse_args, 'train.py': train, '-m': lambda a: jaxsim_command(a[1:])}
+    return {'eval.py': eval_cli.parse_args, 'train.py': train,
+            '-m': lambda a: jaxsim_command(a[1:])}
 
 
 def documented_commands():

@@ -194,7 +194,6 @@ class StandardNormalization(AffineCalibration):
     def fit(cls, x, arg: None = None, eps: float = 0.0) -> 'StandardNormalization':
         """Constant columns (zero std) are dropped with a note unless eps > 0 regularizes."""
         x = _check_matrix(x, 'sn')
-        d = x.shape[1]
         if not 0 <= eps < np.inf:  # NaN would pass `eps < 0` and poison every vector
             raise CalibrationError(f'sn: eps must be a finite number >= 0, got {eps}')
         mu = x.mean(axis=0)

@@ -28,7 +28,7 @@ from jaxsim import compile_options
 from jaxsim.flows.checks import check_matrix
 from jaxsim.flows.config import FlowConfig, FlowError, load_config_file
 from jaxsim.flows.models import make_flow
-from jaxsim.flows.prior import nats_to_bits_per_dim, nll_nats
+from jaxsim.flows.prior import nll_nats
 from jaxsim.flows.training import EmbedFn, fit_flow
 
 # Shipped configs live beside the package: <repo>/configs/flow_<name>.py.

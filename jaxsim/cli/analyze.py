@@ -78,7 +78,8 @@ def analyze_main(argv: Sequence[str]) -> int:
     if len(unique) < 2:
         raise AnalyzeUsageError(f"--corpus {args.corpus}: needs at least 2 distinct sentences")
     model = load_pretrained(args.model or bundled_model_path())
-    result = frequency_post.analyze_model(model, sentences, unique, args.post, buckets, args.k, args.tb)
+    result = frequency_post.analyze_model(model, sentences, unique, args.post, buckets, args.k,
+                                          args.tb)
     result["corpus"] = str(args.corpus)
     args.out.mkdir(parents=True, exist_ok=True)
     store.write_json(args.out / JSON_FILE, result)

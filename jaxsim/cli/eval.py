@@ -60,8 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help='a saved flow calibration for --post flow (default: fit one)')
     p.add_argument('--flow-config', default=None,
                    help='flow config for --post flow: a shipped name (glow, realnvp, ...) or a '
-                        'config file (default: BERT-flow as its code runs, fitted on dropout-noised '
-                        'vectors)')
+                        'config file (default: BERT-flow as its code runs, fitted on '
+                        'dropout-noised vectors)')
     p.add_argument('--eps', type=float, default=0.0,
                    help='covariance regularizer for whitening/sn (default 0: drop null '
                         'directions with a note)')

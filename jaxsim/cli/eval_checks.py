@@ -8,7 +8,6 @@ from __future__ import annotations
 from jaxsim import calibrate
 from jaxsim.cli import cli_io
 from jaxsim.cli.cli_io import UsageError
-from jaxsim.errors import JaxsimError
 from jaxsim.eval import report_tb
 from jaxsim.eval.runner import DEFAULT_DATA, is_seeded
 from jaxsim.io import store

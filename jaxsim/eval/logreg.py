@@ -338,7 +338,7 @@ def fit(x, y, problems: Sequence[Problem], num_classes: int,
               'b': jnp.broadcast_to(jnp.asarray(init['b'], jnp.float32),
                                     (num_p + 1, num_r, num_classes))}
     l2 = jnp.asarray(cfg.l2_grid, jnp.float32)
-    opt = jax.vmap(jax.vmap(lambda p, l: _adam(l, cfg).init(p)))(
+    opt = jax.vmap(jax.vmap(lambda p, lam: _adam(lam, cfg).init(p)))(
         params, jnp.broadcast_to(l2, (num_p + 1, num_r)))
     state = {'params': params, 'opt': opt, 'best': jax.tree.map(jnp.copy, params),
              'best_correct': jnp.full((num_p + 1, num_r), -1, jnp.int32)}

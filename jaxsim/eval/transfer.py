@@ -21,7 +21,6 @@ Scores are rounded as SentEval rounds them (x100, 2 decimals, per fold and again
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Optional

@@ -153,7 +153,7 @@ class FlowConfig:
 
     def level_dims(self, dim: int) -> list[int]:
         """Channels at each level: dim, dim/2, ..., dim/2^(levels-1)."""
-        return [dim // 2 ** l for l in range(self.levels)]
+        return [dim // 2 ** level for level in range(self.levels)]
 
     def check_dim(self, dim: int) -> None:
         """Raises FlowError if `dim` channels cannot go through the levels' splits."""

@@ -266,11 +266,11 @@ def _lu_init(key: jax.Array, features: int) -> dict[str, jax.Array]:
         w = _host_rotation(key_data, features)
         import scipy.linalg  # on first use: ~0.15 s of every command's start-up otherwise
         with single_threaded_blas():
-            p, l, u = scipy.linalg.lu(w)
+            p, lower, u = scipy.linalg.lu(w)
         s = np.diag(u)
         out = {
             'perm': p,  # [dim, dim] fixed permutation
-            'lower': l,  # [dim, dim] only the strict lower triangle is used
+            'lower': lower,  # [dim, dim] only the strict lower triangle is used
             'upper': np.triu(u, 1),  # [dim, dim] only the strict upper triangle is used
             'log_s': np.log(np.abs(s)),  # [dim]
             'sign_s': np.sign(s),  # [dim] fixed signs

@@ -85,7 +85,8 @@ class Flow(nn.Module):
             one = lambda k: step.init(k, x, method='forward').get('params', {})  # noqa: E731
             return jax.lax.map(one, jax.random.split(key, self.config.depth))
 
-        self.stacks = [self.param(f'l{l}', init_level, l) for l in range(self.config.levels)]
+        self.stacks = [self.param(f'l{level}', init_level, level)
+                       for level in range(self.config.levels)]
 
     def _level(self, level: int, x: jax.Array, init: bool) -> FlowOutput:
         step = self._step(level)
@@ -108,10 +109,10 @@ class Flow(nn.Module):
     def _forward(self, x: jax.Array, init: bool) -> FlowOutput:
         eps = []  # factored-out halves, level 0 first
         logdet = jnp.zeros(x.shape[:1], jnp.float32)
-        for l in range(self.config.levels):
-            x, ld = self._level(l, x, init)
+        for level in range(self.config.levels):
+            x, ld = self._level(level, x, init)
             logdet = logdet + ld
-            if l < self.config.levels - 1:
+            if level < self.config.levels - 1:
                 half = x.shape[-1] // 2
                 x, out = x[:, :half], x[:, half:]
                 eps.append(out)
@@ -130,14 +131,14 @@ class Flow(nn.Module):
         """z: [batch, dim] -> x [batch, dim]."""
         dims = self.config.level_dims(self.dim)
         x = z[:, z.shape[-1] - dims[-1]:]
-        for l in range(self.config.levels - 1, -1, -1):
-            step = self._step(l)
+        for level in range(self.config.levels - 1, -1, -1):
+            step = self._step(level)
             x, _ = jax.lax.scan(
                 lambda x, params: (step.apply({'params': params}, x, method='inverse'), None),
-                x, self.stacks[l], length=self.config.depth, reverse=True)
-            if l > 0:
-                start = sum(dims[1:l])  # eps of level l-1 has dims[l] channels
-                x = jnp.concatenate([x, z[:, start: start + dims[l]]], axis=-1)
+                x, self.stacks[level], length=self.config.depth, reverse=True)
+            if level > 0:
+                start = sum(dims[1:level])  # eps of level l-1 has dims[l] channels
+                x = jnp.concatenate([x, z[:, start: start + dims[level]]], axis=-1)
         return x
 
 

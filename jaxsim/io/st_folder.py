@@ -135,6 +135,6 @@ def head_of(folder: Path, read_state_dict: Callable,
             head.append(read_flow(folder / entry.get("path", ""), read_state_dict))
         else:
             raise HeadError(f"{folder / MODULES_FILE}: module {entry['type']} after pooling "
-                            f"is not supported by jaxsim (it reproduces Dense, Normalize and its own flow "
-                            f"module)")
+                            f"is not supported by jaxsim (it reproduces Dense, Normalize and its "
+                            f"own flow module)")
     return tuple(head)

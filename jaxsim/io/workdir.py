@@ -96,5 +96,6 @@ def load_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "bes
     params = jax.tree.map(np.asarray, params)
     check_params(encoder, params, f"{ckpt_dir}/{step}")
     return SentenceModel(encoder=encoder, params=jax.device_put(params),
-                         tokenizer=load_tokenizer(store.local_copy(workdir / TOKENIZER_DIR)), path=str(workdir),
+                         tokenizer=load_tokenizer(store.local_copy(workdir / TOKENIZER_DIR)),
+                         path=str(workdir),
                          max_seq_length=max_len)

@@ -1,7 +1,8 @@
 """BERT and RoBERTa encoders as pure Flax linen modules.
 
-Module and parameter names follow the Hugging Face PyTorch layout (`embeddings`, `encoder/layer_N/attention/self/query`,
-...), so converting a checkpoint is a name table plus a transpose (see `jaxsim/io/hf.py`).
+Module and parameter names follow the Hugging Face PyTorch layout (`embeddings`,
+`encoder/layer_N/attention/self/query`, ...), so converting a checkpoint is a name table plus a
+transpose (see `jaxsim/io/hf.py`).
 The numerical reference is `transformers.BertModel` / `RobertaModel` in float32.
 """
 from __future__ import annotations
@@ -183,8 +184,11 @@ class BertEmbeddings(nn.Module):
     def __call__(self, input_ids, token_type_ids, deterministic: bool, position_ids=None):
         cfg = self.config
         init = nn.initializers.normal(0.02)
-        embed = lambda n, size: nn.Embed(size, cfg.hidden_size, embedding_init=init,
-                                         param_dtype=jnp.float32, dtype=self.dtype, name=n)
+
+        def embed(n, size):
+            return nn.Embed(size, cfg.hidden_size, embedding_init=init,
+                            param_dtype=jnp.float32, dtype=self.dtype, name=n)
+
         if position_ids is None:
             position_ids = position_ids_for(cfg, input_ids)
         x = embed("word_embeddings", cfg.vocab_size)(input_ids)

@@ -1,8 +1,9 @@
 """Exact top-k search through a bfloat16 copy of the corpus, certified against float32.
 
 Each device scores its rows in bfloat16 (float32 sums), block by block (`topk.Layout`), and
-keeps two numbers per group of BF16_GROUP_ROWS rows (`group_of`): the group's best score with the row that
-holds it (packed into the score's 3 lowest bits, see `_order_key`) and the group's second best.
+keeps two numbers per group of BF16_GROUP_ROWS rows (`group_of`): the group's best score with
+the row that holds it (packed into the score's 3 lowest bits, see `_order_key`) and the group's
+second best.
 Per query it then takes the k + BF16_EXTRA_GROUPS groups with the best maxima; the candidates
 rescored in float32 are their best rows, plus every row of the BF16_FULL_GROUPS chosen groups
 whose second best is highest. Every other row scores in bf16 at most `threshold`: the lowest

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import re
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 

@@ -223,8 +223,8 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
         else:
             def split(x):  # [B, ...] -> [A, B/A, ...]; micro-batch i = rows i::A
                 x = x.reshape((x.shape[0] // accum, accum) + x.shape[1:]).swapaxes(0, 1)
-                return jax.lax.with_sharding_constraint(
-                    x, NamedSharding(mesh, P(None, sharding_lib.BATCH_AXES, *([None] * (x.ndim - 2)))))
+                spec = P(None, sharding_lib.BATCH_AXES, *([None] * (x.ndim - 2)))
+                return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
             micro = jax.tree.map(split, dict(batch))
             first = jax.tree.map(lambda x: x[0], micro)

@@ -12,10 +12,9 @@ from scipy.spatial.distance import cdist
 from tensorboard.backend.event_processing import event_accumulator
 
 from jaxsim import calibrate
-from jaxsim.cli.main import main as jaxsim_main
 from jaxsim.analysis.frequency_post import (CalibratedAnalysisError, analyze_calibrations,
-                                        effective_rank, sentence_diagnostics, tb_folder)
-from jaxsim.flows import FlowConfig, layer
+                                            effective_rank, sentence_diagnostics, tb_folder)
+from jaxsim.cli.main import main as jaxsim_main
 from jaxsim.paths import SENTEVAL_ROOT
 
 _DIM = 8

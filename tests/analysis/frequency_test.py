@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import cdist
 
-from jaxsim.cli.main import main as jaxsim_main
 from jaxsim.analysis.frequency import (analyze, count_tokens, frequency_table, knn_distances,
-                                   rank_tokens, token_embeddings)
+                                       rank_tokens, token_embeddings)
+from jaxsim.cli.main import main as jaxsim_main
 from jaxsim.paths import SENTEVAL_ROOT
 
 

@@ -1,4 +1,5 @@
-"""jaxsim.cli.environment: the one list of library-quieting variables, applied without overriding the user's."""
+"""jaxsim.cli.environment: the one list of library-quieting variables, applied without
+overriding the user's."""
 import os
 import subprocess
 import sys

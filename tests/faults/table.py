@@ -17,7 +17,7 @@ class Fault:
     tests: tuple[str, ...]
 
 
-O = 'tests/objectives/simcse_objective_test.py'
+OBJECTIVE_TEST = 'tests/objectives/simcse_objective_test.py'
 STEP = 'tests/train/step_test.py'
 AFFINE = 'tests/calibrate/calibrate_affine_test.py'
 LAYERS = 'tests/flows/flow_layers_test.py'
@@ -31,27 +31,27 @@ FAULTS = (
     Fault('temperature ignored', 'jaxsim/objectives/simcse.py',
           'return _cross_entropy_diag(cosine_matrix(z1, z2) / temp, masked)',
           'return _cross_entropy_diag(cosine_matrix(z1, z2), masked)',
-          (f'{O}::test_unsup_matches_numpy',)),
+          (f'{OBJECTIVE_TEST}::test_unsup_matches_numpy',)),
     Fault('hard-negative weight off', 'jaxsim/objectives/simcse.py',
           'neg = cosine_matrix(z1, z3) / temp + hard_negative_weight * jnp.eye(n',
           'neg = cosine_matrix(z1, z3) / temp + 0.0 * jnp.eye(n',
-          (f'{O}::test_sup_matches_numpy',)),
+          (f'{OBJECTIVE_TEST}::test_sup_matches_numpy',)),
     Fault('hard negatives left out of the softmax', 'jaxsim/objectives/simcse.py',
           'return _cross_entropy_diag(jnp.concatenate([pos, neg], axis=1), masked)',
           'return _cross_entropy_diag(pos)',
-          (f'{O}::test_sup_matches_reference_torch_formulation',)),
+          (f'{OBJECTIVE_TEST}::test_sup_matches_reference_torch_formulation',)),
     Fault('positive is not the diagonal', 'jaxsim/objectives/simcse.py',
           'return -jnp.mean(logp[jnp.arange(n), jnp.arange(n)])',
           'return -jnp.mean(logp[jnp.arange(n), (jnp.arange(n) + 1) % n])',
-          (f'{O}::test_replica_mean_gradient_equals_the_references_data_parallel_gradient',)),
+          (f'{OBJECTIVE_TEST}::test_replica_mean_gradient_equals_the_references_data_parallel_gradient',)),
     Fault('vectors not normalized in the cosine', 'jaxsim/objectives/simcse.py',
           'return x / jnp.maximum(norm, _EPS)',
           'return x',
-          (f'{O}::test_unsup_matches_numpy',)),
+          (f'{OBJECTIVE_TEST}::test_unsup_matches_numpy',)),
     Fault('uniformity temperature ignored', 'jaxsim/objectives/simcse.py',
           'logits = jnp.where(upper, -t * sq, -jnp.inf)',
           'logits = jnp.where(upper, -sq, -jnp.inf)',
-          (f'{O}::test_alignment_uniformity_match_numpy',)),
+          (f'{OBJECTIVE_TEST}::test_alignment_uniformity_match_numpy',)),
     # ---- train step
     Fault('no dropout in training', 'jaxsim/train/step.py',
           'z = encoder.apply({\'params\': params}, ids, mask, types, train=True,',
@@ -248,10 +248,10 @@ FAULTS = (
     # ---- objectives that see the batch, code in the run record
     Fault('duplicate negatives stay in the softmax', 'jaxsim/objectives/simcse.py',
           'masked = own | _same_text(anchor, anchor)', 'masked = own & ~own',
-          (f'{O}::test_unsup_mask_duplicates_leaves_the_repeated_sentence_out_of_the_softmax',)),
+          (f'{OBJECTIVE_TEST}::test_unsup_mask_duplicates_leaves_the_repeated_sentence_out_of_the_softmax',)),
     Fault('a repeated premise is not a duplicate', 'jaxsim/objectives/simcse.py',
           'masked = own | _same_text(anchor, anchor)', 'masked = own',
-          (f'{O}::test_sup_mask_duplicates_matches_numpy_with_the_columns_removed',)),
+          (f'{OBJECTIVE_TEST}::test_sup_mask_duplicates_matches_numpy_with_the_columns_removed',)),
     Fault('GradCache hands the loss no ids', 'jaxsim/train/grad_cache.py',
           "lambda v: objective(v, ids=batch['input_ids'], step=step, key=key)",
           'lambda v: objective(v, step=step, key=key)',

@@ -46,7 +46,8 @@ for _i, _block in enumerate(('1_1', '1_2')):
             f'layers_2_additive_coupling/shift_net/logs_{_i}',
     })
 for _name in ('W', 'b', 'logs'):
-    _STEP_VARIABLES[f'additive/nn/zeros/{_name}'] = f'layers_2_additive_coupling/shift_net/{_name}_out'
+    _STEP_VARIABLES[f'additive/nn/zeros/{_name}'] = (
+        f'layers_2_additive_coupling/shift_net/{_name}_out')
 _NAME = re.compile(r'revnet_(\d+)/revnet_step_(\d+)/(.+)')
 
 
@@ -157,7 +158,8 @@ def test_optimizer_steps_match_the_reference(golden, config, trajectory, tag):
         # (its gradient is 0 while the conv's output is 0), and then neither may ours.
         assert update > 0 or (tag == 'step1' and path.endswith('logs_out')), path
         error = np.abs(got[path] - want[path]).max()
-        assert error <= 1e-3 * update, f'{path}: |jaxsim - reference| {error:.3g}, update {update:.3g}'
+        assert error <= 1e-3 * update, (
+            f'{path}: |jaxsim - reference| {error:.3g}, update {update:.3g}')
 
 
 def test_top_level_actnorm_starts_in_the_references_range(golden, config):

@@ -85,7 +85,8 @@ def test_misshaped_and_unexpected_tensors_are_named(tiny_folder):
     with pytest.raises(CheckpointMismatchError) as err:
         jaxsim.load_pretrained(tiny_folder)
     msg = str(err.value)
-    assert "'encoder.layer.0.intermediate.dense.weight' has shape (36, 36), expected (37, 36)" in msg
+    assert ("'encoder.layer.0.intermediate.dense.weight' has shape (36, 36), expected (37, 36)"
+            in msg)
     assert "unexpected tensor 'encoder.layer.7.output.dense.weight'" in msg
     assert "model.safetensors" in msg
 

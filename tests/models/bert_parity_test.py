@@ -18,7 +18,10 @@ def torch_pool(name, out, mask):
     """The reference poolers, as SimCSE's evaluation code computes them, on torch outputs."""
     h = out.hidden_states
     m = mask.unsqueeze(-1).float()
-    avg = lambda x: (x * m).sum(1) / m.sum(1)
+
+    def avg(x):
+        return (x * m).sum(1) / m.sum(1)
+
     return {
         "cls": lambda: out.pooler_output,
         "cls_before_pooler": lambda: h[-1][:, 0],
@@ -84,7 +87,8 @@ def test_bundled_minilm_parity(bundled):
                  "the quick brown fox jumps over the lazy dog " * 20, "résumé naïve café ☕ 東京"]
     tok = bundled.tokenizer(sentences, padding=True, truncation=True, max_length=128,
                             return_tensors="np")
-    assert tok["attention_mask"].sum(1).min() == 2 and tok["attention_mask"].shape[1] == 128  # truncated
+    # Truncated at 128 tokens.
+    assert tok["attention_mask"].sum(1).min() == 2 and tok["attention_mask"].shape[1] == 128
     check_parity(bundled, torch_model, tok["input_ids"], tok["attention_mask"],
                  tok["token_type_ids"])
 

@@ -192,7 +192,9 @@ def _ids(rows, sentences, length=6, seed=0):
 
 
 def _unsup_value_and_grad(z, ids, mask):
-    f = lambda z: get_objective('unsup').loss(z, temp=0.05, mask_duplicates=mask, ids=ids)[0]
+    def f(z):
+        return get_objective('unsup').loss(z, temp=0.05, mask_duplicates=mask, ids=ids)[0]
+
     value, grad = jax.value_and_grad(f)(z)
     return float(value), np.asarray(grad)
 
@@ -231,8 +233,10 @@ def test_mask_duplicates_without_duplicates_changes_nothing(views):
     np.testing.assert_array_equal(g_on, g_off)
     z3v = jnp.stack([z1, z2, z3], axis=1)
     ids3 = jnp.asarray(_ids(7, 3))
-    f = lambda z, m: get_objective('sup').loss(z, hard_negative_weight=0.3, mask_duplicates=m,
-                                               ids=ids3)[0]
+    def f(z, m):
+        return get_objective('sup').loss(z, hard_negative_weight=0.3, mask_duplicates=m,
+                                         ids=ids3)[0]
+
     (a, ga), (b, gb) = (jax.value_and_grad(f)(z3v, m) for m in (True, False))
     assert float(a) == float(b)
     np.testing.assert_array_equal(np.asarray(ga), np.asarray(gb))

@@ -136,7 +136,8 @@ def test_link_traffic_and_roofline_arithmetic():
     assert hlo.Collective("reduce-scatter", 250, 4, ("data",), False).traffic_bytes == 750
     assert hlo.Collective("all-reduce", 1000, 1, (), False).traffic_bytes == 0
     chip = CHIPS["v5e"]
-    figures = fig.ProgramFigures("p", flops=2 * chip.peak_flops, bytes_accessed=chip.hbm_bytes_per_s,
+    figures = fig.ProgramFigures("p", flops=2 * chip.peak_flops,
+                                 bytes_accessed=chip.hbm_bytes_per_s,
                                  argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
                                  code_bytes=0, collectives=(ring,), compile_s=0.0)
     roof = fig.roofline(figures, chip)

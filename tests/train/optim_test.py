@@ -43,7 +43,10 @@ def test_adamw_update_is_the_same_given_the_norm():
     # A different norm changes the moments: the argument is used, not ignored (Adam's first
     # update itself hardly depends on a uniform scale of the gradients).
     other = tx.update(grads, state, params, grad_norm=jnp.float32(100.0))
-    moments = lambda s: [x for x in jax.tree.leaves(s) if np.ndim(x) == 2]
+
+    def moments(s):
+        return [x for x in jax.tree.leaves(s) if np.ndim(x) == 2]
+
     assert not np.allclose(moments(other[1])[0], moments(plain[1])[0])
 
 
@@ -92,7 +95,10 @@ def test_fused_adamw_clips_by_the_given_norm():
     state = tx.init(params)
     _, plain = tx.update(grads, state, params)
     _, halved = tx.update(grads, state, params, grad_norm=2.0 * optax.tree.norm(grads))
-    nu = lambda s: s[-1][0].nu['dense']['kernel']
+
+    def nu(s):
+        return s[-1][0].nu['dense']['kernel']
+
     np.testing.assert_allclose(np.asarray(nu(halved)), np.asarray(nu(plain)) / 4.0, rtol=1e-6)
     unclipped = tx.update(grads, state, params, grad_norm=jnp.float32(0.5))[1]
     np.testing.assert_allclose(np.asarray(nu(unclipped)),
