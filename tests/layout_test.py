@@ -1,5 +1,6 @@
-"""The package's shape: no import cycles, no jaxsim import inside a function; long modules are
-reported, not failed (the rule is "a module holds one concept", docs/layout.md).
+"""The package's shape: no import cycles, no jaxsim import inside a function, command lines only
+in jaxsim/cli/; long modules are reported, not failed (the rule is "a module holds one concept",
+docs/layout.md).
 
 Imports inside functions were how cycles used to be dodged; with none allowed, the import graph
 below is the whole dependency structure, and it must stay acyclic.
@@ -92,6 +93,21 @@ def test_no_import_cycles():
         if node not in state:
             visit(node)
     assert not cycles, "\n".join(cycles)
+
+
+def test_only_jaxsim_cli_parses_command_lines():
+    """argparse (and so a parser, a Namespace) belongs to jaxsim/cli/: library modules take plain
+    arguments."""
+    offenders = []
+    for name, path in _modules().items():
+        if name == "jaxsim.cli" or name.startswith("jaxsim.cli."):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if any(target.split(".")[0] == "argparse"
+               for target, _ in _imports(tree, name, path.name == "__init__.py")):
+            offenders.append(str(path.relative_to(PACKAGE.parent)))
+    assert "jaxsim.cli.main" in _modules()  # the walk sees the command package
+    assert not offenders, f"argparse imported outside jaxsim/cli/: {offenders}"
 
 
 def test_long_modules_are_reported_not_failed():
