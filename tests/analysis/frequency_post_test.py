@@ -15,6 +15,7 @@ from jaxsim import calibrate
 from jaxsim.analysis.frequency_post import (CalibratedAnalysisError, analyze_calibrations,
                                             effective_rank, sentence_diagnostics, tb_folder)
 from jaxsim.cli.main import main as jaxsim_main
+from jaxsim.flows import FlowConfig, layer  # noqa: F401  (read by the eval of _FLOW_ARGS)
 from jaxsim.paths import SENTEVAL_ROOT
 
 _DIM = 8
