@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 import sys
 import threading
 from typing import Any, Callable, Mapping
@@ -193,6 +194,8 @@ def start(launch: Launch, local_device_ids=None) -> bool:
             jax.distributed.initialize, launch.coordinator, num_processes=launch.num_processes,
             process_id=launch.process_id, local_device_ids=local_device_ids,
             initialization_timeout=jax_timeout)
+    if launch.process_id == 0:
+        _check_port_free(launch.coordinator)
     try:
         _wait_for(connect, launch.init_timeout_s, what)
     except TimeoutError:
@@ -204,13 +207,37 @@ def start(launch: Launch, local_device_ids=None) -> bool:
             f'not every process connected to {where} within {launch.init_timeout_s:g} s; '
             f'{start_all}, or wait longer with --init_timeout SECONDS') from None
     except (RuntimeError, ValueError) as e:
-        if not launch.auto:
-            raise
+        if not launch.auto:  # e.g. the coordinator's port taken on process 0's host
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise DistributedError(f'cannot start the run at the coordinator '
+                                   f'{launch.coordinator}: {first}') from None
         raise DistributedError(f'--distributed auto: no cluster detected ({e}); start on a '
                                f'TPU pod, under SLURM or Open MPI, or pass --coordinator, '
                                f'--num_processes and --process_id') from None
     _initialized = True
     return jax.process_count() > 1
+
+
+def _check_port_free(coordinator: str) -> None:
+    """Process 0 serves the coordinator on every address of its host at the coordinator's
+    port; a port another program listens on crashes JAX's service (a segmentation fault), so
+    it is refused first. A port held the way gRPC servers hold theirs (SO_REUSEPORT, by the
+    same user) is shared, as the service will share it."""
+    port = int(coordinator.rpartition(':')[2])
+    for family, address in ((socket.AF_INET6, '::'), (socket.AF_INET, '0.0.0.0')):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host: the IPv4 wildcard then
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            try:
+                probe.bind((address, port))
+            except OSError as e:
+                raise DistributedError(f'cannot serve the coordinator {coordinator} on this '
+                                       f'host (process 0): port {port}: {e.strerror}; pick a '
+                                       f'free port for --coordinator') from None
+        return
 
 
 def _wait_for(connect: Callable[[], Any], timeout_s: float, what: str) -> None:

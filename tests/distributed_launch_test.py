@@ -5,6 +5,7 @@ SIGTERM while waiting for them exit 130 / 143 at once (`jaxsim.distributed`)."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -164,3 +165,17 @@ def test_a_signal_while_waiting_for_the_other_processes_stops_at_once(tmp_path, 
     assert proc.returncode == 128 + signum, first + err[-3000:]
     assert err.splitlines() == [last_line], err[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_process_0_refuses_a_coordinator_port_another_program_listens_on():
+    # JAX's coordination service crashed (a segmentation fault) on such a port.
+    with socket.socket() as other:
+        other.bind(('127.0.0.1', 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(DistributedError, match=rf'cannot serve the coordinator '
+                                                   rf'127\.0\.0\.1:{port} on this host '
+                                                   rf'\(process 0\): port {port}: '):
+            distributed._check_port_free(f'127.0.0.1:{port}')
+    with reserved_port() as port:  # held as gRPC holds a port: shared, as the service shares it
+        distributed._check_port_free(f'127.0.0.1:{port}')
