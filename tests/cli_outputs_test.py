@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -244,30 +243,17 @@ def test_nan_weights_are_an_error_naming_the_first_sentence(bundled, tmp_path, c
 
 
 # --------------------------------------------------------------------------- interrupts
-def _jax_loading(pid: int) -> bool:
-    """Whether the process has started loading JAX's native library (start-up under way)."""
-    try:
-        return 'libjax_common' in Path(f'/proc/{pid}/maps').read_text()
-    except OSError:
-        return False
-
-
-def _signalled(args, signum, after_s, tmp_path):
-    """Runs `python ARGS` in tmp_path and sends `signum` `after_s` seconds after the process
-    began loading JAX (0: during its imports, before any handler could be installed)."""
+def _signalled(args, signum, phase, tmp_path):
+    """Runs `python ARGS` in tmp_path, the process sending itself `signum` at `phase`
+    (tests/signal_phases.py: no timing involved); checks that it landed there."""
     env = dict(os.environ, JAX_PLATFORMS='cpu',
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get('PYTHONPATH', ''))
-    proc = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not _jax_loading(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(after_s)
-    assert proc.poll() is None, 'finished before the signal'
-    proc.send_signal(signum)
-    out, err = proc.communicate(timeout=300)
-    return proc.returncode, out, err
+    proc = subprocess.run([sys.executable, '-c', 'from tests.signal_phases import main; main()',
+                           phase, signal.Signals(signum).name, *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+    lines = proc.stderr.splitlines()
+    assert [x[len('PHASE '):] for x in lines if x.startswith('PHASE ')] == [phase], proc.stderr
+    return proc.returncode, proc.stdout, '\n'.join(x for x in lines if not x.startswith('PHASE '))
 
 
 @pytest.fixture(scope='module')
@@ -279,13 +265,16 @@ def long_input(tmp_path_factory):
     return path
 
 
-# 0 s: JAX still importing; 3 s: the window where JAX's garbage-collection callback
-# swallowed the KeyboardInterrupt; 12 s: the model is loaded and encoding.
-@pytest.mark.parametrize('signum, after_s', [(signal.SIGINT, 0.0), (signal.SIGINT, 3.0),
-                                             (signal.SIGTERM, 3.0), (signal.SIGINT, 12.0)])
-def test_encode_interrupted_at_any_moment_is_one_line(long_input, tmp_path, signum, after_s):
+# start-up: JAX still importing, before any handler could be installed; gc callback: inside
+# JAX's garbage-collection callback, which swallowed a KeyboardInterrupt raised there;
+# encoding: the model loaded and encoding.
+@pytest.mark.parametrize('signum, phase', [(signal.SIGINT, 'start-up'),
+                                           (signal.SIGINT, 'gc callback'),
+                                           (signal.SIGTERM, 'gc callback'),
+                                           (signal.SIGINT, 'encoding')])
+def test_encode_interrupted_at_any_moment_is_one_line(long_input, tmp_path, signum, phase):
     code, out, err = _signalled(['-m', 'jaxsim', 'encode', '--input', str(long_input),
-                                 '--output', 'v.npy'], signum, after_s, tmp_path)
+                                 '--output', 'v.npy'], signum, phase, tmp_path)
     name = signal.Signals(signum).name
     assert code == 128 + signum, err
     assert err.strip().splitlines()[-1] == f'interrupted by {name}; no output file written'
@@ -293,11 +282,12 @@ def test_encode_interrupted_at_any_moment_is_one_line(long_input, tmp_path, sign
     assert list(tmp_path.iterdir()) == []  # neither the output nor a temporary file
 
 
-@pytest.mark.parametrize('signum, after_s', [(signal.SIGINT, 0.0), (signal.SIGINT, 5.0),
-                                             (signal.SIGTERM, 10.0)])
-def test_eval_interrupted_is_one_line_and_writes_nothing(tmp_path, signum, after_s):
+@pytest.mark.parametrize('signum, phase', [(signal.SIGINT, 'start-up'),
+                                           (signal.SIGINT, 'gc callback'),
+                                           (signal.SIGTERM, 'encoding')])
+def test_eval_interrupted_is_one_line_and_writes_nothing(tmp_path, signum, phase):
     code, out, err = _signalled([str(REPO / 'eval.py'), '--json', 'r.json', '--plots', 'p'],
-                                signum, after_s, tmp_path)
+                                signum, phase, tmp_path)
     assert code == 128 + signum, err
     assert err.strip().splitlines() == [
         f'interrupted by {signal.Signals(signum).name}; no output file written'], err

@@ -35,15 +35,13 @@ from jaxsim.cli import train
 from orbax.checkpoint import checkpoint_manager
 from jaxsim.io import checkpoint
 from jaxsim.train import evaluate, loop, step as step_lib
+# The parent checks that the signal landed where the plan says (the PHASE line).
+from tests.signal_phases import fire as fire_signal, reached as phase_reached
 
 mode, at, signame = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 
 def fire(phase):
-    phase_reached(phase)
-    os.kill(os.getpid(), getattr(signal, signame))
-
-def phase_reached(phase):  # the parent checks that the signal landed where the plan says
-    print(f'\\nPHASE {phase}', file=sys.stderr, flush=True)  # own line: after a progress bar
+    fire_signal(phase, getattr(signal, signame))
 
 if mode == 'step':  # right after step `at` is dispatched: its computation is in flight
     real_make = step_lib.make_train_step
