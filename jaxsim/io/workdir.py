@@ -4,7 +4,8 @@ WORKDIR/
   model.json      the SentenceEncoder (architecture, pooler, mlp_only_train, token limit)
   tokenizer/      the tokenizer files
   config.json     the train config
-  checkpoints/    orbax checkpoints of the TrainState (params are the SentenceEncoder tree)
+  checkpoints/    orbax checkpoints of the TrainState (params are the SentenceEncoder tree,
+                  and the objective's own parameters under 'objective' when it has any)
 The checkpoint's params are the very tree the encoder was trained with, so loading is a
 restore: no translation step and no Hugging Face folder inside the workdir.
 """
@@ -25,6 +26,7 @@ from jaxsim.model import SentenceModel
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, check_params
 from jaxsim.models.poolers import get_pooler
+from jaxsim.objectives import owned
 
 MODEL_FILE = "model.json"
 TOKENIZER_DIR = "tokenizer"
@@ -93,7 +95,9 @@ def load_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "bes
     with Checkpointer(ckpt_dir, read_only=True) as ckpt:
         step = ckpt.resolve_step(which)
         params = ckpt.restore_params(step, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    params = jax.tree.map(np.asarray, params)
+    # The objective's own parameters (a learned temperature) trained with the encoder; they
+    # are no part of the model.
+    params = owned.encoder_params(jax.tree.map(np.asarray, params))
     check_params(encoder, params, f"{ckpt_dir}/{step}")
     return SentenceModel(encoder=encoder, params=jax.device_put(params),
                          tokenizer=load_tokenizer(store.local_copy(workdir / TOKENIZER_DIR)), path=str(workdir),

@@ -26,7 +26,7 @@ from jaxsim.models.architectures import MASK_TOKENS, known_architecture
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.models.poolers import get_pooler
-from jaxsim.objectives import Objective, ObjectiveError
+from jaxsim.objectives import Objective, ObjectiveError, owned
 from jaxsim.objectives.mlm import MlmSettings
 from jaxsim.train import optim, state as state_lib, step as step_lib
 from jaxsim.train.config import TrainConfig
@@ -220,6 +220,17 @@ def init_key(seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), 1)
 
 
+def objective_key(seed: int) -> jax.Array:
+    """The key the objective's own parameters are drawn with (`init_params`): the root key's
+    use 4 (1: the encoder's init, 2 and 3: dropout)."""
+    return jax.random.fold_in(jax.random.key(seed), 4)
+
+
+def owned_params(cfg: TrainConfig, objective: Objective, objective_kwargs: dict) -> dict:
+    """The objective's own parameters a run of `cfg` starts with ({} when it owns none)."""
+    return owned.init_owned(objective, objective_kwargs, objective_key(cfg.seed))
+
+
 def train_batches(cfg: TrainConfig, source: Any, tokenizer: Any, mesh) -> StreamIterator:
     """A run's batches in its order (a function of the seed): this process's rows of each
     global batch, read and tokenized ahead of the step."""
@@ -237,7 +248,8 @@ def train_program(cfg: TrainConfig, encoder: SentenceEncoder, objective: Objecti
     options = step_lib.compiler_options(cfg.fast_compile)
     dropout_key = step_lib.dropout_key(jax.random.key(cfg.seed), cfg.prng_impl)
     tx = optim.make_optimizer(cfg, total_steps)
-    shape = state_lib.state_shape(encoder, tx, dropout_key)
+    owned_shapes = jax.eval_shape(lambda: owned_params(cfg, objective, objective_kwargs))
+    shape = state_lib.state_shape(encoder, tx, dropout_key, owned_shapes)
     shardings = state_lib.state_shardings(shape, mesh, *param_rules(cfg))
     train_step = step_lib.make_train_step(
         encoder, functools.partial(objective.loss, **objective_kwargs), tx,

@@ -32,7 +32,7 @@ from jaxsim.io.lock import hold_workdir
 from jaxsim.io.workdir import write_model
 from jaxsim.model import SentenceModel
 from jaxsim.models.encoder import init_params
-from jaxsim.objectives import check_kwargs, get_objective
+from jaxsim.objectives import check_kwargs, get_objective, owned
 from jaxsim.progress import progress_bar
 from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig
@@ -154,11 +154,14 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             it.set_state(restored.data['iterator'])
             say(f'resuming {workdir} from step {step} of {total}')
         else:
-            state, shardings = create_state(init_params(
+            params = init_params(
                 encoder, program.init_key, param_shardings(encoder, mesh, *build.param_rules(cfg)),
-                base.bert_params,
-                mlm_params=base.mlm_params), tx, dropout_key, mesh, program.compiler_options,
-                shardings)
+                base.bert_params, mlm_params=base.mlm_params)
+            mine = build.owned_params(cfg, objective, objective_kwargs)
+            if mine:  # the objective's own parameters, placed as the state keeps them
+                params = owned.join(params, jax.device_put(mine, shardings.params[owned.KEY]))
+            state, shardings = create_state(params, tx, dropout_key, mesh,
+                                            program.compiler_options, shardings)
             step = 0
         base = base.without_weights()  # the state holds them: no second copy for the whole run
         train_step = program.train_step
@@ -216,14 +219,15 @@ class _Loop:
     def _evaluate(self, step: int, bar) -> float:
         if bar is not None:
             bar.set_description('STS-B dev')
-        score = self.evaluator.score(self.state.params, 'dev')
+        score = self.evaluator.score(owned.encoder_params(self.state.params), 'dev')
         if bar is not None:
             bar.set_description('train')
         self.dev_curve.append([step, score])
         if self.best_dev is None or score > self.best_dev:
             self.best_step, self.best_dev = step, score
             if self.ckpt is None or not self.cfg.checkpoint:  # keep a copy for the test score
-                self.best_params = jax.tree.map(jnp.copy, self.state.params)
+                self.best_params = jax.tree.map(jnp.copy,
+                                                owned.encoder_params(self.state.params))
         return score
 
     def _save(self, step: int, metrics: Optional[dict] = None) -> None:
@@ -327,7 +331,7 @@ class _Loop:
         else:
             params = self.ckpt.restore_params(self.best_step, NamedSharding(self.mesh, P()))
         with deferred_signals() as stop:
-            score = ev.score(params, 'test')
+            score = ev.score(owned.encoder_params(params), 'test')
             if stop:
                 raise Interrupted(stop.signum, self.step)
         return score

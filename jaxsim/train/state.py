@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsim import sharding as sharding_lib
 from jaxsim.models.encoder import SentenceEncoder, param_shapes
+from jaxsim.objectives import owned
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -18,7 +19,8 @@ class TrainState(flax.struct.PyTreeNode):
 
     Attributes:
       step: scalar int32, number of optimizer updates applied.
-      params: the SentenceEncoder parameter tree (float32 master copy).
+      params: the trainable tree (float32 master copy): the SentenceEncoder's parameters and,
+        under 'objective', those the objective owns (`jaxsim.objectives.owned`), if any.
       opt_state: the optax optimizer state for `params`.
       rng: raw uint32 PRNG key data (`jax.random.key_data`), so checkpoints hold plain arrays.
     """
@@ -62,9 +64,11 @@ def _init_fn(tx: optax.GradientTransformation, rng: jax.Array) -> Callable:
 
 
 def state_shape(encoder: SentenceEncoder, tx: optax.GradientTransformation,
-                rng: jax.Array) -> TrainState:
-    """The TrainState as ShapeDtypeStructs (nothing allocated): a restore target's skeleton."""
-    return jax.eval_shape(_init_fn(tx, rng), param_shapes(encoder))
+                rng: jax.Array, owned_shapes: Optional[dict] = None) -> TrainState:
+    """The TrainState as ShapeDtypeStructs (nothing allocated): a restore target's skeleton.
+    `owned_shapes`: the objective's own parameters (as ShapeDtypeStructs), if it has any."""
+    params = owned.join(param_shapes(encoder), owned_shapes or {})
+    return jax.eval_shape(_init_fn(tx, rng), params)
 
 
 def create_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array, mesh: Mesh,

@@ -21,7 +21,7 @@ from jaxsim.data.batching import FIELDS
 from jaxsim.data.packing import PACK_INDEX, PACKED_FIELDS, UNPACK_INDEX
 from jaxsim.models.bert import BertLayer
 from jaxsim.models.encoder import SentenceEncoder
-from jaxsim.objectives import LossFn, ObjectiveError, with_context
+from jaxsim.objectives import LossFn, ObjectiveError, owned, with_context
 from jaxsim.objectives.mlm import MlmSettings, mlm_term
 from jaxsim.train.config import PRNG_IMPLS
 from jaxsim.train.grad_cache import make_cached_grad_fn
@@ -135,12 +135,15 @@ def make_loss_fn(encoder: SentenceEncoder, loss: LossFn, views: int,
     """`loss_fn(params, batch, key, step=None) -> (loss, aux)`: encode the views, apply the
     objective, plus `mlm.weight` x the masked-LM term on masked copies of the same sentences
     (aux 'mlm'). An objective that names `ids`, `step` or `key` also gets the batch's token ids,
-    the step and a key of its own (`jaxsim.objectives.with_context`)."""
+    the step and a key of its own (`jaxsim.objectives.with_context`). `params` is the trainable
+    tree: the encoder's parameters and, under 'objective', those the objective owns (its
+    `params=`; `jaxsim.objectives.owned`)."""
     objective = with_context(loss)
 
     def loss_fn(params, batch: Batch, key, step=None):
+        params, mine = owned.split(params)
         value, aux = objective(encode_views(encoder, params, batch, key, views),
-                               ids=batch['input_ids'], step=step, key=key)
+                               ids=batch['input_ids'], step=step, key=key, params=mine or None)
         value, aux = value.astype(jnp.float32), dict(aux)
         if mlm is not None:
             ids = batch['input_ids']
@@ -169,8 +172,9 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
       encoder: the SentenceEncoder (its dtype is the compute dtype).
       loss: `loss(z [B, V, H]) -> (scalar, aux dict)`, the objective with its hyperparameters
         bound (e.g. `functools.partial(objective.loss, temp=0.05)`); if it names `ids`,
-        `step` or `key` it gets them too (see `make_loss_fn`).
-      tx: the optimizer.
+        `step`, `key` or `params` it gets them too (see `make_loss_fn`).
+      tx: the optimizer (of the trainable tree: the state's params, the objective's own
+        parameters included).
       views: V, vectors per example the loss takes.
       mesh: the device mesh; the batch is split over its ('data', 'fsdp') axes.
       state_shardings: TrainState of NamedShardings (from `create_state`).
