@@ -302,4 +302,5 @@ def test_context_arguments_are_read_from_the_signature_once():
     assert np.array_equal(jax.random.key_data(got_key),
                           jax.random.key_data(jax.random.fold_in(key, 2)))
     assert with_context(wants_step)(z, ids=ids)[1]['step'] is None  # its default stands
-    assert hyperparameters(OBJECTIVES.get('unsup')) == {'temp': 0.05, 'mask_duplicates': False}
+    assert hyperparameters(OBJECTIVES.get('unsup')) == {'temp': 0.05, 'mask_duplicates': False,
+                                                        'learn_temperature': False}
