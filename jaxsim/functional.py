@@ -10,6 +10,7 @@ example, and `examples/custom_loop.py` rebuilds `train.py`'s losses from them.
                                        pooler and sentence-transformers head included
   tokenize, tokenize_examples          sentences -> padded int32 arrays
   objective_loss(cfg) -> (loss, views) the configured objective, hyperparameters bound
+  objective_params(cfg)                the parameters it owns (a learned temperature), if any
   make_loss_fn                         `loss_fn(params, batch, key, step=None) -> (loss, aux)`
   dropout_key, step_key, init_key      the run's keys from its seed, as the train step derives them
   batches(cfg, tokenizer)              train.py's batches, in train.py's order
@@ -45,7 +46,7 @@ from jaxsim.train.step import configure_jax, make_loss_fn, make_train_step
 __all__ = ["HEAD_KEY", "TokenBatch", "TrainConfig", "TrainState", "batches", "configure_jax",
            "create_state", "dropout_key", "embed_fn", "init_key", "initial_model",
            "load_config", "make_loss_fn", "make_optimizer", "make_train_step",
-           "objective_loss", "optimizer_hyperparameters", "step_key", "tokenize",
+           "objective_loss", "objective_params", "optimizer_hyperparameters", "step_key", "tokenize",
            "tokenize_examples", "train_program"]
 
 # The JAX form of each activation a sentence-transformers Dense module may name
@@ -104,6 +105,15 @@ def objective_loss(cfg: TrainConfig) -> tuple[Callable, int]:
     objective = get_objective(cfg.objective)
     kwargs = check_kwargs(objective, cfg.objective_kwargs)
     return functools.partial(objective.loss, **kwargs), objective.views
+
+
+def objective_params(cfg: TrainConfig) -> dict:
+    """The parameters the configured objective owns, as a run of `cfg` starts them ({} when
+    none; e.g. `{'log_temp': log(temp)}` with `learn_temperature`). Training keeps them
+    beside the encoder's, under 'objective': `{**model.params, 'objective': ...}` is the tree
+    `make_loss_fn`'s loss and the optimizer take (`jaxsim.objectives.owned.join`)."""
+    objective = get_objective(cfg.objective)
+    return build.owned_params(cfg, objective, check_kwargs(objective, cfg.objective_kwargs))
 
 
 def batches(cfg: TrainConfig, tokenizer: Any, mesh=None) -> StreamIterator:
