@@ -31,6 +31,7 @@ from jaxsim.io.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
 from jaxsim.io.lock import hold_workdir
 from jaxsim.io.workdir import write_model
 from jaxsim.model import SentenceModel
+from jaxsim.models import st_head
 from jaxsim.models.encoder import init_params
 from jaxsim.objectives import check_kwargs, get_objective, owned
 from jaxsim.progress import progress_bar
@@ -105,7 +106,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     total = cfg.max_steps or math.ceil(cfg.num_epochs * it.steps_per_epoch)
     model = SentenceModel(encoder=encoder.clone(dtype=jnp.float32, remat="none"), params=None,
                           tokenizer=base.tokenizer, path=str(workdir),
-                          max_seq_length=cfg.eval_max_len)
+                          max_seq_length=cfg.eval_max_len, head=base.head)
     evaluator = optional_evaluator(model, mesh, cfg.senteval_root, cfg.eval_max_len,
                                    cfg.eval_batch_size, cfg.eval_test)
 
@@ -141,7 +142,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             write_model(workdir, model, base_model=cfg.model)
         program = build.train_program(
             cfg, encoder, objective, objective_kwargs, mesh, total,
-            mlm=build.mlm_settings(cfg, base.config, base.tokenizer) if encoder.mlm else None)
+            mlm=build.mlm_settings(cfg, base.config, base.tokenizer) if encoder.mlm else None,
+            head=base.head)
         tx, shardings, dropout_key = program.tx, program.shardings, program.dropout_key
         ckpt = None
         if cfg.checkpoint or latest is not None:
@@ -157,6 +159,10 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             params = init_params(
                 encoder, program.init_key, param_shardings(encoder, mesh, *build.param_rules(cfg)),
                 base.bert_params, mlm_params=base.mlm_params)
+            weights = st_head.head_weights(base.head)
+            if weights:  # the kept head's Dense weights, trained with the encoder
+                params = {**params, st_head.HEAD_KEY: jax.device_put(
+                    weights, shardings.params[st_head.HEAD_KEY])}
             mine = build.owned_params(cfg, objective, objective_kwargs)
             if mine:  # the objective's own parameters, placed as the state keeps them
                 params = owned.join(params, jax.device_put(mine, shardings.params[owned.KEY]))

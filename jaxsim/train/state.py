@@ -10,6 +10,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsim import sharding as sharding_lib
+from jaxsim.models import st_head
 from jaxsim.models.encoder import SentenceEncoder, param_shapes
 from jaxsim.objectives import owned
 
@@ -19,8 +20,9 @@ class TrainState(flax.struct.PyTreeNode):
 
     Attributes:
       step: scalar int32, number of optimizer updates applied.
-      params: the trainable tree (float32 master copy): the SentenceEncoder's parameters and,
-        under 'objective', those the objective owns (`jaxsim.objectives.owned`), if any.
+      params: the trainable tree (float32 master copy): the SentenceEncoder's parameters, a
+        kept sentence-transformers head's Dense weights under 'st_head' and, under 'objective',
+        those the objective owns (`jaxsim.objectives.owned`), if any.
       opt_state: the optax optimizer state for `params`.
       rng: raw uint32 PRNG key data (`jax.random.key_data`), so checkpoints hold plain arrays.
     """
@@ -64,10 +66,15 @@ def _init_fn(tx: optax.GradientTransformation, rng: jax.Array) -> Callable:
 
 
 def state_shape(encoder: SentenceEncoder, tx: optax.GradientTransformation,
-                rng: jax.Array, owned_shapes: Optional[dict] = None) -> TrainState:
+                rng: jax.Array, owned_shapes: Optional[dict] = None,
+                head_shapes: Optional[dict] = None) -> TrainState:
     """The TrainState as ShapeDtypeStructs (nothing allocated): a restore target's skeleton.
-    `owned_shapes`: the objective's own parameters (as ShapeDtypeStructs), if it has any."""
-    params = owned.join(param_shapes(encoder), owned_shapes or {})
+    `owned_shapes`: the objective's own parameters, `head_shapes`: the Dense weights of a
+    kept sentence-transformers head (both as ShapeDtypeStructs), if any."""
+    params = param_shapes(encoder)
+    if head_shapes:
+        params = {**params, st_head.HEAD_KEY: head_shapes}
+    params = owned.join(params, owned_shapes or {})
     return jax.eval_shape(_init_fn(tx, rng), params)
 
 
