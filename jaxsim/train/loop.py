@@ -33,6 +33,7 @@ from jaxsim.io.workdir import write_model
 from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
 from jaxsim.models.encoder import init_params
+from jaxsim.models.poolers import get_pooler
 from jaxsim.objectives import check_kwargs, get_objective, owned
 from jaxsim.progress import progress_bar
 from jaxsim.train import build, records
@@ -113,7 +114,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     # ---- 2. the workdir's run ---------------------------------------------------------------
     derived = {'data': {'source': source.name, 'examples': it.num_examples,
                         'sha256': pipeline.data_digest(source, base.tokenizer, cfg.max_len)},
-               'grad_divisor': build.grad_divisor(cfg, mesh), 'code': code_digests(objective)}
+               'grad_divisor': build.grad_divisor(cfg, mesh), 'code': code_digests(objective, get_pooler(cfg.pooler))}
     facts = {'total_steps': total, 'steps_per_epoch': it.steps_per_epoch,
              'dropped_per_epoch': it.dropped_per_epoch, 'base_model': base.path,
              'devices': jax.device_count(), 'processes': jax.process_count(),
