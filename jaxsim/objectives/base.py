@@ -43,6 +43,7 @@ import inspect
 from typing import Any, Callable, Mapping, Optional
 
 from jaxsim.errors import JaxsimError
+from jaxsim.objectives.owned import init_owned
 from jaxsim.registry import Registry
 
 # loss(z [batch, views, hidden], **kwargs) -> (scalar loss, {name: scalar})
@@ -206,8 +207,6 @@ def _probe(objective: Objective, kwargs: Mapping[str, Any]) -> None:
     refuse them before a run writes anything, not at its first step."""
     import jax
     import jax.numpy as jnp
-
-    from jaxsim.objectives.owned import init_owned  # noqa: PLC0415
 
     z = jax.ShapeDtypeStruct((4, objective.views, 8), jnp.float32)
     ids = jax.ShapeDtypeStruct((4, objective.views, 5), jnp.int32)
