@@ -13,13 +13,24 @@ above `--factor` x the median (spikes), and which steps' batches repeat a premis
         [--json out.json]
 
 `--csv FILE` trains on a CSV of (sent0, sent1, hard_neg) rows instead of SentEval's SNLI;
-`--random-init` with `--model bundled` trains a tiny random-init BERT (the test's setting);
-`--skip N` leaves the first N steps out of the statistics (a random model's first steps, before
-it fits the data, are large for reasons that have nothing to do with duplicates).
+`--sample` on a sample of SNLI dev's own triplets, 8 premises twice and 16 once (32 triplets),
+so that batches of 8 often hold a premise twice; `--random-init` with `--model bundled` trains
+a tiny random-init BERT; `--skip N` leaves the first N steps out of the statistics (a random
+model's first steps, before it fits the data, are large for reasons that have nothing to do
+with duplicates). The test's setting (tests/benchmarks/duplicate_premises_test.py):
+
+    python benchmarks/duplicate_premises.py --sample --random-init --dropout 0 --steps 500 \
+        --skip 400 --batch-size 8 --learning-rate 2e-3 --temp 0.02
+
+A model that fits its data drives every other step's loss towards 0, while a batch holding a
+premise twice keeps at least 2 ln 2 / batch per repeated pair (the two rows ask for opposite
+orders of the same two entailments): those steps stand out by orders of magnitude, and with
+the mask they do not.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import statistics
 import sys
@@ -57,10 +68,29 @@ def train_config(*, model: str, data: Optional[Path], steps: int, batch_size: in
     return fields
 
 
+def write_snli_sample(out: Path, pairs: int = 8, singles: int = 16) -> Path:
+    """A CSV of SentEval SNLI dev's triplets: `pairs` premises with two triplets each, then
+    `singles` premises with one (the first such, in file order)."""
+    from jaxsim.data import sources
+    from jaxsim.paths import SENTEVAL_ROOT
+
+    source = sources.SnliSource(SENTEVAL_ROOT / 'SNLI', ('dev',))
+    by_premise: dict = {}
+    for i in range(len(source)):
+        triplet = source[i]
+        by_premise.setdefault(triplet[0], []).append(triplet)
+    twice = [t[:2] for t in by_premise.values() if len(t) >= 2][:pairs]
+    once = [t[0] for t in by_premise.values() if len(t) == 1][:singles]
+    with open(out, 'w', newline='', encoding='utf-8') as f:
+        writer = csv.writer(f)
+        writer.writerow(['sent0', 'sent1', 'hard_neg'])
+        writer.writerows([t for pair in twice for t in pair] + once)
+    return out
+
+
 def duplicate_steps(fields: dict) -> list[int]:
     """The steps (1-based) whose batch repeats a premise, read from the run's own batches."""
     from jaxsim import sharding
-    from jaxsim.data.batching import FIELDS  # noqa: F401  (the batch layout)
     from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
     from jaxsim.train import build
     from jaxsim.train.config import TrainConfig, base_config
@@ -120,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument('--model', default='bundled', help='base model (default: bundled MiniLM)')
     p.add_argument('--csv', type=Path, default=None,
                    help='train on this CSV (sent0,sent1,hard_neg) instead of SentEval SNLI')
+    p.add_argument('--sample', action='store_true',
+                   help='train on 32 SNLI dev triplets, 8 premises of them twice')
     p.add_argument('--steps', type=int, default=20)
     p.add_argument('--batch-size', type=int, default=64)
     p.add_argument('--max-len', type=int, default=32)
@@ -135,7 +167,11 @@ def main(argv=None) -> int:
                    'statistics')
     p.add_argument('--json', type=Path, default=None, help='write the record here')
     a = p.parse_args(argv)
-    record = run(model=a.model, data=a.csv, steps=a.steps, batch_size=a.batch_size,
+    if a.sample and a.csv:
+        p.error('--sample and --csv: choose one')
+    tmp = tempfile.TemporaryDirectory()
+    data = write_snli_sample(Path(tmp.name) / 'snli_sample.csv') if a.sample else a.csv
+    record = run(model=a.model, data=data, steps=a.steps, batch_size=a.batch_size,
                  max_len=a.max_len, learning_rate=a.learning_rate, temp=a.temp, seed=a.seed,
                  random_init=a.random_init, dropout=a.dropout, factor=a.factor, skip=a.skip)
     print(f"steps whose batch repeats a premise: {record['duplicate_steps']}")
@@ -144,8 +180,11 @@ def main(argv=None) -> int:
         print(f"{name:9s} median {r['median']:.3g}  max {r['max']:.3g} "
               f"({r['max_over_median']:.1f}x median)  steps above {a.factor:g}x median: "
               f"{r['spikes']}")
+    if a.sample:
+        record['settings']['data'] = 'SNLI dev sample: 8 premises twice, 16 once'
     if a.json:
         a.json.write_text(json.dumps(record, indent=2) + '\n')
+    tmp.cleanup()
     return 0
 
 
