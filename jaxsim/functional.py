@@ -46,8 +46,8 @@ from jaxsim.train.step import configure_jax, make_loss_fn, make_train_step
 __all__ = ["HEAD_KEY", "TokenBatch", "TrainConfig", "TrainState", "batches", "configure_jax",
            "create_state", "dropout_key", "embed_fn", "init_key", "initial_model",
            "load_config", "make_loss_fn", "make_optimizer", "make_train_step",
-           "objective_loss", "objective_params", "optimizer_hyperparameters", "step_key", "tokenize",
-           "tokenize_examples", "train_program"]
+           "objective_loss", "objective_params", "optimizer_hyperparameters", "step_key",
+           "tokenize", "tokenize_examples", "train_program"]
 
 HEAD_KEY = st_head.HEAD_KEY  # where embed_fn's params hold the Dense modules' weights
 

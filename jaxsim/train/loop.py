@@ -114,7 +114,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     # ---- 2. the workdir's run ---------------------------------------------------------------
     derived = {'data': {'source': source.name, 'examples': it.num_examples,
                         'sha256': pipeline.data_digest(source, base.tokenizer, cfg.max_len)},
-               'grad_divisor': build.grad_divisor(cfg, mesh), 'code': code_digests(objective, get_pooler(cfg.pooler))}
+               'grad_divisor': build.grad_divisor(cfg, mesh),
+               'code': code_digests(objective, get_pooler(cfg.pooler))}
     facts = {'total_steps': total, 'steps_per_epoch': it.steps_per_epoch,
              'dropped_per_epoch': it.dropped_per_epoch, 'base_model': base.path,
              'devices': jax.device_count(), 'processes': jax.process_count(),

@@ -20,8 +20,8 @@ from jaxsim import compile_options
 from jaxsim import sharding as sharding_lib
 from jaxsim.data.batching import FIELDS
 from jaxsim.data.packing import PACK_INDEX, PACKED_FIELDS, UNPACK_INDEX
-from jaxsim.models.bert import BertLayer
 from jaxsim.models import st_head
+from jaxsim.models.bert import BertLayer
 from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.objectives import LossFn, ObjectiveError, owned, with_context
 from jaxsim.objectives.mlm import MlmSettings, mlm_term
