@@ -106,6 +106,7 @@ def apply_head(head: Sequence, x: np.ndarray) -> np.ndarray:
 
 HEAD_KEY = "st_head"
 
+# The JAX form of each activation a Dense module may name (ACTIVATIONS is the NumPy form).
 _JAX_ACTIVATIONS = {
     "torch.nn.modules.linear.Identity": "identity",
     "torch.nn.modules.activation.Tanh": "tanh",
@@ -113,6 +114,16 @@ _JAX_ACTIVATIONS = {
     "torch.nn.modules.activation.Sigmoid": "sigmoid",
     "torch.nn.modules.activation.GELU": "gelu",
 }
+
+
+def jax_activation(name: str) -> Callable:
+    """The JAX function of the activation `name` (a torch class path in _JAX_ACTIVATIONS)."""
+    import jax
+    import jax.numpy as jnp
+
+    return {"identity": lambda v: v, "tanh": jnp.tanh, "relu": jax.nn.relu,
+            "sigmoid": jax.nn.sigmoid,
+            "gelu": lambda v: jax.nn.gelu(v, approximate=False)}[_JAX_ACTIVATIONS[name]]
 
 
 def check_jax_form(head: Sequence, where: str) -> None:
@@ -153,12 +164,8 @@ def split_weights(params: dict) -> tuple[dict, dict]:
 def apply_jax(head: Sequence, weights: Optional[dict], x):
     """`head` on pooled vectors x [N, D] in JAX (differentiable in `weights`, a `head_weights`
     tree), as `apply_head` computes it in NumPy. float32."""
-    import jax
     import jax.numpy as jnp
 
-    activations = {"identity": lambda v: v, "tanh": jnp.tanh, "relu": jax.nn.relu,
-                   "sigmoid": jax.nn.sigmoid,
-                   "gelu": lambda v: jax.nn.gelu(v, approximate=False)}
     x = x.astype(jnp.float32)
     for i, module in enumerate(head):
         if isinstance(module, Dense):
@@ -166,7 +173,7 @@ def apply_jax(head: Sequence, weights: Optional[dict], x):
             x = x @ dense["weight"].T
             if "bias" in dense:
                 x = x + dense["bias"]
-            x = activations[_JAX_ACTIVATIONS[module.activation]](x)
+            x = jax_activation(module.activation)(x)
         else:  # Normalize: torch.nn.functional.normalize
             x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
     return x
