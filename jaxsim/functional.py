@@ -10,6 +10,7 @@ example, and `examples/custom_loop.py` rebuilds `train.py`'s losses from them.
                                        pooler and sentence-transformers head included
   tokenize, tokenize_examples          sentences -> padded int32 arrays
   objective_loss(cfg) -> (loss, views) the configured objective, hyperparameters bound
+  objective_params(cfg)                the parameters it owns (a learned temperature), if any
   make_loss_fn                         `loss_fn(params, batch, key, step=None) -> (loss, aux)`
   dropout_key, step_key, init_key      the run's keys from its seed, as the train step derives them
   batches(cfg, tokenizer)              train.py's batches, in train.py's order
@@ -33,7 +34,7 @@ from jaxsim.data.pipeline import StreamIterator
 from jaxsim.data.tokenize import TokenBatch, tokenize
 from jaxsim.model import SentenceModel
 from jaxsim.models.encoder import init_params
-from jaxsim.models.st_head import Dense, HeadError, Normalize
+from jaxsim.models import st_head
 from jaxsim.objectives import check_kwargs, get_objective
 from jaxsim.train import build, optim, step as step_lib
 from jaxsim.train.build import train_program
@@ -45,20 +46,10 @@ from jaxsim.train.step import configure_jax, make_loss_fn, make_train_step
 __all__ = ["HEAD_KEY", "TokenBatch", "TrainConfig", "TrainState", "batches", "configure_jax",
            "create_state", "dropout_key", "embed_fn", "init_key", "initial_model",
            "load_config", "make_loss_fn", "make_optimizer", "make_train_step",
-           "objective_loss", "optimizer_hyperparameters", "step_key", "tokenize",
-           "tokenize_examples", "train_program"]
+           "objective_loss", "objective_params", "optimizer_hyperparameters", "step_key",
+           "tokenize", "tokenize_examples", "train_program"]
 
-# The JAX form of each activation a sentence-transformers Dense module may name
-# (`st_head.ACTIVATIONS` is the NumPy form `jaxsim.encode` applies).
-_JAX_ACTIVATIONS: dict[str, Callable] = {
-    "torch.nn.modules.linear.Identity": lambda x: x,
-    "torch.nn.modules.activation.Tanh": jnp.tanh,
-    "torch.nn.modules.activation.ReLU": jax.nn.relu,
-    "torch.nn.modules.activation.Sigmoid": jax.nn.sigmoid,
-    "torch.nn.modules.activation.GELU": functools.partial(jax.nn.gelu, approximate=False),
-}
-
-HEAD_KEY = "st_head"  # where embed_fn's params hold the Dense modules' weights
+HEAD_KEY = st_head.HEAD_KEY  # where embed_fn's params hold the Dense modules' weights
 
 
 def load_config(path: Union[str, Path], **overrides) -> TrainConfig:
@@ -95,7 +86,7 @@ def initial_model(cfg: TrainConfig) -> SentenceModel:
     params = init_params(encoder, init_key(cfg.seed), bert_params=base.bert_params,
                          mlm_params=base.mlm_params)
     return SentenceModel(encoder=encoder, params=params, tokenizer=base.tokenizer,
-                         path=base.path, max_seq_length=cfg.max_len)
+                         path=base.path, max_seq_length=cfg.max_len, head=base.head)
 
 
 def objective_loss(cfg: TrainConfig) -> tuple[Callable, int]:
@@ -104,6 +95,15 @@ def objective_loss(cfg: TrainConfig) -> tuple[Callable, int]:
     objective = get_objective(cfg.objective)
     kwargs = check_kwargs(objective, cfg.objective_kwargs)
     return functools.partial(objective.loss, **kwargs), objective.views
+
+
+def objective_params(cfg: TrainConfig) -> dict:
+    """The parameters the configured objective owns, as a run of `cfg` starts them ({} when
+    none; e.g. `{'log_temp': log(temp)}` with `learn_temperature`). Training keeps them
+    beside the encoder's, under 'objective': `{**model.params, 'objective': ...}` is the tree
+    `make_loss_fn`'s loss and the optimizer take (`jaxsim.objectives.owned.join`)."""
+    objective = get_objective(cfg.objective)
+    return build.owned_params(cfg, objective, check_kwargs(objective, cfg.objective_kwargs))
 
 
 def batches(cfg: TrainConfig, tokenizer: Any, mesh=None) -> StreamIterator:
@@ -127,12 +127,6 @@ def make_optimizer(**hyperparameters) -> optax.GradientTransformation:
     return optim.build_optimizer(**hyperparameters)
 
 
-def _head_params(head) -> dict:
-    return {str(i): {"weight": jnp.asarray(m.weight, jnp.float32),
-                     **({} if m.bias is None else {"bias": jnp.asarray(m.bias, jnp.float32)})}
-            for i, m in enumerate(head) if isinstance(m, Dense)}
-
-
 def embed_fn(model: SentenceModel) -> tuple[Callable, Any]:
     """(apply, params): a pure function from token ids to the model's sentence vectors.
 
@@ -144,29 +138,16 @@ def embed_fn(model: SentenceModel) -> tuple[Callable, Any]:
     can be differentiated too). jit, grad and vmap apply as to any JAX function.
     """
     encoder, head = model.encoder, tuple(model.head)
-    for module in head:
-        if not isinstance(module, (Dense, Normalize)) or (
-                isinstance(module, Dense) and module.activation not in _JAX_ACTIVATIONS):
-            raise HeadError(f"embed_fn: no JAX form of the head module {module!r}")
+    st_head.check_jax_form(head, "embed_fn")
     params = dict(model.params)
-    if any(isinstance(m, Dense) for m in head):
-        params[HEAD_KEY] = _head_params(head)
+    weights = st_head.head_weights(head)
+    if weights:
+        params[HEAD_KEY] = jax.tree.map(jnp.asarray, weights)
 
     def apply(params, input_ids, attention_mask, token_type_ids=None, key=None):
-        weights = {k: v for k, v in params.items() if k != HEAD_KEY}
-        x = encoder.apply({"params": weights}, input_ids, attention_mask, token_type_ids,
+        params, weights = st_head.split_weights(params)
+        x = encoder.apply({"params": params}, input_ids, attention_mask, token_type_ids,
                           train=key is not None, rngs={} if key is None else {"dropout": key})
-        x = x.astype(jnp.float32)
-        for i, module in enumerate(head):
-            if isinstance(module, Dense):
-                dense = params[HEAD_KEY][str(i)]
-                x = x @ dense["weight"].T
-                if "bias" in dense:
-                    x = x + dense["bias"]
-                x = _JAX_ACTIVATIONS[module.activation](x)
-            else:  # Normalize: torch.nn.functional.normalize
-                x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-        return x
+        return st_head.apply_jax(head, weights, x)
 
     return apply, params
-

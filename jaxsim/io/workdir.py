@@ -1,10 +1,13 @@
 """A train workdir is a model: what it holds, and loading it as a `SentenceModel`.
 
 WORKDIR/
-  model.json      the SentenceEncoder (architecture, pooler, mlp_only_train, token limit)
+  model.json      the SentenceEncoder (architecture, pooler, mlp_only_train, token limit) and
+                  a kept sentence-transformers head's modules (Dense weights: checkpoints)
   tokenizer/      the tokenizer files
   config.json     the train config
-  checkpoints/    orbax checkpoints of the TrainState (params are the SentenceEncoder tree)
+  checkpoints/    orbax checkpoints of the TrainState (params are the SentenceEncoder tree,
+                  the head's Dense weights under 'st_head' and the objective's own parameters
+                  under 'objective' when there are any)
 The checkpoint's params are the very tree the encoder was trained with, so loading is a
 restore: no translation step and no Hugging Face folder inside the workdir.
 """
@@ -22,9 +25,11 @@ from jaxsim.io import store
 from jaxsim.io.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jaxsim.io.hf_folder import load_tokenizer
 from jaxsim.model import SentenceModel
+from jaxsim.models import st_head
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, check_params
 from jaxsim.models.poolers import get_pooler
+from jaxsim.objectives import owned
 
 MODEL_FILE = "model.json"
 TOKENIZER_DIR = "tokenizer"
@@ -43,9 +48,13 @@ def is_train_workdir(path: Union[str, os.PathLike]) -> bool:
 
 def model_record(model: SentenceModel, base_model: str = "") -> dict:
     """The content of model.json for `model`."""
-    return {"format": _FORMAT, "version": 1, "config": model.config.to_hf_dict(),
-            "pooler": model.encoder.pooler, "mlp_only_train": bool(model.encoder.mlp_only_train),
-            "max_seq_length": model.max_seq_length, "base_model": base_model}
+    record = {"format": _FORMAT, "version": 1, "config": model.config.to_hf_dict(),
+              "pooler": model.encoder.pooler,
+              "mlp_only_train": bool(model.encoder.mlp_only_train),
+              "max_seq_length": model.max_seq_length, "base_model": base_model}
+    if model.head:  # a kept sentence-transformers head: its structure (weights: checkpoints)
+        record["head"] = st_head.head_record(model.head)
+    return record
 
 
 def write_model(workdir: Union[str, os.PathLike], model: SentenceModel,
@@ -93,9 +102,18 @@ def load_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "bes
     with Checkpointer(ckpt_dir, read_only=True) as ckpt:
         step = ckpt.resolve_step(which)
         params = ckpt.restore_params(step, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    params = jax.tree.map(np.asarray, params)
+    # The objective's own parameters (a learned temperature) trained with the encoder; they
+    # are no part of the model.
+    params = owned.encoder_params(jax.tree.map(np.asarray, params))
+    # A kept sentence-transformers head: its structure from the record, its (trained) Dense
+    # weights from the checkpoint.
+    params, weights = st_head.split_weights(params)
+    try:
+        head = st_head.head_from_record(record.get("head", []), weights,
+                                        f"{ckpt_dir}/{step}")
+    except st_head.HeadError as e:
+        raise WorkdirError(str(e)) from None
     check_params(encoder, params, f"{ckpt_dir}/{step}")
     return SentenceModel(encoder=encoder, params=jax.device_put(params),
                          tokenizer=load_tokenizer(store.local_copy(workdir / TOKENIZER_DIR)),
-                         path=str(workdir),
-                         max_seq_length=max_len)
+                         path=str(workdir), max_seq_length=max_len, head=head)

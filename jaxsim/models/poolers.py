@@ -68,12 +68,14 @@ class Pooler:
       export: the sentence-transformers export rule, or None (export is then refused).
       hf_pooler: its parameters are BERT's own pooler layer (Hugging Face `pooler.*`), so a
         checkpoint's pooler weights load into it and a Hugging Face export writes them back.
+      source: the registered Module class or function (whose source a run record hashes).
     """
 
     name: str
     build: Callable[[BertConfig, Any, str], nn.Module]
     export: Optional[ExportRule] = None
     hf_pooler: bool = False
+    source: Any = None
 
 
 POOLERS: Registry[Pooler] = Registry("pooler", error=PoolerError)
@@ -107,7 +109,7 @@ def register_pooler(name: str, *, export: Optional[ExportRule] = None, hf_pooler
         else:
             raise PoolerError(f"pooler {name!r} must be a linen Module class or a function")
         POOLERS.register(name, replace=replace)(
-            Pooler(name=name, build=build, export=export, hf_pooler=hf_pooler))
+            Pooler(name=name, build=build, export=export, hf_pooler=hf_pooler, source=obj))
         return obj
 
     return add

@@ -8,7 +8,7 @@ vectors exactly as sentence-transformers does (float32):
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -96,3 +96,117 @@ def apply_head(head: Sequence, x: np.ndarray) -> np.ndarray:
     for module in head:
         x = module(x)
     return np.asarray(x, np.float32)
+
+
+# ---------------------------------------------------------------- the head in training
+# Training from a sentence-transformers folder keeps its head: the Dense weights join the
+# trainable tree under HEAD_KEY ({'0': {'weight', 'bias'}}, keyed by the module's position),
+# the modules are applied in JAX after the pooler (`apply_jax`), and a workdir's model.json
+# records the head's structure (`head_record`) so the checkpoint's weights rebuild it.
+
+HEAD_KEY = "st_head"
+
+# The JAX form of each activation a Dense module may name (ACTIVATIONS is the NumPy form).
+_JAX_ACTIVATIONS = {
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.modules.activation.ReLU": "relu",
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.activation.GELU": "gelu",
+}
+
+
+def jax_activation(name: str) -> Callable:
+    """The JAX function of the activation `name` (a torch class path in _JAX_ACTIVATIONS)."""
+    import jax
+    import jax.numpy as jnp
+
+    return {"identity": lambda v: v, "tanh": jnp.tanh, "relu": jax.nn.relu,
+            "sigmoid": jax.nn.sigmoid,
+            "gelu": lambda v: jax.nn.gelu(v, approximate=False)}[_JAX_ACTIVATIONS[name]]
+
+
+def check_jax_form(head: Sequence, where: str) -> None:
+    """HeadError unless every module of `head` is a Dense or Normalize (what `apply_jax`
+    computes); `where` names the caller in the message."""
+    for module in head:
+        if not isinstance(module, (Dense, Normalize)) or (
+                isinstance(module, Dense) and module.activation not in _JAX_ACTIVATIONS):
+            raise HeadError(f"{where}: no JAX form of the head module {module!r}")
+
+
+def head_weights(head: Sequence) -> dict:
+    """The Dense modules' weights as a parameter tree ({} for a head without Dense)."""
+    return {str(i): {"weight": np.asarray(m.weight, np.float32),
+                     **({} if m.bias is None else {"bias": np.asarray(m.bias, np.float32)})}
+            for i, m in enumerate(head) if isinstance(m, Dense)}
+
+
+def with_weights(head: Sequence, weights: Optional[dict]) -> tuple:
+    """`head` with its Dense modules' weights replaced by those of `weights` (a `head_weights`
+    tree, e.g. trained)."""
+    out = []
+    for i, m in enumerate(head):
+        if isinstance(m, Dense) and weights:
+            w = weights[str(i)]
+            m = Dense(np.asarray(w["weight"], np.float32),
+                      None if "bias" not in w else np.asarray(w["bias"], np.float32), m.activation)
+        out.append(m)
+    return tuple(out)
+
+
+def split_weights(params: dict) -> tuple[dict, dict]:
+    """A trainable tree -> (the encoder's parameters, the head's weights ({} when none))."""
+    params = dict(params)
+    return params, dict(params.pop(HEAD_KEY, None) or {})
+
+
+def apply_jax(head: Sequence, weights: Optional[dict], x):
+    """`head` on pooled vectors x [N, D] in JAX (differentiable in `weights`, a `head_weights`
+    tree), as `apply_head` computes it in NumPy. float32."""
+    import jax.numpy as jnp
+
+    x = x.astype(jnp.float32)
+    for i, module in enumerate(head):
+        if isinstance(module, Dense):
+            dense = weights[str(i)]
+            x = x @ dense["weight"].T
+            if "bias" in dense:
+                x = x + dense["bias"]
+            x = jax_activation(module.activation)(x)
+        else:  # Normalize: torch.nn.functional.normalize
+            x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+    return x
+
+
+def head_record(head: Sequence) -> list:
+    """The head's structure as JSON (a workdir's model.json); the weights live in the
+    checkpoints."""
+    return [{"type": "Dense", "in_features": m.in_features, "out_features": m.out_features,
+             "bias": m.bias is not None, "activation": m.activation}
+            if isinstance(m, Dense) else {"type": "Normalize"} for m in head]
+
+
+def head_from_record(record: Any, weights: dict, source: str) -> tuple:
+    """The head `head_record` describes, with the Dense weights of `weights` (a
+    `head_weights` tree); HeadError naming `source` when they do not fit."""
+    if not isinstance(record, list):
+        raise HeadError(f"{source}: head: expected a list of modules, got {record!r}")
+    head = []
+    for i, entry in enumerate(record):
+        kind = entry.get("type") if isinstance(entry, dict) else None
+        if kind == "Normalize":
+            head.append(Normalize())
+        elif kind == "Dense":
+            w = weights.get(str(i))
+            shape = (entry.get("out_features"), entry.get("in_features"))
+            if w is None or tuple(np.shape(w.get("weight"))) != shape or (
+                    ("bias" in w) != bool(entry.get("bias"))):
+                raise HeadError(f"{source}: the checkpoint has no Dense module {i} of shape "
+                                f"{shape} (bias {bool(entry.get('bias'))}) as the head record says")
+            head.append(Dense(np.asarray(w["weight"], np.float32),
+                              np.asarray(w["bias"], np.float32) if "bias" in w else None,
+                              str(entry.get("activation"))))
+        else:
+            raise HeadError(f"{source}: head module {i}: unknown type {kind!r}")
+    return tuple(head)

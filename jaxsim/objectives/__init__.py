@@ -2,11 +2,11 @@
 
 `register_objective(name, views=...)` adds one from any file; see `jaxsim.objectives.base`.
 """
-from jaxsim.objectives import simcse  # noqa: F401  (registers 'unsup' and 'sup')
+from jaxsim.objectives import owned, simcse  # noqa: F401  (simcse registers 'unsup', 'sup')
 from jaxsim.objectives.base import (CONTEXT_ARGS, OBJECTIVES, LossFn, Objective, ObjectiveError,
                                     check_kwargs, context_args, get_objective, hyperparameters,
                                     register_objective, with_context)
 
 __all__ = ["CONTEXT_ARGS", "OBJECTIVES", "LossFn", "Objective", "ObjectiveError", "check_kwargs",
-           "context_args", "get_objective", "hyperparameters", "register_objective", "simcse",
-           "with_context"]
+           "context_args", "get_objective", "hyperparameters", "owned", "register_objective",
+           "simcse", "with_context"]

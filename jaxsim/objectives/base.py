@@ -20,24 +20,37 @@ and `objective='margin', objective_kwargs={'margin': 0.3}` in a config.
 
 A loss may also take, by name, what the train step knows beside the vectors (CONTEXT_ARGS):
 `ids` (the batch's token ids [batch, sentences per example, len]), `step` (the optimizer step,
-an int32 scalar) and `key` (a PRNG key of its own for this (micro-)batch). Only a loss whose
-signature names one gets it; the signature is read once, when the step is built.
+an int32 scalar), `key` (a PRNG key of its own for this (micro-)batch) and `params` (the
+parameters the objective owns, see below). Only a loss whose signature names one gets it; the
+signature is read once, when the step is built.
+
+An objective may own parameters, trained with the encoder by the same optimizer, checkpointed,
+and left out of every export (`jaxsim.objectives.owned`): register it with
+`init_params=fn`, `fn(key, **hyperparameters) -> pytree` ({} for none), and its loss gets the
+current values as `params=`:
+
+    @register_objective('scaled', views=2, from_single=True,
+                        init_params=lambda key, scale=20.0: {'log_scale': jnp.log(scale)})
+    def scaled(z, scale=20.0, *, params):
+        logits = jnp.exp(params['log_scale']) * cosine_matrix(z[:, 0], z[:, 1])
+        ...
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from jaxsim.errors import JaxsimError
+from jaxsim.objectives.owned import init_owned
 from jaxsim.registry import Registry
 
 # loss(z [batch, views, hidden], **kwargs) -> (scalar loss, {name: scalar})
 LossFn = Callable[..., tuple[Any, Mapping[str, Any]]]
 
 # Arguments the train step passes to a loss that names them (never from objective_kwargs).
-CONTEXT_ARGS = ('ids', 'step', 'key')
+CONTEXT_ARGS = ('ids', 'step', 'key', 'params')
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
@@ -56,12 +69,16 @@ class Objective:
         only by their dropout masks (unsupervised SimCSE). Otherwise the data must provide
         `views` sentences per example.
       name: the registry name.
+      init_params: `init_params(key, **hyperparameters) -> pytree` of the parameters the
+        objective owns ({}: none for these hyperparameters), or None (it owns none). The loss
+        gets them as `params=`.
     """
 
     views: int
     loss: LossFn
     from_single: bool = False
     name: str = ""
+    init_params: Optional[Callable[..., Any]] = None
 
     def accepts(self, data_views: int) -> bool:
         """Whether examples of `data_views` sentences can feed this objective."""
@@ -72,7 +89,8 @@ OBJECTIVES: Registry[Objective] = Registry("objective", error=ObjectiveError)
 
 
 def register_objective(name: str, *, views: int, from_single: bool = False,
-                       replace: bool = False) -> Callable[[LossFn], LossFn]:
+                       replace: bool = False, init_params: Optional[Callable[..., Any]] = None
+                       ) -> Callable[[LossFn], LossFn]:
     """Decorator registering `loss(z, **kwargs) -> (loss, aux)` as objective `name`.
 
     Args:
@@ -80,18 +98,24 @@ def register_objective(name: str, *, views: int, from_single: bool = False,
       views: vectors per example the loss takes.
       from_single: a one-sentence example may feed it (repeated `views` times).
       replace: allow replacing an existing objective of that name.
+      init_params: `init_params(key, **hyperparameters) -> pytree`: the parameters the
+        objective owns (its loss then takes `params=`); see `jaxsim.objectives.owned`.
 
     Returns:
       The decorator; it returns the function unchanged.
     """
     if not isinstance(views, int) or views < 1:
         raise ObjectiveError(f"objective {name!r}: views must be a positive int, got {views!r}")
+    if init_params is not None and not callable(init_params):
+        raise ObjectiveError(f"objective {name!r}: init_params must be a function, got "
+                             f"{init_params!r}")
 
     def add(loss: LossFn) -> LossFn:
         if not callable(loss):
             raise ObjectiveError(f"objective {name!r} must be a function, got {loss!r}")
         OBJECTIVES.register(name, replace=replace)(
-            Objective(views=views, loss=loss, from_single=from_single, name=name))
+            Objective(views=views, loss=loss, from_single=from_single, name=name,
+                      init_params=init_params))
         return loss
 
     return add
@@ -114,7 +138,7 @@ def context_args(loss: LossFn) -> tuple[str, ...]:
 
 
 def with_context(loss: LossFn) -> Callable[..., tuple[Any, Mapping[str, Any]]]:
-    """`call(z, ids=, step=, key=)` -> `loss(z, <those of them loss names>)`.
+    """`call(z, ids=, step=, key=, params=)` -> `loss(z, <those of them loss names>)`.
 
     The signature is read here, once; a context value that is None is left to the loss's own
     default. `key` is the (micro-)batch's dropout key: the loss gets `fold_in(key, 2)`, a key
@@ -122,11 +146,11 @@ def with_context(loss: LossFn) -> Callable[..., tuple[Any, Mapping[str, Any]]]:
     """
     wanted = context_args(loss)
 
-    def call(z, *, ids=None, step=None, key=None):
+    def call(z, *, ids=None, step=None, key=None, params=None):
         if key is not None and 'key' in wanted:
             import jax  # noqa: PLC0415  (the registry itself imports no JAX)
             key = jax.random.fold_in(key, 2)
-        given = {'ids': ids, 'step': step, 'key': key}
+        given = {'ids': ids, 'step': step, 'key': key, 'params': params}
         return loss(z, **{n: given[n] for n in wanted if given[n] is not None})
 
     return call
@@ -188,8 +212,10 @@ def _probe(objective: Objective, kwargs: Mapping[str, Any]) -> None:
     ids = jax.ShapeDtypeStruct((4, objective.views, 5), jnp.int32)
     loss = with_context(functools.partial(objective.loss, **kwargs))
     try:  # with what the step passes too (mask_duplicates needs the ids)
-        jax.eval_shape(lambda z, ids: loss(z, ids=ids, step=jnp.zeros((), jnp.int32),
-                                           key=jax.random.key(0)), z, ids)
+        owned = jax.eval_shape(lambda: init_owned(objective, kwargs, jax.random.key(0)))
+        jax.eval_shape(lambda z, ids, owned: loss(z, ids=ids, step=jnp.zeros((), jnp.int32),
+                                                  key=jax.random.key(0), params=owned or None),
+                       z, ids, owned)
     except JaxsimError as e:
         raise ObjectiveError(f'objective {objective.name!r}: {e}') from None
     except Exception:  # a loss tied to real shapes: the run's own trace reports it

@@ -173,23 +173,53 @@ def _duplicates(mask_duplicates, ids, hard_negatives: bool) -> Optional[jax.Arra
     return duplicate_negatives(ids, hard_negatives)
 
 
-@register_objective('unsup', views=2, from_single=True)
-def unsup(z: jax.Array, temp: float = 0.05, mask_duplicates: bool = False, *, ids=None):
+def init_temperature(key, temp: float = 0.05, learn_temperature: bool = False) -> dict:
+    """The parameters the SimCSE objectives own: with `learn_temperature`, the log of the
+    temperature, starting at the configured `temp` (the log keeps it positive); else none."""
+    del key  # deterministic: the configured value
+    if not isinstance(learn_temperature, bool):
+        raise ObjectiveError(f'learn_temperature must be true or false, got '
+                             f'{learn_temperature!r}')
+    if not learn_temperature:
+        return {}
+    _check_temp(temp)
+    return {'log_temp': jnp.log(jnp.asarray(temp, jnp.float32))}
+
+
+def _temperature(temp, learn_temperature: bool, params) -> tuple:
+    """(the temperature the loss divides by, aux entries): the learned one (reported as
+    'temp') with `learn_temperature`, else the configured number."""
+    _check_temp(temp)
+    if not learn_temperature:
+        return temp, {}
+    if params is None or 'log_temp' not in params:
+        raise ObjectiveError('learn_temperature needs the objective\'s parameters (the loss\'s '
+                             'params=, from init_params)')
+    learned = jnp.exp(params['log_temp'].astype(jnp.float32))
+    return learned, {'temp': jax.lax.stop_gradient(learned)}
+
+
+@register_objective('unsup', views=2, from_single=True, init_params=init_temperature)
+def unsup(z: jax.Array, temp: float = 0.05, mask_duplicates: bool = False,
+          learn_temperature: bool = False, *, ids=None, params=None):
     """Unsupervised SimCSE: z [B, 2, H], the two views of each sentence (two dropout masks),
     or a sentence and its paired positive. `mask_duplicates` leaves in-batch negatives with
     the anchor's text out of the softmax (`duplicate_negatives`; needs `ids` [B, D, L]).
-    Returns (loss, {'align', 'uniform'})."""
-    _check_temp(temp)
+    `learn_temperature` trains the temperature (from `temp`; `params['log_temp']`).
+    Returns (loss, {'align', 'uniform'} and, learned, 'temp')."""
+    t, extra = _temperature(temp, learn_temperature, params)
     masked = _duplicates(mask_duplicates, ids, hard_negatives=False)
-    return unsup_simcse_loss(z[:, 0], z[:, 1], temp, masked), _diagnostics(z)
+    return unsup_simcse_loss(z[:, 0], z[:, 1], t, masked), {**_diagnostics(z), **extra}
 
 
-@register_objective('sup', views=3)
+@register_objective('sup', views=3, init_params=init_temperature)
 def sup(z: jax.Array, temp: float = 0.05, hard_negative_weight: float = 0.0,
-        mask_duplicates: bool = False, *, ids=None):
+        mask_duplicates: bool = False, learn_temperature: bool = False, *, ids=None,
+        params=None):
     """Supervised SimCSE: z [B, 3, H] = (premise, entailment, contradiction); mask_duplicates
-    as in `unsup` (ids [B, 3, L]). Returns (loss, {'align', 'uniform'})."""
-    _check_temp(temp)
+    and learn_temperature as in `unsup` (ids [B, 3, L]). Returns (loss, {'align', 'uniform'}
+    and, learned, 'temp')."""
+    t, extra = _temperature(temp, learn_temperature, params)
     masked = _duplicates(mask_duplicates, ids, hard_negatives=True)
-    loss = sup_simcse_loss(z[:, 0], z[:, 1], z[:, 2], temp, hard_negative_weight, masked)
-    return loss, _diagnostics(z)
+    loss = sup_simcse_loss(z[:, 0], z[:, 1], z[:, 2], t, hard_negative_weight, masked)
+    return loss, {**_diagnostics(z), **extra}

@@ -22,11 +22,12 @@ from jaxsim.data.packing import pack_batch
 from jaxsim.errors import ConfigError
 from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
 from jaxsim.io.pretrained import load_pretrained
+from jaxsim.models import st_head
 from jaxsim.models.architectures import MASK_TOKENS, known_architecture
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.models.poolers import get_pooler
-from jaxsim.objectives import Objective, ObjectiveError
+from jaxsim.objectives import Objective, ObjectiveError, owned
 from jaxsim.objectives.mlm import MlmSettings
 from jaxsim.train import optim, state as state_lib, step as step_lib
 from jaxsim.train.config import TrainConfig
@@ -44,6 +45,8 @@ class BaseModel:
       bert_params: pretrained 'bert' parameter subtree (host arrays), or None (random init).
       path: the folder it was read from.
       mlm_params: the checkpoint's masked-LM head (host arrays), or None.
+      head: a sentence-transformers folder's modules after pooling, kept (`keep_head`):
+        `jaxsim.models.st_head` Dense / Normalize; () when none or dropped.
     """
 
     config: BertConfig
@@ -51,16 +54,19 @@ class BaseModel:
     bert_params: Optional[Any]
     path: str
     mlm_params: Optional[Any] = None
+    head: tuple = ()
 
     def without_weights(self) -> 'BaseModel':
         """This base without its weight arrays, so they can be freed once the train state
-        holds its own copy (else they stay resident for the whole run)."""
+        holds its own copy (else they stay resident for the whole run). The head's structure
+        stays (its Dense weights are small)."""
         return dataclasses.replace(self, bert_params=None, mlm_params=None)
 
 
 def load_base(cfg: TrainConfig) -> BaseModel:
     """Reads the base model named by `cfg.model` (weights unless `random_init`)."""
     path = bundled_model_path() if cfg.model == 'bundled' else resolve_model_path(cfg.model)
+    head = ()
     if cfg.random_init:
         config = BertConfig.from_json(Path(path) / 'config.json')
         tokenizer, bert_params, mlm_params = load_tokenizer(Path(path)), None, None
@@ -70,8 +76,15 @@ def load_base(cfg: TrainConfig) -> BaseModel:
         bert_params = jax.tree.map(np.asarray, model.params['bert'])
         mlm_params = (jax.tree.map(np.asarray, model.params['mlm_head'])
                       if 'mlm_head' in model.params else None)
+        if cfg.keep_head and model.head:
+            try:
+                st_head.check_jax_form(model.head, str(path))
+            except st_head.HeadError as e:
+                raise ConfigError(f'train config: {e}: training cannot keep it; set '
+                                  f'keep_head=False to train without the head') from None
+            head = tuple(model.head)
     return BaseModel(config=configured_architecture(cfg, config), tokenizer=tokenizer,
-                     bert_params=bert_params, path=str(path), mlm_params=mlm_params)
+                     bert_params=bert_params, path=str(path), mlm_params=mlm_params, head=head)
 
 
 def architecture(cfg: TrainConfig) -> BertConfig:
@@ -220,6 +233,17 @@ def init_key(seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), 1)
 
 
+def objective_key(seed: int) -> jax.Array:
+    """The key the objective's own parameters are drawn with (`init_params`): the root key's
+    use 4 (1: the encoder's init, 2 and 3: dropout)."""
+    return jax.random.fold_in(jax.random.key(seed), 4)
+
+
+def owned_params(cfg: TrainConfig, objective: Objective, objective_kwargs: dict) -> dict:
+    """The objective's own parameters a run of `cfg` starts with ({} when it owns none)."""
+    return owned.init_owned(objective, objective_kwargs, objective_key(cfg.seed))
+
+
 def train_batches(cfg: TrainConfig, source: Any, tokenizer: Any, mesh) -> StreamIterator:
     """A run's batches in its order (a function of the seed): this process's rows of each
     global batch, read and tokenized ahead of the step."""
@@ -232,12 +256,16 @@ def train_batches(cfg: TrainConfig, source: Any, tokenizer: Any, mesh) -> Stream
 
 def train_program(cfg: TrainConfig, encoder: SentenceEncoder, objective: Objective,
                   objective_kwargs: dict, mesh, total_steps: int,
-                  mlm: Optional[MlmSettings] = None) -> TrainProgram:
-    """The one way a config becomes a train step: training runs it, `plan` compiles it."""
+                  mlm: Optional[MlmSettings] = None, head: tuple = ()) -> TrainProgram:
+    """The one way a config becomes a train step: training runs it, `plan` compiles it.
+    `head`: the base model's kept sentence-transformers modules (`BaseModel.head`)."""
     options = step_lib.compiler_options(cfg.fast_compile)
     dropout_key = step_lib.dropout_key(jax.random.key(cfg.seed), cfg.prng_impl)
     tx = optim.make_optimizer(cfg, total_steps)
-    shape = state_lib.state_shape(encoder, tx, dropout_key)
+    owned_shapes = jax.eval_shape(lambda: owned_params(cfg, objective, objective_kwargs))
+    head_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                               st_head.head_weights(head))
+    shape = state_lib.state_shape(encoder, tx, dropout_key, owned_shapes, head_shapes)
     shardings = state_lib.state_shardings(shape, mesh, *param_rules(cfg))
     train_step = step_lib.make_train_step(
         encoder, functools.partial(objective.loss, **objective_kwargs), tx,
@@ -245,7 +273,7 @@ def train_program(cfg: TrainConfig, encoder: SentenceEncoder, objective: Objecti
         grad_accum_steps=cfg.grad_accum_steps, grad_divisor=grad_divisor(cfg, mesh),
         schedule=optim.make_schedule(cfg, total_steps), compiler_options=options, mlm=mlm,
         prng_impl=cfg.prng_impl, micro_batch_size=cfg.micro_batch_size,
-        packed=bool(cfg.pack_length))
+        packed=bool(cfg.pack_length), head=head)
     return TrainProgram(train_step=train_step, tx=tx, state_shape=shape, shardings=shardings,
                         init_key=init_key(cfg.seed), dropout_key=dropout_key,
                         compiler_options=options)

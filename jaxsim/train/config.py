@@ -37,6 +37,10 @@ class TrainConfig:
       pooler: a registered pooler; 'cls' has the dense + tanh head (SimCSE's MLP), created
         fresh as in the reference.
       mlp_only_train: apply that head only in training (unsupervised SimCSE).
+      keep_head: a sentence-transformers base model's modules after pooling (Dense, Normalize)
+        are kept: applied after the pooler in training (Dense weights trained), recorded in the
+        workdir, its checkpoints, `load_pretrained(workdir)` and exports. False drops them
+        (the run trains and ships the encoder and pooler only). No effect with random_init.
       dtype: 'float32' or 'bfloat16' compute; master params are always float32.
     Objective:
       objective: a registered objective ('unsup', 'sup', or one registered by user code).
@@ -128,6 +132,7 @@ class TrainConfig:
     dropout: float = -1.0
     pooler: str = 'cls'
     mlp_only_train: bool = True
+    keep_head: bool = True
     dtype: str = 'float32'
     objective: str = 'unsup'
     objective_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)

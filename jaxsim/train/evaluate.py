@@ -7,8 +7,11 @@ STS-B dev.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
+import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxsim.data.senteval import load_sts_task
@@ -16,6 +19,7 @@ from jaxsim.encode import encode
 from jaxsim.errors import ConfigError
 from jaxsim.eval.runner import stsb_score
 from jaxsim.model import SentenceModel
+from jaxsim.models import st_head
 
 DEV_METRIC = 'stsb_dev'
 TEST_METRIC = 'stsb_test'
@@ -44,9 +48,16 @@ class StsbEvaluator:
         self.tasks = {split: load_sts_task('stsb', root, split) for split in splits}
 
     def score(self, params: Any, split: str = 'dev') -> float:
-        """Spearman x100 of cosine vs gold; every unique sentence is encoded once."""
+        """Spearman x100 of cosine vs gold; every unique sentence is encoded once. `params`:
+        the encoder's, with a kept head's Dense weights under 'st_head' (then applied)."""
+        params, weights = st_head.split_weights(params)
+        model = self.model
+        if weights:
+            model = dataclasses.replace(model, head=st_head.with_weights(
+                model.head, jax.tree.map(np.asarray, weights)))
+
         def encode_fn(sentences: list[str]):
-            return encode(self.model, sentences, params=params, mesh=self.mesh,
+            return encode(model, sentences, params=params, mesh=self.mesh,
                           batch_size=self.batch_size, max_length=self.max_length)
 
         return stsb_score(encode_fn, task=self.tasks[split])

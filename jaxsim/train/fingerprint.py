@@ -2,7 +2,7 @@
 
 A rerun in an existing workdir must compute the same thing; settings in OPERATIONAL_KEYS change
 only how it is executed or logged. Code counts too: `code_digests` hashes the source of the
-objective's loss, so an edited loss is another run. Imports no JAX.
+objective's loss and of the pooler, so an edited loss or pooler is another run. Imports no JAX.
 """
 from __future__ import annotations
 
@@ -99,8 +99,13 @@ def source_digest(fn: Callable) -> str:
         seen.add(id(obj))
         parts.append(_text(obj))
         names = getattr(obj, '__globals__', {})
-        code = getattr(obj, '__code__', None)
-        used = [n for c in (_code_objects(code) if code else ()) for n in c.co_names]
+        codes = [getattr(obj, '__code__', None)]
+        if inspect.isclass(obj):  # a class: what its methods use
+            methods = [inspect.unwrap(getattr(m, '__func__', m)) for m in vars(obj).values()]
+            methods = [m for m in methods if inspect.isfunction(m)]
+            codes = [m.__code__ for m in methods]
+            names = methods[0].__globals__ if methods else {}
+        used = [n for code in codes if code for c in _code_objects(code) for n in c.co_names]
         for name in dict.fromkeys(used):  # first-use order: the same code, the same digest
             if name not in names:
                 continue
@@ -113,6 +118,14 @@ def source_digest(fn: Callable) -> str:
     return 'sha256:' + hashlib.sha256('\0'.join(parts).encode()).hexdigest()
 
 
-def code_digests(objective: Any) -> dict[str, str]:
-    """The run record's 'code' entry: {'objective': source_digest of its loss}."""
-    return {'objective': source_digest(objective.loss)}
+def code_digests(objective: Any, pooler: Any = None) -> dict[str, str]:
+    """The run record's 'code' entry: {'objective': source_digest of its loss (and of its
+    `init_params`, when it owns parameters), 'pooler': of the registered pooler's class or
+    function}. A train run uses no calibration or flow layer: those apply after training."""
+    digests = {'objective': source_digest(objective.loss)}
+    init = getattr(objective, 'init_params', None)
+    if init is not None:
+        digests['objective_params'] = source_digest(init)
+    if pooler is not None and getattr(pooler, 'source', None) is not None:
+        digests['pooler'] = source_digest(pooler.source)
+    return digests

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsim.models import dropout
 from jaxsim.models.encoder import SentenceEncoder
-from jaxsim.objectives import LossFn, with_context
+from jaxsim.objectives import LossFn, owned, with_context
 from jaxsim.sharding import BATCH_AXES
 
 
@@ -37,8 +37,9 @@ def make_cached_grad_fn(encoder: SentenceEncoder, loss: LossFn, views: int, micr
 
     Args:
       encoder: the module.
-      loss: `loss(z [B, V, H]) -> (scalar, aux)`; one that names `ids`, `step` or `key` gets
-        the whole batch's token ids, the step and its key, as in the one-pass step.
+      loss: `loss(z [B, V, H]) -> (scalar, aux)`; one that names `ids`, `step`, `key` or
+        `params` gets the whole batch's token ids, the step, its key and the parameters it
+        owns (the trainable tree's 'objective'), as in the one-pass step.
       views: V.
       micro_batch_size: M, examples embedded at once; it divides the batch.
       mesh: the device mesh (micro-batches are split over its batch axes).
@@ -51,7 +52,8 @@ def make_cached_grad_fn(encoder: SentenceEncoder, loss: LossFn, views: int, micr
         spec = P(*leading, *([None] * (x.ndim - len(leading))))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    def grad_fn(params: Any, batch, key: jax.Array, step=None):
+    def grad_fn(trainable: Any, batch, key: jax.Array, step=None):
+        params, mine = owned.split(trainable)
         b = batch['input_ids'].shape[0]
         if b % m:
             raise ValueError(f'batch of {b} examples is not divisible by micro_batch_size {m}')
@@ -68,9 +70,11 @@ def make_cached_grad_fn(encoder: SentenceEncoder, loss: LossFn, views: int, micr
         z = jax.lax.map(lambda xs: embed(params, xs[1], xs[0]),
                         (jnp.arange(chunks), micro))  # [C, M, V, H]
         z = constrain(z.reshape((b,) + z.shape[2:]), (BATCH_AXES,))
-        # 2. The whole batch's loss and its gradient with respect to the vectors.
-        (value, aux), dz = jax.value_and_grad(
-            lambda v: objective(v, ids=batch['input_ids'], step=step, key=key), has_aux=True)(z)
+        # 2. The whole batch's loss and its gradient with respect to the vectors (and to the
+        #    objective's own parameters: they enter the loss only).
+        (value, aux), (dz, d_mine) = jax.value_and_grad(
+            lambda v, p: objective(v, ids=batch['input_ids'], step=step, key=key,
+                                   params=p or None), argnums=(0, 1), has_aux=True)(z, mine)
         value, aux = value.astype(jnp.float32), dict(aux)
         dz = constrain(dz.reshape((chunks, m) + dz.shape[1:]), (None, BATCH_AXES))
 
@@ -83,6 +87,6 @@ def make_cached_grad_fn(encoder: SentenceEncoder, loss: LossFn, views: int, micr
 
         grads, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params),
                                 (jnp.arange(chunks), micro, dz))
-        return (value, aux), grads
+        return (value, aux), owned.join(grads, d_mine)
 
     return grad_fn

@@ -31,8 +31,10 @@ from jaxsim.io.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
 from jaxsim.io.lock import hold_workdir
 from jaxsim.io.workdir import write_model
 from jaxsim.model import SentenceModel
+from jaxsim.models import st_head
 from jaxsim.models.encoder import init_params
-from jaxsim.objectives import check_kwargs, get_objective
+from jaxsim.models.poolers import get_pooler
+from jaxsim.objectives import check_kwargs, get_objective, owned
 from jaxsim.progress import progress_bar
 from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig
@@ -105,14 +107,15 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     total = cfg.max_steps or math.ceil(cfg.num_epochs * it.steps_per_epoch)
     model = SentenceModel(encoder=encoder.clone(dtype=jnp.float32, remat="none"), params=None,
                           tokenizer=base.tokenizer, path=str(workdir),
-                          max_seq_length=cfg.eval_max_len)
+                          max_seq_length=cfg.eval_max_len, head=base.head)
     evaluator = optional_evaluator(model, mesh, cfg.senteval_root, cfg.eval_max_len,
                                    cfg.eval_batch_size, cfg.eval_test)
 
     # ---- 2. the workdir's run ---------------------------------------------------------------
     derived = {'data': {'source': source.name, 'examples': it.num_examples,
                         'sha256': pipeline.data_digest(source, base.tokenizer, cfg.max_len)},
-               'grad_divisor': build.grad_divisor(cfg, mesh), 'code': code_digests(objective)}
+               'grad_divisor': build.grad_divisor(cfg, mesh),
+               'code': code_digests(objective, get_pooler(cfg.pooler))}
     facts = {'total_steps': total, 'steps_per_epoch': it.steps_per_epoch,
              'dropped_per_epoch': it.dropped_per_epoch, 'base_model': base.path,
              'devices': jax.device_count(), 'processes': jax.process_count(),
@@ -141,7 +144,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             write_model(workdir, model, base_model=cfg.model)
         program = build.train_program(
             cfg, encoder, objective, objective_kwargs, mesh, total,
-            mlm=build.mlm_settings(cfg, base.config, base.tokenizer) if encoder.mlm else None)
+            mlm=build.mlm_settings(cfg, base.config, base.tokenizer) if encoder.mlm else None,
+            head=base.head)
         tx, shardings, dropout_key = program.tx, program.shardings, program.dropout_key
         ckpt = None
         if cfg.checkpoint or latest is not None:
@@ -154,11 +158,18 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             it.set_state(restored.data['iterator'])
             say(f'resuming {workdir} from step {step} of {total}')
         else:
-            state, shardings = create_state(init_params(
+            params = init_params(
                 encoder, program.init_key, param_shardings(encoder, mesh, *build.param_rules(cfg)),
-                base.bert_params,
-                mlm_params=base.mlm_params), tx, dropout_key, mesh, program.compiler_options,
-                shardings)
+                base.bert_params, mlm_params=base.mlm_params)
+            weights = st_head.head_weights(base.head)
+            if weights:  # the kept head's Dense weights, trained with the encoder
+                params = {**params, st_head.HEAD_KEY: jax.device_put(
+                    weights, shardings.params[st_head.HEAD_KEY])}
+            mine = build.owned_params(cfg, objective, objective_kwargs)
+            if mine:  # the objective's own parameters, placed as the state keeps them
+                params = owned.join(params, jax.device_put(mine, shardings.params[owned.KEY]))
+            state, shardings = create_state(params, tx, dropout_key, mesh,
+                                            program.compiler_options, shardings)
             step = 0
         base = base.without_weights()  # the state holds them: no second copy for the whole run
         train_step = program.train_step
@@ -216,14 +227,15 @@ class _Loop:
     def _evaluate(self, step: int, bar) -> float:
         if bar is not None:
             bar.set_description('STS-B dev')
-        score = self.evaluator.score(self.state.params, 'dev')
+        score = self.evaluator.score(owned.encoder_params(self.state.params), 'dev')
         if bar is not None:
             bar.set_description('train')
         self.dev_curve.append([step, score])
         if self.best_dev is None or score > self.best_dev:
             self.best_step, self.best_dev = step, score
             if self.ckpt is None or not self.cfg.checkpoint:  # keep a copy for the test score
-                self.best_params = jax.tree.map(jnp.copy, self.state.params)
+                self.best_params = jax.tree.map(jnp.copy,
+                                                owned.encoder_params(self.state.params))
         return score
 
     def _save(self, step: int, metrics: Optional[dict] = None) -> None:
@@ -327,7 +339,7 @@ class _Loop:
         else:
             params = self.ckpt.restore_params(self.best_step, NamedSharding(self.mesh, P()))
         with deferred_signals() as stop:
-            score = ev.score(params, 'test')
+            score = ev.score(owned.encoder_params(params), 'test')
             if stop:
                 raise Interrupted(stop.signum, self.step)
         return score

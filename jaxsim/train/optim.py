@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
+from jaxsim.objectives import owned
 from jaxsim.train.config import DEFAULTS, TrainConfig
 
 # The TrainConfig fields the optimizer is built from.
@@ -39,10 +40,12 @@ def make_schedule(cfg: TrainConfig, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params):
-    """True where weight decay applies: not on biases or LayerNorm (HF Trainer's rule)."""
+    """True where weight decay applies: not on biases or LayerNorm (HF Trainer's rule), nor on
+    the parameters an objective owns (a learned temperature is not pulled towards 1)."""
     flat = traverse_util.flatten_dict(params, sep='/')
     return traverse_util.unflatten_dict(
-        {k: not (k.endswith('bias') or 'LayerNorm' in k) for k in flat}, sep='/')
+        {k: not (k.endswith('bias') or 'LayerNorm' in k or k.startswith(owned.KEY + '/'))
+         for k in flat}, sep='/')
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:

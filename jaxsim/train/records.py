@@ -150,12 +150,16 @@ def _change(key: str, old: Any, new: Any) -> str:
 
 
 def _code_change(record: Mapping[str, Any], old: Any, new: Any) -> str:
-    """'the source of objective 'x' changed (sha256:1a2b3c4d -> sha256:5e6f7a8b)'."""
+    """'the source of objective 'x' changed (sha256:1a2b3c4d -> sha256:5e6f7a8b)'; parts the
+    old record did not hash are not compared."""
     old, new = old or {}, new or {}
-    names = {'objective': (record.get('config') or {}).get('objective')}
-    parts = [f'the source of {part} {names.get(part)!r} changed '
+    config = record.get('config') or {}
+    labels = {'objective': f"objective {config.get('objective')!r}",
+              'objective_params': f"objective {config.get('objective')!r} (init_params)",
+              'pooler': f"pooler {config.get('pooler')!r}"}
+    parts = [f'the source of {labels.get(part, part)} changed '
              f'({str(old.get(part))[:15]} -> {str(new.get(part))[:15]})'
-             for part in sorted(set(old) | set(new)) if old.get(part) != new.get(part)]
+             for part in sorted(old) if old.get(part) != new.get(part)]
     return ', '.join(parts)
 
 
@@ -180,8 +184,13 @@ def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
         raise RunMismatchError(f'{workdir / CONFIG_FILE}: not a jaxsim train record; choose an '
                                f'empty or new --workdir')
     changed = differences(_compared(old), _compared(record))
-    if 'code' not in (old.get('derived') or {}):
+    old_code = (old.get('derived') or {}).get('code')
+    if old_code is None:
         changed.pop('code', None)  # a run recorded before code was hashed: nothing to compare
+    elif 'code' in changed:  # parts hashed since the run was recorded: nothing to compare
+        new_code = {k: v for k, v in (changed['code'][1] or {}).items() if k in old_code}
+        if new_code == old_code:
+            changed.pop('code')
     refused = [k for k in changed if k not in allow]
     if refused:
         what = ', '.join(_code_change(record, *changed[k]) if k == 'code' else

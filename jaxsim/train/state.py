@@ -10,7 +10,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsim import sharding as sharding_lib
+from jaxsim.models import st_head
 from jaxsim.models.encoder import SentenceEncoder, param_shapes
+from jaxsim.objectives import owned
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -18,7 +20,9 @@ class TrainState(flax.struct.PyTreeNode):
 
     Attributes:
       step: scalar int32, number of optimizer updates applied.
-      params: the SentenceEncoder parameter tree (float32 master copy).
+      params: the trainable tree (float32 master copy): the SentenceEncoder's parameters, a
+        kept sentence-transformers head's Dense weights under 'st_head' and, under 'objective',
+        those the objective owns (`jaxsim.objectives.owned`), if any.
       opt_state: the optax optimizer state for `params`.
       rng: raw uint32 PRNG key data (`jax.random.key_data`), so checkpoints hold plain arrays.
     """
@@ -62,9 +66,16 @@ def _init_fn(tx: optax.GradientTransformation, rng: jax.Array) -> Callable:
 
 
 def state_shape(encoder: SentenceEncoder, tx: optax.GradientTransformation,
-                rng: jax.Array) -> TrainState:
-    """The TrainState as ShapeDtypeStructs (nothing allocated): a restore target's skeleton."""
-    return jax.eval_shape(_init_fn(tx, rng), param_shapes(encoder))
+                rng: jax.Array, owned_shapes: Optional[dict] = None,
+                head_shapes: Optional[dict] = None) -> TrainState:
+    """The TrainState as ShapeDtypeStructs (nothing allocated): a restore target's skeleton.
+    `owned_shapes`: the objective's own parameters, `head_shapes`: the Dense weights of a
+    kept sentence-transformers head (both as ShapeDtypeStructs), if any."""
+    params = param_shapes(encoder)
+    if head_shapes:
+        params = {**params, st_head.HEAD_KEY: head_shapes}
+    params = owned.join(params, owned_shapes or {})
+    return jax.eval_shape(_init_fn(tx, rng), params)
 
 
 def create_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array, mesh: Mesh,

@@ -7,7 +7,8 @@ them), so in-batch negatives come from every device.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+import functools
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +20,10 @@ from jaxsim import compile_options
 from jaxsim import sharding as sharding_lib
 from jaxsim.data.batching import FIELDS
 from jaxsim.data.packing import PACK_INDEX, PACKED_FIELDS, UNPACK_INDEX
+from jaxsim.models import st_head
 from jaxsim.models.bert import BertLayer
 from jaxsim.models.encoder import SentenceEncoder
-from jaxsim.objectives import LossFn, ObjectiveError, with_context
+from jaxsim.objectives import LossFn, ObjectiveError, owned, with_context
 from jaxsim.objectives.mlm import MlmSettings, mlm_term
 from jaxsim.train.config import PRNG_IMPLS
 from jaxsim.train.grad_cache import make_cached_grad_fn
@@ -75,20 +77,23 @@ def compiler_options(fast_compile: bool) -> Optional[dict]:
 
 
 def encode_views(encoder: SentenceEncoder, params: Any, batch: Batch, key: jax.Array,
-                 views: int) -> jax.Array:
+                 views: int, head: Sequence = ()) -> jax.Array:
     """Sentence vectors of every view of every example, in training mode.
 
     Args:
       encoder: the module.
-      params: its parameters.
+      params: its parameters (and the head's Dense weights under 'st_head', if any).
       batch: [B, D, L] int32 arrays; D is `views`, or 1 (each sentence then repeated `views`
         times, so the views differ only by their dropout masks: unsupervised SimCSE).
       key: the dropout key of this (micro-)batch.
       views: V, the vectors per example the objective takes.
+      head: a sentence-transformers folder's modules after pooling (`jaxsim.models.st_head`:
+        Dense, Normalize), applied to the pooled vectors in JAX.
 
     Returns:
-      z: [B, V, H] float32.
+      z: [B, V, H] float32 (H: the head's output width).
     """
+    params, weights = st_head.split_weights(params)
     ids = batch['input_ids']
     b, d, length = ids.shape
     if d not in (1, views):
@@ -105,6 +110,8 @@ def encode_views(encoder: SentenceEncoder, params: Any, batch: Batch, key: jax.A
         packing = (batch[PACK_INDEX], batch[UNPACK_INDEX].reshape(b * views, length))
     z = encoder.apply({'params': params}, ids, mask, types, train=True,
                       rngs={'dropout': key}, packing=packing)
+    if head:
+        z = st_head.apply_jax(head, weights, z)
     return z.reshape(b, views, -1).astype(jnp.float32)  # [B, V, H]
 
 
@@ -131,16 +138,20 @@ def rows_stay_on_their_devices(mesh: Mesh):
 
 
 def make_loss_fn(encoder: SentenceEncoder, loss: LossFn, views: int,
-                 mlm: Optional[MlmSettings] = None) -> Callable:
+                 mlm: Optional[MlmSettings] = None, head: Sequence = ()) -> Callable:
     """`loss_fn(params, batch, key, step=None) -> (loss, aux)`: encode the views, apply the
     objective, plus `mlm.weight` x the masked-LM term on masked copies of the same sentences
     (aux 'mlm'). An objective that names `ids`, `step` or `key` also gets the batch's token ids,
-    the step and a key of its own (`jaxsim.objectives.with_context`)."""
+    the step and a key of its own (`jaxsim.objectives.with_context`). `params` is the trainable
+    tree: the encoder's parameters, the weights of `head` (see `encode_views`) under 'st_head'
+    and, under 'objective', those the objective owns (its `params=`;
+    `jaxsim.objectives.owned`)."""
     objective = with_context(loss)
 
     def loss_fn(params, batch: Batch, key, step=None):
-        value, aux = objective(encode_views(encoder, params, batch, key, views),
-                               ids=batch['input_ids'], step=step, key=key)
+        params, mine = owned.split(params)
+        value, aux = objective(encode_views(encoder, params, batch, key, views, head),
+                               ids=batch['input_ids'], step=step, key=key, params=mine or None)
         value, aux = value.astype(jnp.float32), dict(aux)
         if mlm is not None:
             ids = batch['input_ids']
@@ -162,15 +173,16 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
                     compiler_options: Optional[dict] = None,
                     mlm: Optional[MlmSettings] = None,
                     prng_impl: str = 'threefry2x32', micro_batch_size: int = 0,
-                    packed: bool = False) -> Callable:
+                    packed: bool = False, head: Sequence = ()) -> Callable:
     """The jitted `train_step(state, batch) -> (state, metrics)`.
 
     Args:
       encoder: the SentenceEncoder (its dtype is the compute dtype).
       loss: `loss(z [B, V, H]) -> (scalar, aux dict)`, the objective with its hyperparameters
         bound (e.g. `functools.partial(objective.loss, temp=0.05)`); if it names `ids`,
-        `step` or `key` it gets them too (see `make_loss_fn`).
-      tx: the optimizer.
+        `step`, `key` or `params` it gets them too (see `make_loss_fn`).
+      tx: the optimizer (of the trainable tree: the state's params, the objective's own
+        parameters included).
       views: V, vectors per example the loss takes.
       mesh: the device mesh; the batch is split over its ('data', 'fsdp') axes.
       state_shardings: TrainState of NamedShardings (from `create_state`).
@@ -188,6 +200,8 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
         of M examples at a time. Not with grad_accum_steps > 1 or `mlm`.
       packed: batches carry their packed layout (`jaxsim.data.packing.pack_batch`), and the
         encoder runs on the packed rows. Not with grad_accum_steps > 1 or micro_batch_size.
+      head: modules after pooling (a sentence-transformers folder's Dense / Normalize), their
+        weights trained under the state's params['st_head'] (see `encode_views`).
 
     The step's dropout key is `fold_in(state.rng, state.step)` (and `fold_in(., i)` for
     micro-batch i), so a run is a pure function of (config, seed, data order), whatever the mesh.
@@ -205,9 +219,11 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
         if grad_accum_steps > 1 or mlm is not None:
             raise ObjectiveError('micro_batch_size does not combine with grad_accum_steps > 1 '
                                  'or the masked-LM term')
-        grad_fn = make_cached_grad_fn(encoder, loss, views, micro_batch_size, mesh, encode_views)
+        grad_fn = make_cached_grad_fn(encoder, loss, views, micro_batch_size, mesh,
+                                      functools.partial(encode_views, head=tuple(head)))
     else:
-        grad_fn = jax.value_and_grad(make_loss_fn(encoder, loss, views, mlm), has_aux=True)
+        grad_fn = jax.value_and_grad(make_loss_fn(encoder, loss, views, mlm, head),
+                                     has_aux=True)
     accum = grad_accum_steps
     replicated = NamedSharding(mesh, P())
 

@@ -85,7 +85,8 @@ def test_registered_objectives_take_b_v_h(views):
     np.testing.assert_allclose(float(loss), _np_unsup(z1, z2, 0.1), rtol=1e-5)
     np.testing.assert_allclose(float(aux['align']), float(obj.alignment(_f32(z1), _f32(z2))))
     assert hyperparameters(get_objective('sup')) == {'temp': 0.05, 'hard_negative_weight': 0.0,
-                                                     'mask_duplicates': False}
+                                                     'mask_duplicates': False,
+                                                     'learn_temperature': False}
 
 
 def test_hard_negative_weight_raises_loss(views):
@@ -294,7 +295,7 @@ def test_context_arguments_are_read_from_the_signature_once():
     assert context_args(old_style) == ()
     assert context_args(functools.partial(wants_all, scale=2.0)) == ('ids', 'step', 'key')
     assert context_args(wants_step) == ('step',)
-    assert context_args(get_objective('sup').loss) == ('ids',)
+    assert context_args(get_objective('sup').loss) == ('ids', 'params')
     z, ids, key = jnp.ones((2, 2, 3)), jnp.zeros((2, 1, 4), jnp.int32), jax.random.key(0)
     # An old-style loss gets the vectors only, whatever the step knows.
     assert float(with_context(old_style)(z, ids=ids, step=3, key=key)[0]) == pytest.approx(1.2)
@@ -305,4 +306,5 @@ def test_context_arguments_are_read_from_the_signature_once():
     assert np.array_equal(jax.random.key_data(got_key),
                           jax.random.key_data(jax.random.fold_in(key, 2)))
     assert with_context(wants_step)(z, ids=ids)[1]['step'] is None  # its default stands
-    assert hyperparameters(OBJECTIVES.get('unsup')) == {'temp': 0.05, 'mask_duplicates': False}
+    assert hyperparameters(OBJECTIVES.get('unsup')) == {'temp': 0.05, 'mask_duplicates': False,
+                                                        'learn_temperature': False}

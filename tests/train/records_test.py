@@ -240,3 +240,91 @@ def test_an_edited_objective_is_another_run_refused_naming_it(tmp_path):
     del old['derived']['code']
     store.write_json(work / 'config.json', old)
     assert records.check_workdir(work, record(edited)).changed == {}
+
+
+_POOLER_MODULE = '''
+import jax.numpy as jnp
+from jaxsim.models.poolers import masked_mean, register_pooler
+
+WEIGHT = 1.0
+
+
+@register_pooler('test_code_pool', replace=True)
+def test_code_pool(output, attention_mask):
+    return masked_mean(output.hidden_states[-1], attention_mask) * WEIGHT
+'''
+
+
+def _load_pooler(tmp_path, source):
+    """Writes the user's pooler module and imports it afresh (as a new process would)."""
+    import importlib.util
+    import sys
+    from jaxsim.models.poolers import get_pooler
+    path = tmp_path / 'lab_poolers.py'
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location('lab_poolers', path)
+    module = importlib.util.module_from_spec(spec)
+    dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = dont_write
+    return get_pooler('test_code_pool')
+
+
+def test_an_edited_pooler_is_another_run_refused_naming_it(tmp_path):
+    from jaxsim.objectives import get_objective
+    from jaxsim.train.fingerprint import code_digests
+    work = tmp_path / 'w'
+    work.mkdir()
+
+    def record(source):
+        code = code_digests(get_objective('unsup'), _load_pooler(tmp_path, source))
+        return _record(pooler='test_code_pool', derived={'code': code})
+
+    first = record(_POOLER_MODULE)
+    assert set(first['derived']['code']) == {'objective', 'objective_params', 'pooler'}
+    store.write_json(work / 'config.json', records.check_workdir(work, first).record)
+    assert records.check_workdir(work, record(_POOLER_MODULE)).changed == {}
+    for edit in [('* WEIGHT', '* WEIGHT * 2'), ('WEIGHT = 1.0', 'WEIGHT = 1.5')]:
+        with pytest.raises(records.RunMismatchError) as e:
+            records.check_workdir(work, record(_POOLER_MODULE.replace(*edit)))
+        message = str(e.value)
+        assert '\n' not in message and message.endswith('--allow-change=code')
+        assert "(the source of pooler 'test_code_pool' changed (sha256:" in message
+        assert 'objective' not in message.split('(', 1)[1].split('--allow')[0]
+    edited = record(_POOLER_MODULE.replace('* WEIGHT', '* WEIGHT * 2'))
+    assert set(records.check_workdir(work, edited, allow=('code',)).changed) == {'code'}
+    # A run recorded when only the objective was hashed resumes: the pooler is not compared.
+    old = record(_POOLER_MODULE)
+    old['derived']['code'] = {'objective': old['derived']['code']['objective']}
+    store.write_json(work / 'config.json', old)
+    assert records.check_workdir(work, edited).changed == {}
+
+
+_CLASS_POOLER_MODULE = '''
+import flax.linen as nn
+import jax.numpy as jnp
+from jaxsim.models.poolers import masked_mean, register_pooler
+
+
+def _squash(x):
+    return jnp.tanh(x)
+
+
+@register_pooler('test_code_pool', replace=True)
+class TestCodePool(nn.Module):
+    config: object
+    dtype: object = jnp.float32
+
+    def __call__(self, output, attention_mask, use_head=True):
+        return _squash(masked_mean(output.hidden_states[-1], attention_mask))
+'''
+
+
+def test_a_pooler_class_is_hashed_with_the_helpers_its_methods_use(tmp_path):
+    from jaxsim.train.fingerprint import source_digest
+    first = source_digest(_load_pooler(tmp_path, _CLASS_POOLER_MODULE).source)
+    assert source_digest(_load_pooler(tmp_path, _CLASS_POOLER_MODULE).source) == first
+    edited = _CLASS_POOLER_MODULE.replace('jnp.tanh(x)', 'jnp.tanh(2 * x)')  # the helper only
+    assert source_digest(_load_pooler(tmp_path, edited).source) != first
