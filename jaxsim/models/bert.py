@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxsim.errors import ConfigError
 from jaxsim.io import store
-from jaxsim.models import attention_ops, dropout, ops, packed
+from jaxsim.models import attention_ops, dropout, kernels as kernels_lib, ops, packed
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
 
@@ -201,6 +201,7 @@ class BertEmbeddings(nn.Module):
 class BertSelfAttention(nn.Module):
     config: BertConfig
     dtype: Any = jnp.float32
+    kernels: str = "auto"  # see jaxsim.models.kernels
 
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
@@ -210,6 +211,8 @@ class BertSelfAttention(nn.Module):
         # x and a wider dot (3x the output columns) instead of three narrow ones, forward and
         # backward. Stacking on a new axis keeps each kernel's 'heads' sharding intact.
         params = [DenseParams(cfg.hidden_size, name=n)(hidden) for n in ("query", "key", "value")]
+        if not kernels_lib.use_cpu_forms(self.kernels):
+            return self._xla_form(x, params, attention_bias, deterministic)
         kernel = jnp.stack([k for k, _ in params], axis=1)  # [hidden, 3, hidden]
         bias = jnp.stack([b for _, b in params])  # [3, hidden]
         # Head-major [3, B, heads, L, head_dim] in the compute dtype, written by the pass that
@@ -237,17 +240,38 @@ class BertSelfAttention(nn.Module):
         out = jnp.transpose(out[..., None], (0, 2, 1, 3, 4))
         return out.reshape(batch, length, cfg.hidden_size)
 
+    def _xla_form(self, x, params, attention_bias, deterministic: bool):
+        """Plain JAX on the token-major layout [B, L, heads, head_dim]: XLA's TPU compiler
+        fuses the head split into the products, where the head-major layout above costs it
+        transposes (~0.2 GB per BERT-base layer at 64 x 32 tokens; `jaxsim.models.kernels`)."""
+        cfg, dtype = self.config, self.dtype
+        batch, length, _ = x.shape
+        x = x.astype(dtype)
+
+        def heads(kernel, bias):  # [B, L, heads, head_dim] in the compute dtype
+            y = jnp.dot(x, kernel.astype(dtype)) + bias.astype(dtype)
+            return y.reshape(batch, length, cfg.num_attention_heads, cfg.head_dim)
+
+        q, k, v = (heads(*p) for p in params)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+        # The softmax in float32: the additive mask is -inf-like.
+        probs = jax.nn.softmax(scores / math.sqrt(cfg.head_dim) + attention_bias, axis=-1)
+        probs = _dropout(self, probs, cfg.attention_probs_dropout_prob, deterministic)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(dtype), v)
+        return out.reshape(batch, length, cfg.hidden_size)
+
 
 class BertResidualOutput(nn.Module):
     """dense -> dropout -> LayerNorm(x + residual): HF's `BertSelfOutput` and `BertOutput`."""
 
     config: BertConfig
     dtype: Any = jnp.float32
+    kernels: str = "auto"  # see jaxsim.models.kernels
 
     @nn.compact
     def __call__(self, x, residual, deterministic: bool):
         kernel, bias = DenseParams(self.config.hidden_size, name="dense")(x.shape[-1])
-        x = ops.dense_bias(x, kernel, bias, self.dtype)
+        x = kernels_lib.dense_bias(x, kernel, bias, self.dtype, self.kernels)
         x = _dropout(self, x, self.config.hidden_dropout_prob, deterministic)
         return _layer_norm(self.config, self.dtype)(x + residual)
 
@@ -255,38 +279,42 @@ class BertResidualOutput(nn.Module):
 class BertAttention(nn.Module):
     config: BertConfig
     dtype: Any = jnp.float32
+    kernels: str = "auto"  # see jaxsim.models.kernels
 
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
-        attended = BertSelfAttention(self.config, self.dtype, name="self")(
+        attended = BertSelfAttention(self.config, self.dtype, self.kernels, name="self")(
             x, attention_bias, deterministic)
-        return BertResidualOutput(self.config, self.dtype, name="output")(
+        return BertResidualOutput(self.config, self.dtype, self.kernels, name="output")(
             attended, x, deterministic)
 
 
 class BertIntermediate(nn.Module):
     config: BertConfig
     dtype: Any = jnp.float32
+    kernels: str = "auto"  # see jaxsim.models.kernels
 
     @nn.compact
     def __call__(self, x):
         kernel, bias = DenseParams(self.config.intermediate_size, name="dense")(x.shape[-1])
         if self.config.hidden_act == "gelu":  # BERT's exact GELU, fused with the bias add
-            return ops.dense_bias_gelu(x, kernel, bias, self.dtype)
-        d = ops.matmul(x, kernel, self.dtype)  # [B, L, intermediate] float32
-        return _ACTIVATIONS[self.config.hidden_act](d + bias)
+            return kernels_lib.dense_bias_gelu(x, kernel, bias, self.dtype, self.kernels)
+        d = kernels_lib.matmul(x, kernel, self.dtype, self.kernels)  # [B, L, intermediate]
+        return _ACTIVATIONS[self.config.hidden_act](d + bias.astype(d.dtype))
 
 
 class BertLayer(nn.Module):
     config: BertConfig
     dtype: Any = jnp.float32
+    kernels: str = "auto"  # see jaxsim.models.kernels
 
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
-        x = BertAttention(self.config, self.dtype, name="attention")(
+        x = BertAttention(self.config, self.dtype, self.kernels, name="attention")(
             x, attention_bias, deterministic)
-        h = BertIntermediate(self.config, self.dtype, name="intermediate")(x)
-        return BertResidualOutput(self.config, self.dtype, name="output")(h, x, deterministic)
+        h = BertIntermediate(self.config, self.dtype, self.kernels, name="intermediate")(x)
+        return BertResidualOutput(self.config, self.dtype, self.kernels, name="output")(
+            h, x, deterministic)
 
 
 # What a rematerialized layer keeps for the backward pass (see `remat_layer`).
@@ -316,13 +344,15 @@ class BertEncoder(nn.Module):
     config: BertConfig
     dtype: Any = jnp.float32
     remat: str = "none"
+    kernels: str = "auto"
 
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
         states = [x]
         layer = remat_layer(self.remat)
         for i in range(self.config.num_hidden_layers):
-            x = layer(self.config, self.dtype, name=f"layer_{i}")(x, attention_bias, deterministic)
+            x = layer(self.config, self.dtype, self.kernels, name=f"layer_{i}")(
+                x, attention_bias, deterministic)
             states.append(x)
         return tuple(states)
 
@@ -346,12 +376,15 @@ class BertModel(nn.Module):
       dtype: compute dtype (float32, or bfloat16 with float32 parameters).
       add_pooler: build the dense+tanh pooler (False for checkpoints that ship none).
       remat: 'none', 'full' or 'dots': activation recomputation per layer (`remat_layer`).
+      kernels: 'auto', 'xla' or 'cpu': the form of the layers' products and attention
+        (`jaxsim.models.kernels`); the same function either way.
     """
 
     config: BertConfig
     dtype: Any = jnp.float32
     add_pooler: bool = True
     remat: str = "none"
+    kernels: str = "auto"
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, token_type_ids=None,
@@ -382,7 +415,7 @@ class BertModel(nn.Module):
                 input_ids, token_type_ids)), deterministic, position_ids=packed.gather_packed(
                     position_ids_for(self.config, input_ids), pack_index))
             attention_bias = packed.packed_attention_bias(pack_index, input_ids.shape[1])
-        states = BertEncoder(self.config, self.dtype, self.remat, name="encoder")(
+        states = BertEncoder(self.config, self.dtype, self.remat, self.kernels, name="encoder")(
             x, attention_bias, deterministic)
         if packing is not None:
             shards = pack_index.shape[0]

@@ -38,6 +38,8 @@ class SentenceEncoder(nn.Module):
         use it.
       remat: activation recomputation per transformer layer in training ('none', 'full',
         'dots'; see `jaxsim.models.bert.remat_layer`): memory for compute, same numbers.
+      kernels: 'auto', 'xla' or 'cpu': the form of the layers' hot operations
+        (`jaxsim.models.kernels`): the same function, laid out for TPU/GPU or for XLA:CPU.
     """
 
     config: BertConfig
@@ -46,6 +48,7 @@ class SentenceEncoder(nn.Module):
     dtype: Any = jnp.float32
     mlm: bool = False
     remat: str = "none"
+    kernels: str = "auto"
 
     @nn.compact
     def __call__(self, input_ids, attention_mask, token_type_ids=None, train: bool = False,
@@ -64,7 +67,7 @@ class SentenceEncoder(nn.Module):
           [batch, hidden] float32.
         """
         bert = BertModel(self.config, dtype=self.dtype, add_pooler=False, remat=self.remat,
-                         name="bert")
+                         kernels=self.kernels, name="bert")
         pooling = get_pooler(self.pooler).build(self.config, self.dtype, "pooler")
         output = bert(input_ids, attention_mask, token_type_ids, deterministic=not train,
                       packing=packing)

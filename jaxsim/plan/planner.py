@@ -243,6 +243,8 @@ def make_plan(cfg: TrainConfig, topology: Topology, num_slices: int = 1, *,
     """
     say = say or (lambda m: print(m, file=sys.stderr, flush=True))
     cfg = with_slices(cfg, num_slices)
+    if cfg.kernels == 'auto':  # 'auto' means the forms of the backend the step runs on: TPU
+        cfg = cfg.replace(kernels='xla')
     devices = fig.compile_only_devices(topology, num_slices)
     per_chip = fig.devices_per_chip(topology, devices, num_slices)
     check_plannable(cfg, devices)  # every input error before the first (minutes-long) compile

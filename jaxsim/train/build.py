@@ -128,7 +128,7 @@ def make_encoder(cfg: TrainConfig, config: BertConfig) -> SentenceEncoder:
     warn_if_bf16_emulated(dtype, {d.platform for d in jax.devices()})
     return SentenceEncoder(config, pooler=cfg.pooler, mlp_only_train=cfg.mlp_only_train,
                            mlm=cfg.mlm_weight > 0,
-                           dtype=dtype, remat=cfg.remat)
+                           dtype=dtype, remat=cfg.remat, kernels=cfg.kernels)
 
 
 def open_source(cfg: TrainConfig):

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import ml_collections
 
 from jaxsim.errors import ConfigError
+from jaxsim.models.kernels import KERNELS
 from jaxsim.paths import SENTEVAL_ROOT
 
 DATA_FORMATS = ('text', 'csv', 'snli', 'senteval_corpus', 'tfds')
@@ -110,6 +111,9 @@ class TrainConfig:
     remat: recompute activations in the backward pass, per transformer layer: 'none' (keep
       them all), 'full' (keep only each layer's input), 'dots' (keep the outputs of the
       matrix products without batch dimensions, recompute the rest).
+    kernels: the form of the layers' products and attention (`jaxsim.models.kernels`):
+      'auto' (the CPU forms on a CPU backend, plain JAX on TPU/GPU), 'xla' or 'cpu'. The same
+      function; the plan command compiles 'auto' as 'xla' (it plans for TPU).
     Evaluation (STS-B dev Spearman x100 of cosine, the selection metric):
       senteval_root: SentEval data folder ('' = no evaluation).
       eval_every: evaluate every N steps (0 = never periodically).
@@ -173,6 +177,7 @@ class TrainConfig:
     replicate_indivisible: bool = False
     pack_length: int = 0
     remat: str = 'none'
+    kernels: str = 'auto'
     senteval_root: str = str(SENTEVAL_ROOT)
     eval_every: int = 125
     eval_at_start: bool = True
@@ -195,7 +200,7 @@ class TrainConfig:
         choices = {'data_format': DATA_FORMATS, 'dtype': ('float32', 'bfloat16'),
                    'last_batch': ('drop', 'keep'), 'optimizer': ('adamw', 'sgd'),
                    'grad_reduction': ('global_mean', 'replica_mean'),
-                   'prng_impl': PRNG_IMPLS, 'remat': REMAT_POLICIES}
+                   'prng_impl': PRNG_IMPLS, 'remat': REMAT_POLICIES, 'kernels': KERNELS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 _bad(f'{name} must be one of {", ".join(allowed)}, got {getattr(self, name)!r}')
