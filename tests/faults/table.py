@@ -253,8 +253,8 @@ FAULTS = (
           'masked = own | _same_text(anchor, anchor)', 'masked = own',
           (f'{OBJECTIVE_TEST}::test_sup_mask_duplicates_matches_numpy_with_the_columns_removed',)),
     Fault('GradCache hands the loss no ids', 'jaxsim/train/grad_cache.py',
-          "lambda v: objective(v, ids=batch['input_ids'], step=step, key=key)",
-          'lambda v: objective(v, step=step, key=key)',
+          "lambda v, p: objective(v, ids=batch['input_ids'], step=step, key=key,",
+          'lambda v, p: objective(v, step=step, key=key,',
           ('tests/train/grad_cache_test.py::'
            'test_cached_gradient_masks_duplicates_across_micro_batches',)),
     Fault('the objective gets a constant step', 'jaxsim/train/step.py',
@@ -271,7 +271,7 @@ FAULTS = (
           ('tests/train/records_test.py::'
            'test_the_code_digest_follows_the_loss_its_helpers_and_constants',)),
     Fault('an edited objective resumes', 'jaxsim/train/loop.py',
-          "'code': code_digests(objective)}", "'code': {}}",
+          "'code': code_digests(objective, get_pooler(cfg.pooler))}", "'code': {}}",
           ('tests/train/train_smoke_test.py::'
            'test_an_edited_objective_is_not_resumed_as_the_finished_run',)),
     # ---- the MLM term
