@@ -95,6 +95,17 @@ def add_import_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def config_overrides(parser: argparse.ArgumentParser, rest: Sequence[str]) -> list[str]:
+    """The `--config.KEY=VALUE` arguments `parse_known_args` left over, as `KEY=VALUE`; any other
+    leftover is a usage error naming it."""
+    overrides = []
+    for item in rest:
+        if not item.startswith('--config.'):
+            parser.error(f'unrecognized argument {item}')
+        overrides.append(item[len('--config.'):])
+    return overrides
+
+
 def read_input_text(path: Union[str, Path]) -> tuple[str, str]:
     """(text, name for messages) of a sentence input: a file, or standard input for `-`."""
     if str(path) == STDIN:

@@ -55,11 +55,7 @@ def plan_parser() -> argparse.ArgumentParser:
 def parse_plan_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p = plan_parser()
     args, rest = p.parse_known_args(argv)
-    overrides = []
-    for item in rest:
-        if not item.startswith('--config.'):
-            p.error(f'unrecognized argument {item}')
-        overrides.append(item[len('--config.'):])
+    overrides = cli_io.config_overrides(p, rest)
     if args.num_slices < 1:
         p.error(f'--num-slices must be >= 1, got {args.num_slices}')
     return args, overrides

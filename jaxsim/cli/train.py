@@ -52,11 +52,7 @@ def parse_args(argv):
     p.add_argument('--noprogress', dest='progress', action='store_false', help=argparse.SUPPRESS)
     cli_io.add_import_flag(p)
     args, rest = p.parse_known_args(argv)
-    overrides = []
-    for item in rest:
-        if not item.startswith('--config.'):
-            p.error(f'unrecognized argument {item}')
-        overrides.append(item[len('--config.'):])
+    overrides = cli_io.config_overrides(p, rest)
     if args.plan is None and not args.workdir:
         p.error('the following arguments are required: --workdir (or --plan TOPOLOGY)')
     if args.plan is not None and (args.workdir or args.seeds):
