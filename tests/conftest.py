@@ -47,12 +47,14 @@ import numpy as np
 import pytest
 
 import jaxsim
+from configs.tiny_unsup_simcse import get_config
 from jaxsim import bundled_model_path
 from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.io.checkpoint import CheckpointOptions, Checkpointer
 from jaxsim.io.workdir import write_model
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
+from jaxsim.train.config import TrainConfig, base_config
 
 REPO = Path(__file__).resolve().parents[1]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -164,11 +166,26 @@ def write_tiny_workdir(folder, tokenizer, pooler: str = "cls", mlp_only_train: b
     return saved
 
 
+def write_snli_corpus(path: Path, lines: int, source: str = "s1.dev") -> list[str]:
+    """The first `lines` sentences of a shipped SNLI file written to `path`, one per line: a
+    small real training corpus. Returns the sentences."""
+    sentences = (SENTEVAL_ROOT / "SNLI" / source).read_text().splitlines()[:lines]
+    Path(path).write_text("\n".join(sentences) + "\n")
+    return sentences
+
+
+def tiny_run_config(corpus: Path, **overrides):
+    """The tiny unsupervised SimCSE run (configs/tiny_unsup_simcse.py over the base config)
+    trained on `corpus`, with `overrides` on top."""
+    fields = {**base_config().to_dict(), **get_config().to_dict(), "train_file": str(corpus),
+              **overrides}
+    return TrainConfig.from_dict(fields)
+
+
 def write_run_data(root, corpus_source: str, corpus_lines: int, stsb_pairs: int):
     """A small training corpus (`root/corpus.txt`, the first lines of a shipped SNLI file) and a
     truncated STS-B (`root/senteval/STS/STSBenchmark`, dev and test) for end-to-end runs."""
-    lines = (SENTEVAL_ROOT / "SNLI" / corpus_source).read_text().splitlines()[:corpus_lines]
-    (root / "corpus.txt").write_text("\n".join(lines) + "\n")
+    write_snli_corpus(root / "corpus.txt", corpus_lines, corpus_source)
     stsb = root / "senteval" / "STS" / "STSBenchmark"
     stsb.mkdir(parents=True)
     for split in ("dev", "test"):

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import jaxsim
-from configs.tiny_unsup_simcse import get_config
 from jaxsim import calibrate
 from jaxsim.calibrate import CALIBRATIONS, AffineCalibration
 from jaxsim.eval.runner import CachedEncoder, evaluate_rows
@@ -23,9 +22,9 @@ from jaxsim.models.bert import BertConfig
 from jaxsim.models.poolers import masked_mean, register_pooler, st_dense, st_pooling
 from jaxsim.objectives import register_objective
 from jaxsim.paths import SENTEVAL_ROOT
-from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.loop import train_and_evaluate
 from jaxsim.train.step import configure_jax
+from tests.conftest import tiny_run_config, write_snli_corpus
 
 configure_jax()
 _IDENTITY = "torch.nn.modules.linear.Identity"
@@ -91,15 +90,11 @@ class DiagAffine(nn.Module):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ext")
-    lines = (SENTEVAL_ROOT / "SNLI" / "s1.dev").read_text().splitlines()[:64]
-    corpus = tmp / "corpus.txt"
-    corpus.write_text("\n".join(lines) + "\n")
-    fields = base_config().to_dict()
-    fields.update(get_config().to_dict())
-    fields.update(train_file=str(corpus), objective="test_ext_infonce",
-                  objective_kwargs={"temp": 0.2}, pooler="test_ext_scaled_mean",
-                  mlp_only_train=False, max_steps=3)
-    result = train_and_evaluate(TrainConfig.from_dict(fields), tmp / "run", progress=False)
+    lines = write_snli_corpus(tmp / "corpus.txt", 64)
+    cfg = tiny_run_config(tmp / "corpus.txt", objective="test_ext_infonce",
+                          objective_kwargs={"temp": 0.2}, pooler="test_ext_scaled_mean",
+                          mlp_only_train=False, max_steps=3)
+    result = train_and_evaluate(cfg, tmp / "run", progress=False)
     return tmp, result, lines
 
 

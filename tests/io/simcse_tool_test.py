@@ -14,12 +14,10 @@ import numpy as np
 import pytest
 
 import jaxsim
-from configs.tiny_unsup_simcse import get_config
 from jaxsim.cli.main import main as cli_main
-from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.train import loop
-from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.step import configure_jax
+from tests.conftest import tiny_run_config, write_snli_corpus
 
 SENTENCES = ["A man is playing a guitar.", "hello", "Two dogs run through a snowy field.",
              "The quick brown fox jumps over the lazy dog near the river bank today.", ""]
@@ -42,19 +40,16 @@ def simcse_tool():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    lines = (SENTEVAL_ROOT / "SNLI" / "s1.dev").read_text().splitlines()[:64]
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("\n".join(lines) + "\n")
+    write_snli_corpus(path, 64)
     return path
 
 
 def _train(corpus, workdir, mlp_only_train: bool):
     configure_jax()
-    fields = base_config().to_dict()
-    fields.update(get_config().to_dict())
-    fields.update({"train_file": str(corpus), "max_steps": 2, "checkpoint_every": 2,
-                   "mlp_only_train": mlp_only_train, "eval_max_len": MAX_LENGTH})
-    result = loop.train_and_evaluate(TrainConfig.from_dict(fields), workdir, progress=False)
+    cfg = tiny_run_config(corpus, max_steps=2, checkpoint_every=2,
+                          mlp_only_train=mlp_only_train, eval_max_len=MAX_LENGTH)
+    result = loop.train_and_evaluate(cfg, workdir, progress=False)
     assert result.steps == 2
     return jaxsim.load_pretrained(workdir)
 

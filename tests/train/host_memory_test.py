@@ -11,25 +11,21 @@ import weakref
 import jax
 import numpy as np
 
-from configs.tiny_unsup_simcse import get_config
-from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.train import build, loop
-from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.step import configure_jax
+from tests.conftest import tiny_run_config, write_snli_corpus
 
 configure_jax()
 
 
 def test_the_loop_compiles_its_step_once(tmp_path, caplog):
-    lines = (SENTEVAL_ROOT / 'SNLI' / 's1.dev').read_text().splitlines()[:40]
     corpus = tmp_path / 'corpus.txt'
-    corpus.write_text('\n'.join(lines) + '\n')
-    fields = {**base_config().to_dict(), **get_config().to_dict(), 'train_file': str(corpus),
-              'max_steps': 3, 'checkpoint': False}
+    write_snli_corpus(corpus, 40)
+    cfg = tiny_run_config(corpus, max_steps=3, checkpoint=False)
     jax.config.update('jax_log_compiles', True)
     try:
         with caplog.at_level(logging.WARNING):
-            result = loop.train_and_evaluate(TrainConfig.from_dict(fields), tmp_path / 'run',
+            result = loop.train_and_evaluate(cfg, tmp_path / 'run',
                                              progress=False)
     finally:
         jax.config.update('jax_log_compiles', False)
@@ -61,14 +57,11 @@ def test_no_copy_of_the_loaded_weights_outlives_the_state(tmp_path, tiny_model_d
 
     monkeypatch.setattr(build, 'load_base', load_base)
     monkeypatch.setattr(loop._Loop, 'run', run)
-    lines = (SENTEVAL_ROOT / 'SNLI' / 's1.dev').read_text().splitlines()[:40]
     corpus = tmp_path / 'corpus.txt'
-    corpus.write_text('\n'.join(lines) + '\n')
-    fields = {**base_config().to_dict(), **get_config().to_dict(), 'train_file': str(corpus),
-              'model': str(folder), 'random_init': False, 'model_overrides': {},
-              'max_steps': 2, 'checkpoint': False}
-    result = loop.train_and_evaluate(TrainConfig.from_dict(fields), tmp_path / 'run',
-                                     progress=False)
+    write_snli_corpus(corpus, 40)
+    cfg = tiny_run_config(corpus, model=str(folder), random_init=False, model_overrides={},
+                          max_steps=2, checkpoint=False)
+    result = loop.train_and_evaluate(cfg, tmp_path / 'run', progress=False)
     assert result.steps == 2
     assert len(loaded) > 10 and alive == [0], (len(loaded), alive)
 

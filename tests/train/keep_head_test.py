@@ -14,11 +14,10 @@ import jaxsim
 from jaxsim.io.checkpoint import Checkpointer
 from jaxsim.io.export import export_model
 from jaxsim.models import st_head
-from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.train import loop
 from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.step import configure_jax
-from tests.conftest import write_tiny_model
+from tests.conftest import write_snli_corpus, write_tiny_model
 
 configure_jax()
 SENTENCES = ["A man is playing a guitar.", "hello", "Two dogs run through a snowy field."]
@@ -41,9 +40,8 @@ def st_folder(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def corpus(tmp_path_factory):
-    lines = (SENTEVAL_ROOT / 'SNLI' / 's1.dev').read_text().splitlines()[:32]
     path = tmp_path_factory.mktemp('data') / 'corpus.txt'
-    path.write_text('\n'.join(lines) + '\n')
+    write_snli_corpus(path, 32)
     return path
 
 

@@ -16,18 +16,17 @@ import pytest
 from safetensors.numpy import load_file
 
 import jaxsim
-from configs.tiny_unsup_simcse import get_config
 from jaxsim import sharding
 from jaxsim.io.checkpoint import Checkpointer
 from jaxsim.io.export import export_model
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
 from jaxsim.objectives import ObjectiveError, check_kwargs, get_objective, owned
-from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.train import loop
-from jaxsim.train.config import TrainConfig, base_config
+from jaxsim.train.config import TrainConfig
 from jaxsim.train.grad_cache import make_cached_grad_fn
 from jaxsim.train.step import configure_jax, encode_views, make_loss_fn
+from tests.conftest import tiny_run_config, write_snli_corpus
 
 configure_jax()
 
@@ -38,18 +37,14 @@ CONFIG = BertConfig(vocab_size=80, hidden_size=16, num_hidden_layers=2, num_atte
 
 @pytest.fixture(scope='module')
 def corpus(tmp_path_factory):
-    lines = (SENTEVAL_ROOT / 'SNLI' / 's1.dev').read_text().splitlines()[:64]
     path = tmp_path_factory.mktemp('data') / 'corpus.txt'
-    path.write_text('\n'.join(lines) + '\n')
+    write_snli_corpus(path, 64)
     return path
 
 
 def _cfg(corpus, **kw) -> TrainConfig:
-    fields = base_config().to_dict()
-    fields.update(get_config().to_dict())
-    fields.update({'train_file': str(corpus), 'max_steps': 4, 'checkpoint_every': 2,
-                   'learning_rate': 1e-2, **kw})
-    return TrainConfig.from_dict(fields)
+    return tiny_run_config(corpus, **{'max_steps': 4, 'checkpoint_every': 2,
+                                      'learning_rate': 1e-2, **kw})
 
 
 def _rows(workdir: Path) -> list[dict]:

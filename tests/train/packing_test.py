@@ -8,20 +8,18 @@ import jax
 import numpy as np
 import pytest
 
-from configs.tiny_unsup_simcse import get_config
 from jaxsim import sharding
 from jaxsim.data.packing import PACK_INDEX, UNPACK_INDEX, first_fit, pack_batch, pack_layout
 from jaxsim.errors import ConfigError
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
 from jaxsim.objectives import get_objective
-from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.train import build, loop
-from jaxsim.train.config import TrainConfig, base_config
+from jaxsim.train.config import TrainConfig
 from jaxsim.train.optim import make_optimizer
 from jaxsim.train.state import create_state
 from jaxsim.train.step import compiler_options, configure_jax, make_loss_fn, make_train_step
-from tests.conftest import run_on_cpu_devices
+from tests.conftest import run_on_cpu_devices, tiny_run_config, write_snli_corpus
 
 configure_jax()
 O0 = compiler_options(True)
@@ -198,19 +196,18 @@ def test_packed_on_8_shards_equals_one_device_and_gathers_nothing_more():
 
 
 def test_a_run_with_pack_length_trains_and_resumes_the_same(tmp_path):
-    lines = (SENTEVAL_ROOT / 'SNLI' / 's1.dev').read_text().splitlines()[:64]
     corpus = tmp_path / 'corpus.txt'
-    corpus.write_text('\n'.join(lines) + '\n')
-    fields = {**base_config().to_dict(), **get_config().to_dict(), 'train_file': str(corpus),
-              'pack_length': 32, 'max_steps': 4, 'checkpoint_every': 2, 'mesh_data': 1}
-    whole = loop.train_and_evaluate(fields, tmp_path / 'whole', progress=False)
+    write_snli_corpus(corpus, 64)
+    cfg = tiny_run_config(corpus, pack_length=32, max_steps=4, checkpoint_every=2,
+                          mesh_data=1)
+    whole = loop.train_and_evaluate(cfg, tmp_path / 'whole', progress=False)
     assert whole.steps == 4 and np.isfinite(whole.final_loss)
     # Drop the last checkpoint and the result: the rerun resumes at step 2 and lands on the
     # same losses, the packed layout being a function of the batch alone.
     shutil.copytree(tmp_path / 'whole', tmp_path / 'resumed')
     shutil.rmtree(tmp_path / 'resumed' / 'checkpoints' / '4')
     (tmp_path / 'resumed' / 'result.json').unlink()
-    resumed = loop.train_and_evaluate(fields, tmp_path / 'resumed', progress=False)
+    resumed = loop.train_and_evaluate(cfg, tmp_path / 'resumed', progress=False)
     assert ((tmp_path / 'resumed' / 'metrics.jsonl').read_text()
             == (tmp_path / 'whole' / 'metrics.jsonl').read_text())
     assert resumed.final_loss == whole.final_loss
