@@ -162,20 +162,25 @@ def code_loss(z, temp=0.1):
 '''
 
 
-def _load_objective(tmp_path, source):
-    """Writes the user's module and imports it afresh (as a new process would)."""
+def _import_user_module(tmp_path, name: str, source: str) -> None:
+    """Writes the user's module `name` and imports it afresh (as a new process would): its
+    registrations replace the previous version's."""
     import importlib.util
     import sys
-    from jaxsim.objectives import get_objective
-    path = tmp_path / 'lab_losses.py'
+    path = tmp_path / f'{name}.py'
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location('lab_losses', path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no stale .pyc
     try:
         spec.loader.exec_module(module)
     finally:
         sys.dont_write_bytecode = dont_write
+
+
+def _load_objective(tmp_path, source):
+    from jaxsim.objectives import get_objective
+    _import_user_module(tmp_path, 'lab_losses', source)
     return get_objective('test_code_obj')
 
 
@@ -256,19 +261,8 @@ def test_code_pool(output, attention_mask):
 
 
 def _load_pooler(tmp_path, source):
-    """Writes the user's pooler module and imports it afresh (as a new process would)."""
-    import importlib.util
-    import sys
     from jaxsim.models.poolers import get_pooler
-    path = tmp_path / 'lab_poolers.py'
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location('lab_poolers', path)
-    module = importlib.util.module_from_spec(spec)
-    dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.dont_write_bytecode = dont_write
+    _import_user_module(tmp_path, 'lab_poolers', source)
     return get_pooler('test_code_pool')
 
 
