@@ -58,24 +58,23 @@ class Launch:
         return bool(self.coordinator) or self.auto
 
 
-def _env_int(name: str) -> int | None:
+def _env_number(name: str, parse: type, what: str):
+    """The environment variable `name` parsed by `parse` (int or float); None when unset."""
     value = os.environ.get(name)
     if not value:
         return None
     try:
-        return int(value)
+        return parse(value)
     except ValueError:
-        raise DistributedError(f"${name}={value!r} is not an integer") from None
+        raise DistributedError(f"${name}={value!r} is not {what}") from None
+
+
+def _env_int(name: str) -> int | None:
+    return _env_number(name, int, 'an integer')
 
 
 def _env_seconds(name: str) -> float | None:
-    value = os.environ.get(name)
-    if not value:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise DistributedError(f"${name}={value!r} is not a number of seconds") from None
+    return _env_number(name, float, 'a number of seconds')
 
 
 def resolve_launch(coordinator: str | None = None, num_processes: int | None = None,
