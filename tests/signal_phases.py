@@ -19,6 +19,9 @@ Phases:
                exception raised there would be printed as "Exception ignored" and lost.
   encoding     once `jaxsim.encode` has stored its first batch of vectors (the model loaded,
                the command under way).
+  logged step  once training has written its first metrics row (the workdir held, the run
+               under way); with SIGSTOP the run stays there, holding its workdir, until the
+               test sends SIGCONT.
 
 Nothing here imports JAX: the start-up phase comes before it.
 """
@@ -30,7 +33,7 @@ import runpy
 import signal
 import sys
 
-PHASES = ('start-up', 'gc callback', 'encoding')
+PHASES = ('start-up', 'gc callback', 'encoding', 'logged step')
 
 
 def reached(phase: str) -> None:
@@ -80,6 +83,16 @@ def _hook_encoding(maybe_fire) -> None:
     encode_module._store = hooked
 
 
+def _hook_logged_step(maybe_fire) -> None:
+    from jaxsim.train.records import MetricsLog
+    write = MetricsLog.write
+
+    def hooked(self, *args, **kwargs):
+        write(self, *args, **kwargs)
+        maybe_fire()
+    MetricsLog.write = hooked
+
+
 def install(phase: str, signum: int) -> None:
     """Hooks `phase` (one of PHASES) in this process, before the command runs."""
     if phase not in PHASES:
@@ -98,6 +111,8 @@ def install(phase: str, signum: int) -> None:
                 _hook_gc_callbacks(maybe_fire)
             elif phase == 'encoding':
                 _hook_encoding(maybe_fire)
+            elif phase == 'logged step':
+                _hook_logged_step(maybe_fire)
         return previous
     signal.pthread_sigmask = mask
 

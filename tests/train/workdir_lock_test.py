@@ -1,11 +1,14 @@
 """Two runs on one workdir: the second is refused in one line before it writes anything, and
-the first keeps every metrics row."""
+the first keeps every metrics row.
+
+The first run stops itself (SIGSTOP, tests/signal_phases.py) right after its first metrics row,
+holding the workdir: the second starts while the first is certainly under way, with no clock
+or polling involved."""
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from jaxsim.cli import train
@@ -26,21 +29,24 @@ def _snapshot(folder: Path) -> dict:
 def test_second_run_on_a_held_workdir_is_refused_and_the_first_loses_nothing(tmp_path, capsys):
     data = write_run_data(tmp_path, 's1.dev', 64, 40)
     workdir = tmp_path / 'run'
-    steps = 100_000  # long enough to still run while the second one starts
+    steps = 100_000  # the first run is interrupted long before its end
     args = ['--config', TINY, '--workdir', str(workdir), '--noprogress',
             f'--config.train_file={data / "corpus.txt"}', f'--config.max_steps={steps}',
             '--config.checkpoint_every=5']
     env = dict(os.environ, JAX_PLATFORMS='cpu')
-    first = subprocess.Popen([sys.executable, 'train.py', *args], cwd=REPO, env=env,
+    first = subprocess.Popen([sys.executable, '-c', 'from tests.signal_phases import main; main()',
+                              'logged step', 'SIGSTOP', 'train.py', *args], cwd=REPO, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        # Wait until the first run holds the lock and has logged a step.
-        deadline = time.time() + 300
-        while not (workdir / 'metrics.jsonl').is_file() or not (
-                workdir / 'metrics.jsonl').read_text():
-            assert first.poll() is None, first.communicate()
-            assert time.time() < deadline, 'the first run logged no step'
-            time.sleep(0.2)
+        # Read its stderr up to the phase line: it then holds the lock, has logged a step and
+        # stops itself there (or ended early: the pipe closes and the assert says why).
+        seen = []
+        for line in first.stderr:
+            seen.append(line)
+            if line.strip() == 'PHASE logged step':
+                break
+        else:
+            raise AssertionError(f'the first run logged no step: {"".join(seen)[-3000:]}')
         holder = json.loads((workdir / '.lock').read_text())
         assert holder['pid'] == first.pid
         before = _snapshot(workdir)
@@ -51,7 +57,8 @@ def test_second_run_on_a_held_workdir_is_refused_and_the_first_loses_nothing(tmp
         assert first.poll() is None, 'the first run ended before the second was refused'
         assert _snapshot(workdir) == before  # nothing a refused run could touch has changed
         logged = len((workdir / 'metrics.jsonl').read_text().splitlines())
-        first.send_signal(signal.SIGINT)
+        first.send_signal(signal.SIGINT)  # delivered when it continues
+        first.send_signal(signal.SIGCONT)
         out, err = first.communicate(timeout=600)
     finally:
         if first.poll() is None:
