@@ -292,11 +292,11 @@ def test_cli_entry_point_is_quiet(tmp_path):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, "encode", "--input", str(src),
                            "--output", str(tmp_path / "o.npy")], capture_output=True, text=True,
-                          env=env, timeout=300)
+                          env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == f"wrote 1 x 384 vectors to {tmp_path / 'o.npy'}\n"
     proc = subprocess.run([sys.executable, "-m", "jaxsim", "decode"], capture_output=True,
-                          text=True, env=env, timeout=300)
+                          text=True, env=env, timeout=900)
     assert proc.returncode == 1 and proc.stderr.startswith("error: unknown command 'decode'")
 
 
@@ -307,9 +307,9 @@ def test_the_library_is_quiet_without_torch():
     for name in ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "TRANSFORMERS_VERBOSITY"):
         env.pop(name, None)
     plain = subprocess.run([sys.executable, "-c", head + "import transformers\n"],
-                           capture_output=True, text=True, env=env, timeout=300)
+                           capture_output=True, text=True, env=env, timeout=900)
     assert "PyTorch was not found" in plain.stderr  # the advice exists without jaxsim ...
     proc = subprocess.run([sys.executable, "-c", head + "import jaxsim\nimport transformers\n"
                            "jaxsim.load_pretrained('bundled')\n"],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr  # ... and jaxsim drops it

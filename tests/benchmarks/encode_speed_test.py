@@ -73,7 +73,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
 def test_refuses_an_unknown_set():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "encode_speed.py"), "--sets", "stsb_test,news",
-         "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+         "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 2
     assert "--sets: unknown news; known: stsb_test, long_64_128" in proc.stderr
     assert "Traceback" not in proc.stderr

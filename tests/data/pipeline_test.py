@@ -167,7 +167,7 @@ TinyPairs(data_dir=sys.argv[1], file_format='array_record').download_and_prepare
 
 def test_tfds_array_record_source(tmp_path, tokenizer):
     subprocess.run([sys.executable, '-c', _TFDS_BUILD, str(tmp_path)], check=True,
-                   capture_output=True, timeout=300)
+                   capture_output=True, timeout=900)
     folder = str(tmp_path / 'tiny_pairs' / '1.0.0')
     src = sources.TfdsSource(folder, 'train', fields=('sent0', 'sent1'))
     rows = sorted(src[i] for i in range(len(src)))

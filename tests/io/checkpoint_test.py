@@ -211,7 +211,7 @@ def _run(script: str, devices: int, *args: str) -> subprocess.CompletedProcess:
     env = cpu_devices_env(devices)  # the device count must be set before jax starts
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=900)
 
 
 _SAVE_8 = """

@@ -383,7 +383,7 @@ def test_corrupt_checkpoint_is_one_line(workdir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "jaxsim", "export", "--checkpoint", str(folder),
                            "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300)
+                          env=env, cwd=tmp_path, timeout=900)
     assert proc.returncode == 1
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {folder}/checkpoints/1: "), lines[:20]

@@ -148,7 +148,7 @@ def test_missing_relative_model_folder_is_not_a_hub_request(tmp_path, monkeypatc
     (tmp_path / "in.txt").write_text("hello\n")
     proc = subprocess.run([sys.executable, "-m", "jaxsim", "encode", "--model", "runs/sup",
                            "--input", "in.txt", "--output", "out.npy"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 1 and proc.stderr == "error: runs/sup: no such model folder\n"
 
 

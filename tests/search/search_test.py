@@ -357,7 +357,7 @@ def test_command_lines_end_to_end(tmp_path, capsys):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "jaxsim", "search", "--index", str(out),
                            "--query", QUERIES[0], "--top-k", "3", "--threshold", "0.2"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln.split("\t") for ln in proc.stdout.splitlines()]
     model = jaxsim.load_pretrained(jaxsim.bundled_model_path())
