@@ -176,6 +176,21 @@ def position_ids_for(config: BertConfig, input_ids: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
 
 
+class RowCastEmbed(nn.Embed):
+    """`nn.Embed` that gathers the rows from the float32 table and casts only those to the
+    compute dtype. `nn.Embed` casts the whole table first: under bf16 a [vocab, hidden] read and
+    write every step, and backward the gradient scattered into a bf16 table of that size, then
+    converted to float32. Forward values are the same (a cast commutes with a gather); backward,
+    repeated tokens' gradients are summed in float32 rather than bf16."""
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        if self.num_embeddings == 1:
+            rows = jnp.broadcast_to(self.embedding, inputs.shape + (self.features,))
+        else:
+            rows = jnp.take(self.embedding, inputs, axis=0)
+        return rows.astype(self.dtype)
+
+
 class BertEmbeddings(nn.Module):
     config: BertConfig
     dtype: Any = jnp.float32
@@ -186,8 +201,8 @@ class BertEmbeddings(nn.Module):
         init = nn.initializers.normal(0.02)
 
         def embed(n, size):
-            return nn.Embed(size, cfg.hidden_size, embedding_init=init,
-                            param_dtype=jnp.float32, dtype=self.dtype, name=n)
+            return RowCastEmbed(size, cfg.hidden_size, embedding_init=init,
+                                param_dtype=jnp.float32, dtype=self.dtype, name=n)
 
         if position_ids is None:
             position_ids = position_ids_for(cfg, input_ids)
