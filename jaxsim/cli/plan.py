@@ -27,6 +27,9 @@ from jaxsim.train.config import TrainConfig
 from jaxsim.train.config_files import apply_overrides, load_config_file
 from jaxsim.train.step import configure_jax
 
+# Operations of the step's breakdown printed (the JSON holds more).
+BREAKDOWN_LINES = 8
+
 
 def plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -138,6 +141,13 @@ def format_plan(r: dict) -> str:
             f"{r['mfu_ceiling']:.1%}",
             'collectives: ' + (', '.join(f'{n} {k}' for k, n in r['collectives'].items() if n)
                                or 'none')]
+        ops = r['breakdown']['operations'][:BREAKDOWN_LINES]
+        if ops:
+            lines.append("where the step's time goes (the TPU compiler's cost model, share of "
+                         f"{r['breakdown']['estimated_cycles'] / 1e6:.1f} M cycles; JSON: "
+                         f"{len(r['breakdown']['operations'])} rows):")
+            lines += [f"  {o['cycles_share']:6.1%}  {o['instructions']:4d} instr  "
+                      f"{o['op'][-80:]}" for o in ops]
     else:
         lines.append(f"the compiler refused the step: its temporaries alone need "
                      f"{h['temporaries']:.2f} GiB (no cost figures for a program it refuses)")

@@ -27,7 +27,7 @@ from jaxsim.encode import make_encode_fn
 from jaxsim.errors import ConfigError
 from jaxsim.models.encoder import param_shapes
 from jaxsim.objectives import check_kwargs, get_objective
-from jaxsim.plan import figures as fig
+from jaxsim.plan import breakdown, figures as fig
 from jaxsim.plan.chips import Topology
 from jaxsim.plan.figures import PlanError, ProgramFigures, Roofline
 from jaxsim.train import build, state as state_lib, step as step_lib
@@ -36,6 +36,8 @@ from jaxsim.train.config import TrainConfig
 # A plan fits when the program's peak HBM is at most this share of the capacity: the runtime
 # keeps some HBM for itself and the compiler's figure is an estimate.
 FIT_SHARE = 0.95
+# Operations of the train step listed in the plan's JSON, most estimated cycles first.
+BREAKDOWN_ROWS = 25
 # Steps the learning-rate schedule is built for when the config gives no max_steps (the
 # schedule's length does not change the program).
 _PLAN_STEPS = 10_000
@@ -115,6 +117,8 @@ class Plan:
             'note': "XLA's own figures for the compiled programs and a roofline from the chip's "
                     "published peaks: estimates, not measurements",
             'compiled': p.compiled,
+            # Where the step's time goes by the TPU compiler's cost model (jaxsim.plan.breakdown).
+            'breakdown': breakdown.summary(breakdown.op_costs(p.hlo_text), BREAKDOWN_ROWS),
         }
         if not p.compiled:  # refused for want of HBM: its memory is known, its cost is not
             out.update(flops_per_chip=None, bytes_per_chip=None, compute_s=None, hbm_s=None,

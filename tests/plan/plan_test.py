@@ -22,7 +22,7 @@ from jaxsim.models import dropout
 from jaxsim.models.encoder import param_shapes
 from jaxsim.plan import figures as fig
 from jaxsim.io.store import StorageError
-from jaxsim.plan import hlo
+from jaxsim.plan import breakdown, hlo
 from jaxsim.cli.plan import run_plan
 from jaxsim.plan.chips import CHIPS, TopologyError, parse_topology
 from jaxsim.cli.plan import format_plan
@@ -146,6 +146,60 @@ def test_link_traffic_and_roofline_arithmetic():
     assert roof.mfu_ceiling() == pytest.approx(2.0 / roof.step_s) and roof.bound == "compute"
 
 
+BREAKDOWN_HLO = """
+%fused_add (a: f32[8,4], b: f32[8,4]) -> f32[8,4] {
+  %a = f32[8,4]{1,0} parameter(0)
+  %b = f32[8,4]{1,0} parameter(1)
+  ROOT %inner = f32[8,4]{1,0} add(%a, %b), metadata={op_name="jit(f)/inside_fusion"}
+}
+
+%add_scalars (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y), metadata={op_name="jit(f)/combiner"}
+}
+
+%branch_update (s: (f32[8,4])) -> (f32[8,4]) {
+  %s = (f32[8,4]{1,0}) parameter(0)
+  %w = f32[8,4]{1,0} get-tuple-element(%s), index=0
+  %upd = f32[8,4]{1,0} multiply(%w, %w), metadata={op_name="jit(f)/cond/branch_1_fun/mul"}, backend_config={"estimated_cycles":"50"}
+  ROOT %t = (f32[8,4]{1,0}) tuple(%upd)
+}
+
+ENTRY %main (p0: f32[8,4], p1: f32[8,4], ok: pred[]) -> f32[] {
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %p1 = f32[8,4]{1,0} parameter(1)
+  %ok = pred[] parameter(2)
+  %f0 = f32[8,4]{1,0} fusion(%p0, %p1), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/bert/encoder/layer_0/add"}, backend_config={"estimated_cycles":"100"}
+  %f1 = f32[8,4]{1,0} fusion(%f0, %p1), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/bert/encoder/layer_11/add"}, backend_config={"estimated_cycles":"120"}
+  %c = bf16[8,4]{1,0} convert(%f1), metadata={op_name="jit(f)/convert_element_type"}
+  %st = (f32[8,4]{1,0}) tuple(%f1)
+  %cond = (f32[8,4]{1,0}) conditional(%ok, %st, %st), true_computation=%branch_update, false_computation=%branch_update
+  ROOT %r = f32[] reduce(%f1, %p0), dimensions={0,1}, to_apply=%add_scalars, metadata={op_name="jit(f)/reduce_sum"}, backend_config={"estimated_cycles":"30"}
+}
+"""  # noqa: E501
+
+
+def test_breakdown_groups_top_level_instructions_by_operation_with_layers_merged():
+    """Fusion insides and reduction combiners are not instructions of their own, a conditional
+    is not traffic (its branch's instructions are), layer indices merge into one row."""
+    costs = {c.op: c for c in breakdown.op_costs(BREAKDOWN_HLO)}
+    tile = 8 * 4 * 4  # one f32[8,4]
+    assert set(costs) == {"bert/encoder/layer_N/add", "cond/branch_1_fun/mul",
+                          "convert_element_type", "reduce_sum"}
+    layers = costs["bert/encoder/layer_N/add"]
+    assert (layers.instructions, layers.cycles, layers.bytes) == (2, 220, 2 * 3 * tile)
+    assert (costs["cond/branch_1_fun/mul"].cycles, costs["cond/branch_1_fun/mul"].bytes) == (
+        50, 3 * tile)  # each operand counted: w * w reads w twice
+    assert costs["convert_element_type"].bytes == tile + tile // 2  # f32 in, bf16 out
+    assert costs["reduce_sum"].bytes == 2 * tile + 4
+    assert [c.op for c in breakdown.op_costs(BREAKDOWN_HLO)][:2] == [
+        "bert/encoder/layer_N/add", "cond/branch_1_fun/mul"]  # most cycles first
+    summary = breakdown.summary(breakdown.op_costs(BREAKDOWN_HLO), top=2)
+    assert summary["estimated_cycles"] == 300 and len(summary["operations"]) == 2
+    assert summary["operations"][0]["cycles_share"] == pytest.approx(220 / 300, abs=1e-4)
+
+
 # ---- the real step, compiled for v5e:2x2 ------------------------------------------------------
 
 def test_data_parallel_step_gathers_once_each_way_and_reduces_every_gradient(data_parallel):
@@ -173,6 +227,12 @@ def test_plan_record_adds_up(data_parallel):
              + h["temporaries"] + h["outputs_not_aliased"] + h["program"])
     assert parts == pytest.approx(h["total"], abs=0.005)
     assert r["flops_per_chip"] == data_parallel.train.program.flops > 0
+    # The cost model's breakdown of the same step: every layer's rows merged, most time first.
+    ops = r["breakdown"]["operations"]
+    assert r["breakdown"]["estimated_cycles"] > 0 and ops
+    assert [o["cycles"] for o in ops] == sorted((o["cycles"] for o in ops), reverse=True)
+    assert any("layer_N" in o["op"] for o in ops)
+    assert not any("layer_0" in o["op"] or "layer_1" in o["op"] for o in ops)
     step = max(r["compute_s"], r["hbm_s"]) + r["ici_s"] + r["dcn_s"]
     assert r["step_s_estimate"] == pytest.approx(step, rel=1e-3)
     assert r["mfu_ceiling"] == pytest.approx(r["compute_s"] / step, abs=1e-4)

@@ -1,0 +1,107 @@
+"""Where a compiled program's time and bytes go, by the JAX operation each instruction came from.
+
+XLA's cost analysis (the plan's `bytes_per_chip`) is one total. To see what it is made of, each
+top-level instruction of the optimized HLO (a fusion, a copy, a convert, a collective; not the
+instructions inside a fusion) is charged:
+  - `cycles`: the TPU compiler's own cost-model estimate for it (`estimated_cycles` in its
+    backend config; instructions without one count 0), the better guide to time;
+  - `bytes`: its operands' and result's sizes (what it reads and writes at most; the cost
+    analysis also counts inside fusions, so the two totals differ).
+Instructions are grouped by their JAX operation path (HLO metadata `op_name`, `jit(...)/`
+dropped) with layer indices merged (`layer_N`): a 12-layer model shows one row per operation.
+Control-flow instructions (`conditional`, `while`, `call`) are left out: their operands are
+the whole state handed to a branch, not traffic; their bodies' instructions are counted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+
+from jaxsim.plan.hlo import shape_bytes
+
+# Bookkeeping and control flow: no data moved by the instruction itself.
+_NOT_WORK = frozenset({
+    'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all',
+    'partition-id', 'replica-id', 'conditional', 'while', 'call', 'copy-done', 'slice-done',
+    'all-gather-done', 'all-reduce-done', 'collective-permute-done', 'async-done',
+    'async-update'})
+_COMPUTATION = re.compile(r'^(?:ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$')
+_INSTRUCTION = re.compile(
+    r'^\s+(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?) '
+    r'(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)')
+# A fusion's inside (charged to the fusion) and a reduction's scalar combiner (`to_apply`).
+_INNER = re.compile(r'(?:calls|to_apply)=%([\w.\-]+)')
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    """One JAX operation's share of a program (all its top-level instructions)."""
+
+    op: str
+    instructions: int
+    cycles: int
+    bytes: int
+
+
+def operation_name(op_name: str) -> str:
+    """The grouping key of an HLO `op_name`: `jit(f)/` dropped, layer indices merged."""
+    name = re.sub(r'^jit\([^)]*\)/', '', op_name)
+    return re.sub(r'layer_\d+', 'layer_N', name) or '(no JAX operation)'
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+    out, current = {}, None
+    for line in hlo_text.splitlines():
+        if not line.startswith(' '):
+            m = _COMPUTATION.match(line)
+            current = m.group('name') if m else None
+            if current:
+                out[current] = []
+        elif current is not None:
+            out[current].append(line)
+    return out
+
+
+def op_costs(hlo_text: str) -> list[OpCost]:
+    """The program's operations, most cycles first (then most bytes)."""
+    computations = _computations(hlo_text)
+    inner = set(_INNER.findall(hlo_text))
+    shapes: dict[str, str] = {}
+    rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for name, lines in computations.items():
+        if name in inner:
+            continue
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            shapes[m.group('name')] = m.group('shape')
+            if m.group('op') in _NOT_WORK:
+                continue
+            operands = re.findall(r'%([\w.\-]+)', m.group('operands'))
+            moved = shape_bytes(m.group('shape')) + sum(
+                shape_bytes(shapes[o]) for o in operands if o in shapes)
+            cycles = _CYCLES.search(line)
+            op_name = _OP_NAME.search(line)
+            row = rows[operation_name(op_name.group(1) if op_name else '')]
+            row[0] += 1
+            row[1] += int(cycles.group(1)) if cycles else 0
+            row[2] += moved
+    costs = [OpCost(op, n, c, b) for op, (n, c, b) in rows.items()]
+    return sorted(costs, key=lambda r: (-r.cycles, -r.bytes, r.op))
+
+
+def summary(costs: list[OpCost], top: int) -> dict:
+    """The `top` operations with their shares of the totals, for the plan's JSON."""
+    cycles = sum(r.cycles for r in costs) or 1
+    moved = sum(r.bytes for r in costs) or 1
+    return {
+        'estimated_cycles': sum(r.cycles for r in costs),
+        'operations': [{'op': r.op[-160:], 'instructions': r.instructions,
+                        'cycles': r.cycles, 'cycles_share': round(r.cycles / cycles, 4),
+                        'mib': round(r.bytes / 2 ** 20, 3),
+                        'bytes_share': round(r.bytes / moved, 4)} for r in costs[:top]],
+    }
