@@ -21,15 +21,10 @@ from jaxsim.analysis import frequency_post
 from jaxsim.analysis.frequency import PAPER_BUCKETS, plot_frequency
 from jaxsim.cli import cli_io
 from jaxsim.data.readers import read_sentences
-from jaxsim.errors import JaxsimError
 from jaxsim.io import store
 from jaxsim.io.pretrained import bundled_model_path, load_pretrained
 
 JSON_FILE, PNG_FILE, SPECTRUM_FILE = "frequency.json", "frequency.png", "spectrum.png"
-
-
-class AnalyzeUsageError(JaxsimError):
-    """A bad analyze option."""
 
 
 def analyze_parser() -> argparse.ArgumentParser:
@@ -60,23 +55,23 @@ def analyze_main(argv: Sequence[str]) -> int:
     try:
         buckets = [int(b) for b in args.buckets.split(",")]
     except ValueError:
-        raise AnalyzeUsageError(f"--buckets must be comma-separated integers, got "
+        raise cli_io.UsageError(f"--buckets must be comma-separated integers, got "
                                 f"{args.buckets!r}") from None
     if buckets != sorted(set(buckets)) or len(buckets) < 2 or buckets[0] < 0:
-        raise AnalyzeUsageError(f"--buckets must be at least two increasing ranks >= 0, got "
+        raise cli_io.UsageError(f"--buckets must be at least two increasing ranks >= 0, got "
                                 f"{args.buckets!r}")
     if args.k < 1:
-        raise AnalyzeUsageError(f"--k must be positive, got {args.k}")
+        raise cli_io.UsageError(f"--k must be positive, got {args.k}")
     for post in args.post:
         calibrate.parse_spec(post)  # a bad spec fails now, in one line
     if args.tb is not None and store.is_remote(args.tb):
-        raise AnalyzeUsageError(f"--tb must be a local folder, got {args.tb}")
+        raise cli_io.UsageError(f"--tb must be a local folder, got {args.tb}")
     for name in (JSON_FILE, PNG_FILE, SPECTRUM_FILE):
         store.refuse_existing(args.out / name, args.overwrite, "--out")
     sentences = read_sentences(args.corpus)
     unique = list(dict.fromkeys(sentences))
     if len(unique) < 2:
-        raise AnalyzeUsageError(f"--corpus {args.corpus}: needs at least 2 distinct sentences")
+        raise cli_io.UsageError(f"--corpus {args.corpus}: needs at least 2 distinct sentences")
     model = load_pretrained(args.model or bundled_model_path())
     result = frequency_post.analyze_model(model, sentences, unique, args.post, buckets, args.k,
                                           args.tb)

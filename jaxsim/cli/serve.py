@@ -18,7 +18,6 @@ from typing import Sequence
 
 from jaxsim.cli import cli_io
 from jaxsim.cli.cli_io import check_output_file
-from jaxsim.errors import JaxsimError
 from jaxsim.io.store import write_atomic
 from jaxsim.serve.service import ServeLimits, open_service
 
@@ -33,10 +32,6 @@ except ModuleNotFoundError as e:
     server, MISSING = None, e.name
 else:
     MISSING = None
-
-
-class ServeUsageError(JaxsimError):
-    """A bad serve option (address, limits)."""
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -82,7 +77,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
         sock.listen(2048)
     except OSError as e:
-        raise ServeUsageError(f"--host {host} --port {port}: cannot bind ({e.strerror or e})") \
+        raise cli_io.UsageError(f"--host {host} --port {port}: cannot bind ({e.strerror or e})") \
             from None
     return sock
 
@@ -90,16 +85,16 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve_main(argv: Sequence[str]) -> int:
     args = serve_parser().parse_args(argv)
     if server is None:
-        raise ServeUsageError(f"python -m jaxsim serve needs the serve extra (no module named "
-                              f"{MISSING!r}): pip install 'jaxsim[serve]'")
+        raise cli_io.UsageError(f"python -m jaxsim serve needs the serve extra (no module named "
+                                f"{MISSING!r}): pip install 'jaxsim[serve]'")
     if not 0 <= args.port <= 65535:
-        raise ServeUsageError(f"--port must be in [0, 65535], got {args.port}")
+        raise cli_io.UsageError(f"--port must be in [0, 65535], got {args.port}")
     try:
         limits = ServeLimits(max_sentences=args.max_sentences, max_top_k=args.max_top_k,
                              max_batch=args.max_batch, max_queue=args.max_queue,
                              window_ms=args.batch_window_ms)
     except ValueError as e:
-        raise ServeUsageError(str(e)) from None
+        raise cli_io.UsageError(str(e)) from None
     if args.port_file is not None:  # before the model loads
         check_output_file(args.port_file, args.overwrite, "--port-file")
     service = open_service(args.index, args.model, limits=limits, batching=args.batching)
