@@ -191,6 +191,13 @@ def check_output_dir(path, overwrite: bool, option: str, keep: Optional[Callable
     return target
 
 
+def report_error(error: Exception) -> int:
+    """A user error as the one `error:` line on stderr (its whitespace folded); the exit
+    status for it."""
+    print("error: " + " ".join(str(error).split()), file=sys.stderr)
+    return USER_ERROR_EXIT
+
+
 def run_command(command: Callable[[], int]) -> int:
     """Runs a command: a user error is one `error:` line and exit 1, an interrupt one line
     and 130 / 143; both without a traceback. Installs the signal handlers first, which
@@ -199,7 +206,6 @@ def run_command(command: Callable[[], int]) -> int:
         interrupts.install()
         return command() or 0
     except USER_ERRORS as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return USER_ERROR_EXIT
+        return report_error(e)
     except KeyboardInterrupt as e:
         return interrupts.report(e)

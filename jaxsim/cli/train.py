@@ -68,8 +68,7 @@ def plan(args, overrides) -> int:
     try:
         return run_plan(args.config, overrides, args.plan, args.num_slices)
     except USER_ERRORS as e:
-        print('error: ' + ' '.join(str(e).split()), file=sys.stderr)
-        return USER_ERROR_EXIT
+        return cli_io.report_error(e)
 
 
 def _raise_interrupted(signum, frame):
@@ -129,8 +128,7 @@ def run(args, overrides) -> int:
                   f'to resume', file=sys.stderr)
         return e.exit_code
     except USER_ERRORS as e:
-        print('error: ' + ' '.join(str(e).split()), file=sys.stderr)
-        return USER_ERROR_EXIT
+        return cli_io.report_error(e)
     if stopped:
         print(f'error: {stopped[0]}', file=sys.stderr)
         return USER_ERROR_EXIT
