@@ -138,7 +138,8 @@ def format_plan(r: dict) -> str:
             f"roofline: compute {r['compute_s'] * 1e3:.2f} ms, HBM {r['hbm_s'] * 1e3:.2f} ms, ICI "
             f"{r['ici_s'] * 1e3:.2f} ms, DCN {r['dcn_s'] * 1e3:.2f} ms -> step "
             f"{r['step_s_estimate'] * 1e3:.2f} ms ({r['bound']}-bound), MFU ceiling "
-            f"{r['mfu_ceiling']:.1%}",
+            f"{r['mfu_ceiling']:.1%} (of the model's {r['model_flops_per_chip'] / 1e12:.3f} "
+            f"TFLOP: {r['mfu_ceiling_model_flops']:.1%})",
             'collectives: ' + (', '.join(f'{n} {k}' for k, n in r['collectives'].items() if n)
                                or 'none')]
         ops = r['breakdown']['operations'][:BREAKDOWN_LINES]

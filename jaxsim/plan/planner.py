@@ -54,6 +54,8 @@ class TrainFigures:
     optimizer_state: int
     batch: int
     roofline: Roofline
+    # The model's training FLOPs per device (`model_flops`): what MFU is conventionally of.
+    model_flops: float = 0.0
 
 
 @dataclasses.dataclass
@@ -99,6 +101,7 @@ class Plan:
                         'program': fig.gib(p.code_bytes), 'total': fig.gib(p.hbm_bytes),
                         'capacity': fig.gib(self.capacity)},
             'flops_per_chip': p.flops * self.per_chip,
+            'model_flops_per_chip': t.model_flops * self.per_chip,
             'bytes_per_chip': p.bytes_accessed * self.per_chip,
             'collectives': p.collective_counts(),
             'collective_list': [
@@ -108,7 +111,11 @@ class Plan:
             'compute_s': fig.round_sig(roof.compute_s), 'hbm_s': fig.round_sig(roof.memory_s),
             'ici_s': fig.round_sig(roof.ici_s), 'dcn_s': fig.round_sig(roof.dcn_s),
             'step_s_estimate': fig.round_sig(roof.step_s),
-            'mfu_ceiling': round(roof.mfu_ceiling(), 4), 'bound': roof.bound,
+            'mfu_ceiling': round(roof.mfu_ceiling(), 4),
+            'mfu_ceiling_model_flops': round(
+                t.model_flops * self.per_chip / chip.peak_flops / roof.step_s, 4)
+            if roof.step_s > 0 else None,
+            'bound': roof.bound,
             'max_global_batch': self.max_batch, 'max_global_batch_note': self.max_batch_note,
             'suggestion': self.suggestion, 'compile_s': p.compile_s,
             'peaks': {'flops': chip.peak_flops, 'hbm_bytes_per_s': chip.hbm_bytes_per_s,
@@ -123,6 +130,7 @@ class Plan:
         if not p.compiled:  # refused for want of HBM: its memory is known, its cost is not
             out.update(flops_per_chip=None, bytes_per_chip=None, compute_s=None, hbm_s=None,
                        ici_s=None, dcn_s=None, step_s_estimate=None, mfu_ceiling=None,
+                       mfu_ceiling_model_flops=None,
                        bound=None, note='the compiler refused the step: its temporaries '
                        'exceed the chip\'s HBM (the figure is the one its refusal gives)')
         if self.encode is not None:
@@ -154,6 +162,19 @@ def _mesh(cfg: TrainConfig, devices: list):
     return sharding_lib.make_mesh(cfg.mesh_data, cfg.mesh_fsdp, cfg.mesh_tensor,
                                   devices=devices, dcn_data=cfg.mesh_dcn_data,
                                   dcn_fsdp=cfg.mesh_dcn_fsdp, dcn_tensor=cfg.mesh_dcn_tensor)
+
+
+def model_flops(encoder, config, sequences: int, length: int) -> float:
+    """A training step's FLOPs over `sequences` of `length` tokens, by the usual convention
+    (Kaplan et al. 2020; PaLM, appendix B): 6 per non-embedding parameter per token (forward 2,
+    backward 4) plus the attention products' 12 x layers x length x hidden per token. What the
+    model needs, not what the program does: recomputation (`remat`), element-wise work and
+    embedding lookups are not counted, so an MFU of these FLOPs compares across settings."""
+    shapes = jax.tree_util.tree_flatten_with_path(param_shapes(encoder))[0]
+    dense = sum(math.prod(x.shape) for path, x in shapes
+                if 'embeddings' not in jax.tree_util.keystr(path))
+    per_token = 6 * dense + 12 * config.num_hidden_layers * length * config.hidden_size
+    return float(sequences * length) * per_token
 
 
 def _data_views(cfg: TrainConfig, objective) -> int:
@@ -198,7 +219,10 @@ def plan_train_step(cfg: TrainConfig, devices: list, chip_of: Callable, say) -> 
                         program=figures, parameters=fig.per_device_bytes(state.params),
                         optimizer_state=fig.per_device_bytes(state.opt_state),
                         batch=fig.per_device_bytes(batch),
-                        roofline=fig.roofline(figures, chip, per_chip))
+                        roofline=fig.roofline(figures, chip, per_chip),
+                        model_flops=model_flops(encoder, config, cfg.batch_size * objective.views,
+                                                min(cfg.max_len, config.max_length))
+                        / len(devices))
 
 
 def plan_encode(cfg: TrainConfig, devices: list, say) -> tuple[ProgramFigures, tuple[int, int]]:

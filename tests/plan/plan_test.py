@@ -22,7 +22,7 @@ from jaxsim.models import dropout
 from jaxsim.models.encoder import param_shapes
 from jaxsim.plan import figures as fig
 from jaxsim.io.store import StorageError
-from jaxsim.plan import breakdown, hlo
+from jaxsim.plan import breakdown, hlo, planner
 from jaxsim.cli.plan import run_plan
 from jaxsim.plan.chips import CHIPS, TopologyError, parse_topology
 from jaxsim.cli.plan import format_plan
@@ -236,6 +236,29 @@ def test_plan_record_adds_up(data_parallel):
     step = max(r["compute_s"], r["hbm_s"]) + r["ici_s"] + r["dcn_s"]
     assert r["step_s_estimate"] == pytest.approx(step, rel=1e-3)
     assert r["mfu_ceiling"] == pytest.approx(r["compute_s"] / step, abs=1e-4)
+
+
+def test_model_flops_are_bert_bases_published_parameters_at_six_a_token():
+    """BERT-base (known by name, no weights): 109,482,240 parameters, of which 85,645,056
+    outside the embeddings: 6 FLOPs each per token, plus 12 x layers x length x hidden."""
+    fields = apply_overrides(load_config_file(str(REPO / "configs" /
+                                                  "unsup_simcse_bert_base.py")), [])
+    cfg = TrainConfig.from_dict({**fields, "train_file": "(none)"})
+    config = build.architecture(cfg)
+    encoder = build.make_encoder(cfg, config)
+    assert param_bytes(cfg) == 109_482_240 * 4
+    per_token = 6 * 85_645_056 + 12 * 12 * 32 * 768
+    assert planner.model_flops(encoder, config, sequences=1024, length=32) == 1024 * 32 * per_token
+
+
+def test_model_flops_count_the_model_not_the_program(data_parallel):
+    """Recomputation adds to XLA's FLOPs, not to the model's: the model-FLOPs MFU does not
+    rise with remat."""
+    r = data_parallel.to_json()
+    remat = plan(tiny(remat="full")).to_json()
+    assert remat["model_flops_per_chip"] == r["model_flops_per_chip"] > 0
+    assert remat["flops_per_chip"] > r["flops_per_chip"]  # the recomputed forward
+    assert remat["mfu_ceiling_model_flops"] < remat["mfu_ceiling"]
 
 
 def test_fsdp_divides_parameters_and_optimizer_state_by_its_size(data_parallel):
