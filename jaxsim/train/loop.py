@@ -35,7 +35,8 @@ from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
 from jaxsim.models.encoder import init_params
 from jaxsim.models.poolers import get_pooler
-from jaxsim.objectives import check_kwargs, get_objective, owned
+from jaxsim.objectives import owned
+from jaxsim.objectives.base import check_kwargs, get_objective
 from jaxsim.progress import progress_bar
 from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig

@@ -96,7 +96,8 @@ def encode_views(encoder: SentenceEncoder, params: Any, batch: Batch, key: jax.A
     Returns:
       z: [B, V, H] float32 (H: the head's output width).
     """
-    params, weights = st_head.split_weights(params)
+    if head:  # its Dense weights ride in params beside the encoder's; a plain step has none
+        params, weights = st_head.split_weights(params)
     ids = batch['input_ids']
     b, d, length = ids.shape
     if d not in (1, views):
