@@ -57,9 +57,14 @@ def _build(cfg: TrainConfig, mesh):
     shardings = state_lib.state_shardings(state_lib.state_shape(encoder, tx, key), mesh)
     objective = get_objective(cfg.objective)
     train_step = step_lib.make_train_step(
-        encoder, functools.partial(objective.loss, temp=0.05), tx, views=objective.views,
-        mesh=mesh, state_shardings=shardings, micro_batch_size=cfg.micro_batch_size,
-        compiler_options=step_lib.compiler_options(cfg.fast_compile))
+        loss=step_lib.LossSpec(encoder=encoder,
+                               objective=functools.partial(objective.loss, temp=0.05),
+                               views=objective.views),
+        update=step_lib.UpdateSpec(tx=tx),
+        target=step_lib.CompileTarget(
+            mesh=mesh, state_shardings=shardings,
+            compiler_options=step_lib.compiler_options(cfg.fast_compile)),
+        split=build.batch_split(cfg))
     return encoder, tx, key, shardings, train_step
 
 

@@ -124,10 +124,14 @@ def build_step(objective: str, dtype: str, arrays: dict, mesh=None, **config):
     state, shardings = state_lib.create_state(params, tx, jax.random.fold_in(root, 2), mesh,
                                               options)
     train_step = step_lib.make_train_step(
-        encoder, functools.partial(obj.loss, **check_kwargs(obj, {"temp": ref.TEMP})), tx,
-        views=obj.views, mesh=mesh, state_shardings=shardings,
-        schedule=optim.make_schedule(cfg, ref.TOTAL_STEPS), compiler_options=options,
-        packed=bool(cfg.pack_length))
+        loss=step_lib.LossSpec(
+            encoder=encoder,
+            objective=functools.partial(obj.loss, **check_kwargs(obj, {"temp": ref.TEMP})),
+            views=obj.views),
+        update=step_lib.UpdateSpec(tx=tx, schedule=optim.make_schedule(cfg, ref.TOTAL_STEPS)),
+        target=step_lib.CompileTarget(mesh=mesh, state_shardings=shardings,
+                                      compiler_options=options),
+        split=step_lib.BatchSplit(mode="packed" if cfg.pack_length else "whole"))
     arrays = build.batch_preparer(cfg, obj, mesh)(arrays)
     shardings = step_lib.batch_shardings(mesh, packed=bool(cfg.pack_length))
     placed = {k: jax.device_put(v, shardings[k]) for k, v in arrays.items()}

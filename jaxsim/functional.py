@@ -15,7 +15,9 @@ example, and `examples/custom_loop.py` rebuilds `train.py`'s losses from them.
   dropout_key, step_key, init_key      the run's keys from its seed, as the train step derives them
   batches(cfg, tokenizer)              train.py's batches, in train.py's order
   make_optimizer(**hyperparameters)    the optax optimizer of train.py from plain keywords
-  train_program, make_train_step       the jitted, sharded train step train.py runs
+  train_program, make_train_step       the jitted, sharded train step train.py runs; the
+                                       latter from LossSpec, UpdateSpec, CompileTarget and
+                                       BatchSplit, for another loss or optimizer
   create_state, TrainState             its state
 """
 from __future__ import annotations
@@ -41,13 +43,15 @@ from jaxsim.train.build import train_program
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.config_files import load_config_file
 from jaxsim.train.state import TrainState, create_state
-from jaxsim.train.step import configure_jax, make_loss_fn, make_train_step
+from jaxsim.train.step import (BatchSplit, CompileTarget, LossSpec, UpdateSpec, configure_jax,
+                               make_loss_fn, make_train_step)
 
-__all__ = ["HEAD_KEY", "TokenBatch", "TrainConfig", "TrainState", "batches", "configure_jax",
-           "create_state", "dropout_key", "embed_fn", "init_key", "initial_model",
-           "load_config", "make_loss_fn", "make_optimizer", "make_train_step",
-           "objective_loss", "objective_params", "optimizer_hyperparameters", "step_key",
-           "tokenize", "tokenize_examples", "train_program"]
+__all__ = ["BatchSplit", "CompileTarget", "HEAD_KEY", "LossSpec", "TokenBatch", "TrainConfig",
+           "TrainState", "UpdateSpec", "batches", "configure_jax", "create_state",
+           "dropout_key", "embed_fn", "init_key", "initial_model", "load_config",
+           "make_loss_fn", "make_optimizer", "make_train_step", "objective_loss",
+           "objective_params", "optimizer_hyperparameters", "step_key", "tokenize",
+           "tokenize_examples", "train_program"]
 
 HEAD_KEY = st_head.HEAD_KEY  # where embed_fn's params hold the Dense modules' weights
 

@@ -123,7 +123,7 @@ def register_objective(name: str, *, views: int, from_single: bool = False,
 
 def get_objective(name: str) -> Objective:
     """The objective registered as `name`; unknown names are an ObjectiveError listing the
-    known ones."""
+    known ones. The built-in 'unsup' and 'sup' are `jaxsim.objectives.simcse`'s."""
     return OBJECTIVES.get(name)
 
 

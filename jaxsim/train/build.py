@@ -184,6 +184,16 @@ def grad_divisor(cfg: TrainConfig, mesh) -> float:
     return float(cfg.grad_replicas or sharding.batch_shards(mesh))
 
 
+def batch_split(cfg: TrainConfig) -> step_lib.BatchSplit:
+    """How the config's step takes its batch: packed (`pack_length`), cached micro-batches
+    (`micro_batch_size`), accumulated (`grad_accum_steps` > 1) or whole. The BatchSplit refuses
+    a config that sets more than one."""
+    mode = ('packed' if cfg.pack_length else 'cached' if cfg.micro_batch_size
+            else 'accumulate' if cfg.grad_accum_steps > 1 else 'whole')
+    return step_lib.BatchSplit(mode=mode, grad_accum_steps=cfg.grad_accum_steps,
+                               micro_batch_size=cfg.micro_batch_size)
+
+
 def mlm_settings(cfg: TrainConfig, config: BertConfig, tokenizer: Any = None
                  ) -> Optional[MlmSettings]:
     """The masked-LM term's settings (None when the config has none): from the tokenizer, or,
@@ -268,12 +278,14 @@ def train_program(cfg: TrainConfig, encoder: SentenceEncoder, objective: Objecti
     shape = state_lib.state_shape(encoder, tx, dropout_key, owned_shapes, head_shapes)
     shardings = state_lib.state_shardings(shape, mesh, *param_rules(cfg))
     train_step = step_lib.make_train_step(
-        encoder, functools.partial(objective.loss, **objective_kwargs), tx,
-        views=objective.views, mesh=mesh, state_shardings=shardings,
-        grad_accum_steps=cfg.grad_accum_steps, grad_divisor=grad_divisor(cfg, mesh),
-        schedule=optim.make_schedule(cfg, total_steps), compiler_options=options, mlm=mlm,
-        prng_impl=cfg.prng_impl, micro_batch_size=cfg.micro_batch_size,
-        packed=bool(cfg.pack_length), head=head)
+        loss=step_lib.LossSpec(encoder=encoder,
+                               objective=functools.partial(objective.loss, **objective_kwargs),
+                               views=objective.views, mlm=mlm, head=head),
+        update=step_lib.UpdateSpec(tx=tx, grad_divisor=grad_divisor(cfg, mesh),
+                                   schedule=optim.make_schedule(cfg, total_steps)),
+        target=step_lib.CompileTarget(mesh=mesh, state_shardings=shardings,
+                                      compiler_options=options, prng_impl=cfg.prng_impl),
+        split=batch_split(cfg))
     return TrainProgram(train_step=train_step, tx=tx, state_shape=shape, shardings=shardings,
                         init_key=init_key(cfg.seed), dropout_key=dropout_key,
                         compiler_options=options)

@@ -9,19 +9,20 @@ A SIGINT/SIGTERM finishes the current step, saves, and raises `Interrupted`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsim import distributed, runtime, sharding as sharding_lib
 from jaxsim.data import pipeline
@@ -34,15 +35,16 @@ from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
 from jaxsim.models.encoder import init_params
 from jaxsim.models.poolers import get_pooler
-from jaxsim.objectives import check_kwargs, get_objective, owned
+from jaxsim.objectives import owned
+from jaxsim.objectives.base import check_kwargs, get_objective
 from jaxsim.progress import progress_bar
 from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig
-from jaxsim.train.evaluate import DEV_METRIC, optional_evaluator
+from jaxsim.train.evaluate import DEV_METRIC, StsbEvaluator, optional_evaluator
 from jaxsim.train.fingerprint import code_digests, parse_key_list
 from jaxsim.train.records import TrainResult
 from jaxsim.train.signals import deferred_signals
-from jaxsim.train.state import abstract_state, create_state, param_shardings
+from jaxsim.train.state import TrainState, abstract_state, create_state, param_shardings
 from jaxsim.train.step import check_jax_configured
 
 
@@ -172,11 +174,13 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
                                             program.compiler_options, shardings)
             step = 0
         base = base.without_weights()  # the state holds them: no second copy for the whole run
-        train_step = program.train_step
         log = records.MetricsLog(workdir, keep_upto=latest, enabled=main,
                                  tensorboard=cfg.tensorboard)
-        loop = _Loop(cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
-                     progress and main, build.batch_preparer(cfg, objective, mesh))
+        parts = _RunParts(train_step=program.train_step, batches=it,
+                          prepare=build.batch_preparer(cfg, objective, mesh), mesh=mesh,
+                          checkpointer=ckpt, log=log, evaluator=evaluator, say=say,
+                          show_bar=progress and main)
+        loop = _Loop(cfg=cfg, parts=parts, state=state, step=step, total=total)
         start.started()
         try:
             loop.run()
@@ -196,19 +200,45 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
         return result
 
 
+@dataclasses.dataclass(frozen=True)
+class _RunParts:
+    """What the step loop drives, built once per run by `train_and_evaluate`.
+
+    Attributes:
+      train_step: the jitted `train_step(state, batch) -> (state, metrics)`.
+      batches: this process's host batches in the run's order; checkpoints keep its position.
+      prepare: a host batch -> the step's input (`build.batch_preparer`).
+      mesh: where each batch is placed (and the best parameters are restored to).
+      checkpointer: None when the run neither saves nor resumes.
+      log: metrics.jsonl (and TensorBoard).
+      evaluator: STS-B dev / test, or None.
+      say: prints a status line (a no-op unless progress is on in the main process).
+      show_bar: draw a progress bar.
+    """
+
+    train_step: Callable
+    batches: pipeline.StreamIterator
+    prepare: Callable[[dict], dict]
+    mesh: Mesh
+    checkpointer: Optional[Checkpointer]
+    log: records.MetricsLog
+    evaluator: Optional[StsbEvaluator]
+    say: Callable[[str], Any]
+    show_bar: bool
+
+
 class _Loop:
     """The step loop's state: host-side bookkeeping around the jitted step."""
 
-    def __init__(self, cfg, state, step, total, it, train_step, mesh, ckpt, log, evaluator, say,
-                 bar, prepare):
-        self.cfg, self.state, self.step, self.total = cfg, state, step, total
-        self.it, self.train_step, self.mesh, self.prepare = it, train_step, mesh, prepare
-        self.ckpt, self.log, self.evaluator, self.say = ckpt, log, evaluator, say
-        self.show_bar = bar
+    def __init__(self, *, cfg: TrainConfig, parts: _RunParts, state: TrainState, step: int,
+                 total: int):
+        self.cfg, self.parts, self.total = cfg, parts, total
+        self.state, self.step = state, step  # where the run stands; both advance each step
         self.stopped: Optional[str] = None
         # What earlier (re)runs logged up to the restored step.
-        self.dev_curve = [[r['step'], r[DEV_METRIC]] for r in log.rows if DEV_METRIC in r]
-        losses = [r['loss'] for r in log.rows if r.get('loss') is not None]
+        rows = parts.log.rows
+        self.dev_curve = [[r['step'], r[DEV_METRIC]] for r in rows if DEV_METRIC in r]
+        losses = [r['loss'] for r in rows if r.get('loss') is not None]
         self.last_loss = losses[-1] if losses else None
         self.best_step, self.best_dev, self.best_params = None, None, None
         for s, v in self.dev_curve:
@@ -218,7 +248,7 @@ class _Loop:
     # ------------------------------------------------------------------ pieces
     def _is_eval(self, step: int) -> bool:
         every = self.cfg.eval_every
-        return self.evaluator is not None and (
+        return self.parts.evaluator is not None and (
             (every > 0 and step % every == 0) or (step == self.total and self.cfg.eval_at_end))
 
     def _is_log(self, step: int) -> bool:
@@ -227,24 +257,28 @@ class _Loop:
     def _evaluate(self, step: int, bar) -> float:
         if bar is not None:
             bar.set_description('STS-B dev')
-        score = self.evaluator.score(owned.encoder_params(self.state.params), 'dev')
+        score = self.parts.evaluator.score(owned.encoder_params(self.state.params), 'dev')
         if bar is not None:
             bar.set_description('train')
         self.dev_curve.append([step, score])
         if self.best_dev is None or score > self.best_dev:
             self.best_step, self.best_dev = step, score
-            if self.ckpt is None or not self.cfg.checkpoint:  # keep a copy for the test score
+            if not self._saves():  # keep a copy for the test score
                 self.best_params = jax.tree.map(jnp.copy,
                                                 owned.encoder_params(self.state.params))
         return score
 
+    def _saves(self) -> bool:
+        return self.parts.checkpointer is not None and self.cfg.checkpoint
+
     def _save(self, step: int, metrics: Optional[dict] = None) -> None:
-        if self.ckpt is not None and self.cfg.checkpoint:
+        if self._saves():
             # orbax warns about every checkpoint saved without the ranking metric; only
             # evaluation steps have one, the others are kept as 'latest' on purpose.
             with runtime.quiet_absl_messages('did not provide metrics'):
-                self.ckpt.save(step, self.state, data={'iterator': self.it.get_state()},
-                               config=self.cfg.to_dict(), metrics=metrics)
+                self.parts.checkpointer.save(
+                    step, self.state, data={'iterator': self.parts.batches.get_state()},
+                    config=self.cfg.to_dict(), metrics=metrics)
 
     def _drain(self, pending: deque, keep: int, bar) -> Optional[dict]:
         """Reads the metrics of all but `keep` dispatched steps; writes their rows.
@@ -270,28 +304,29 @@ class _Loop:
             if s == self.step:
                 current = row
             elif row:
-                self.log.write(s, row)
+                self.parts.log.write(s, row)
         return current
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
-        cfg = self.cfg
-        if self.evaluator is not None and cfg.eval_at_start and self.step == 0 and not any(
+        cfg, parts = self.cfg, self.parts
+        if parts.evaluator is not None and cfg.eval_at_start and self.step == 0 and not any(
                 s == 0 for s, _ in self.dev_curve):
-            self.say('STS-B dev of the initial model ...')
+            parts.say('STS-B dev of the initial model ...')
             score = self._evaluate(0, None)
-            self.log.write(0, {DEV_METRIC: score})
+            parts.log.write(0, {DEV_METRIC: score})
             self._save(0, {DEV_METRIC: score})
         bar = None
-        if self.show_bar and self.step < self.total:
+        if parts.show_bar and self.step < self.total:
             # A bar on a terminal, plain periodic lines in a log (no carriage returns).
             bar = progress_bar(self.total, 'train', unit='step', initial=self.step)
         pending: deque = deque()
         try:
             with deferred_signals() as stop:
                 while self.step < self.total:
-                    batch = sharding_lib.assemble_batch(self.prepare(next(self.it)), self.mesh)
-                    self.state, metrics = self.train_step(self.state, batch)
+                    batch = sharding_lib.assemble_batch(parts.prepare(next(parts.batches)),
+                                                        parts.mesh)
+                    self.state, metrics = parts.train_step(self.state, batch)
                     self.step += 1
                     pending.append((self.step, metrics))
                     is_eval = self._is_eval(self.step)
@@ -308,36 +343,37 @@ class _Loop:
                     if is_eval:
                         row[DEV_METRIC] = self._evaluate(self.step, bar)
                     if row:
-                        self.log.write(self.step, row)
+                        parts.log.write(self.step, row)
                     self._save(self.step, {DEV_METRIC: row[DEV_METRIC]} if is_eval else None)
                     if stop:
-                        if self.ckpt is not None:
-                            self.ckpt.wait_until_finished()
-                        saved = self.step if self.ckpt is not None and cfg.checkpoint else None
-                        raise Interrupted(stop.signum, saved)
-                if self.ckpt is not None:
-                    self.ckpt.wait_until_finished()
+                        if parts.checkpointer is not None:
+                            parts.checkpointer.wait_until_finished()
+                        raise Interrupted(stop.signum, self.step if self._saves() else None)
+                if parts.checkpointer is not None:
+                    parts.checkpointer.wait_until_finished()
                 if stop:
-                    raise Interrupted(stop.signum, self.step if self.ckpt is not None else None)
+                    raise Interrupted(stop.signum,
+                                      self.step if parts.checkpointer is not None else None)
         finally:
             if bar is not None:
                 bar.close()
         if self.stopped:
-            self.say(f'stopped: {self.stopped}')
+            parts.say(f'stopped: {self.stopped}')
 
     def final_test(self) -> Optional[float]:
         """STS-B test with the best-on-dev parameters (None when not configured/possible)."""
-        ev = self.evaluator
+        ev = self.parts.evaluator
         if ev is None or not ev.has('test') or self.best_step is None or self.stopped:
             return None
-        self.say(f'final evaluation: STS-B test with the parameters of step {self.best_step} '
-                 f'(best on dev, {self.best_dev:.2f}) ...')
+        self.parts.say(f'final evaluation: STS-B test with the parameters of step '
+                       f'{self.best_step} (best on dev, {self.best_dev:.2f}) ...')
         if self.best_step == self.step:
             params = self.state.params
         elif self.best_params is not None:
             params = self.best_params
         else:
-            params = self.ckpt.restore_params(self.best_step, NamedSharding(self.mesh, P()))
+            params = self.parts.checkpointer.restore_params(
+                self.best_step, NamedSharding(self.parts.mesh, P()))
         with deferred_signals() as stop:
             score = ev.score(owned.encoder_params(params), 'test')
             if stop:

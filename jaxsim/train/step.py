@@ -7,6 +7,7 @@ them), so in-batch negatives come from every device.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -20,10 +21,12 @@ from jaxsim import compile_options
 from jaxsim import sharding as sharding_lib
 from jaxsim.data.batching import FIELDS
 from jaxsim.data.packing import PACK_INDEX, PACKED_FIELDS, UNPACK_INDEX
+from jaxsim.errors import ConfigError
 from jaxsim.models import st_head
 from jaxsim.models.bert import BertLayer
 from jaxsim.models.encoder import SentenceEncoder
-from jaxsim.objectives import LossFn, ObjectiveError, owned, with_context
+from jaxsim.objectives import owned
+from jaxsim.objectives.base import LossFn, ObjectiveError, with_context
 from jaxsim.objectives.mlm import MlmSettings, mlm_term
 from jaxsim.train.config import PRNG_IMPLS
 from jaxsim.train.grad_cache import make_cached_grad_fn
@@ -93,7 +96,8 @@ def encode_views(encoder: SentenceEncoder, params: Any, batch: Batch, key: jax.A
     Returns:
       z: [B, V, H] float32 (H: the head's output width).
     """
-    params, weights = st_head.split_weights(params)
+    if head:  # its Dense weights ride in params beside the encoder's; a plain step has none
+        params, weights = st_head.split_weights(params)
     ids = batch['input_ids']
     b, d, length = ids.shape
     if d not in (1, views):
@@ -166,42 +170,110 @@ def make_loss_fn(encoder: SentenceEncoder, loss: LossFn, views: int,
     return loss_fn
 
 
-def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTransformation,
-                    *, views: int, mesh: Mesh, state_shardings: TrainState,
-                    grad_accum_steps: int = 1, grad_divisor: float = 1.0,
-                    schedule: Optional[optax.Schedule] = None,
-                    compiler_options: Optional[dict] = None,
-                    mlm: Optional[MlmSettings] = None,
-                    prng_impl: str = 'threefry2x32', micro_batch_size: int = 0,
-                    packed: bool = False, head: Sequence = ()) -> Callable:
-    """The jitted `train_step(state, batch) -> (state, metrics)`.
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """What the step minimizes (`make_loss_fn` of these fields).
 
-    Args:
+    Attributes:
       encoder: the SentenceEncoder (its dtype is the compute dtype).
-      loss: `loss(z [B, V, H]) -> (scalar, aux dict)`, the objective with its hyperparameters
-        bound (e.g. `functools.partial(objective.loss, temp=0.05)`); if it names `ids`,
-        `step`, `key` or `params` it gets them too (see `make_loss_fn`).
+      objective: `objective(z [B, V, H]) -> (scalar, aux dict)`, the objective's loss with its
+        hyperparameters bound (e.g. `functools.partial(get_objective('unsup').loss,
+        temp=0.05)`); if it names `ids`, `step`, `key` or `params` it gets them too.
+      views: V, vectors per example the objective takes.
+      mlm: add SimCSE's auxiliary masked-LM term (encoder built with `mlm=True`).
+      head: modules after pooling (a sentence-transformers folder's Dense / Normalize), their
+        weights trained under the state's params['st_head'] (see `encode_views`).
+    """
+
+    encoder: SentenceEncoder
+    objective: LossFn
+    views: int
+    mlm: Optional[MlmSettings] = None
+    head: Sequence = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSpec:
+    """How the step turns the gradient into an update.
+
+    Attributes:
       tx: the optimizer (of the trainable tree: the state's params, the objective's own
         parameters included).
-      views: V, vectors per example the loss takes.
-      mesh: the device mesh; the batch is split over its ('data', 'fsdp') axes.
-      state_shardings: TrainState of NamedShardings (from `create_state`).
-      grad_accum_steps: A; the global batch is split into A micro-batches (rows i, i+A, ... form
-        micro-batch i, so every device keeps its share), gradients and aux are averaged, one
-        update is applied. Negatives then come from the micro-batch.
       grad_divisor: the gradient is divided by this before clipping and the update (see the
         config's `grad_reduction`); 1 is the gradient of the loss.
       schedule: the learning-rate schedule, reported as metrics['lr'].
+    """
+
+    tx: optax.GradientTransformation
+    grad_divisor: float = 1.0
+    schedule: Optional[optax.Schedule] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileTarget:
+    """What the step is compiled for.
+
+    Attributes:
+      mesh: the device mesh; the batch is split over its ('data', 'fsdp') axes.
+      state_shardings: TrainState of NamedShardings (from `create_state`).
       compiler_options: XLA compiler options.
-      mlm: add SimCSE's auxiliary masked-LM term (encoder built with `mlm=True`).
       prng_impl: the implementation of `state.rng` (see `dropout_key`).
-      micro_batch_size: M > 0 computes the same gradient in micro-batches of M examples with
-        cached vector gradients (`jaxsim.train.grad_cache`): every negative kept, activations
-        of M examples at a time. Not with grad_accum_steps > 1 or `mlm`.
-      packed: batches carry their packed layout (`jaxsim.data.packing.pack_batch`), and the
-        encoder runs on the packed rows. Not with grad_accum_steps > 1 or micro_batch_size.
-      head: modules after pooling (a sentence-transformers folder's Dense / Normalize), their
-        weights trained under the state's params['st_head'] (see `encode_views`).
+    """
+
+    mesh: Mesh
+    state_shardings: TrainState
+    compiler_options: Optional[dict] = None
+    prng_impl: str = 'threefry2x32'
+
+
+SPLIT_MODES = ('whole', 'packed', 'accumulate', 'cached')
+# What each mode needs of the two sizes; anything else contradicts the mode.
+_SPLIT_SIZES = {'whole': 'grad_accum_steps 1 and micro_batch_size 0',
+                'packed': 'grad_accum_steps 1 and micro_batch_size 0',
+                'accumulate': 'grad_accum_steps >= 2 and micro_batch_size 0',
+                'cached': 'grad_accum_steps 1 and micro_batch_size >= 1'}
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSplit:
+    """How the step takes its global batch: exactly one `mode`.
+
+      'whole': one pass over the batch.
+      'packed': one pass over the batch's packed layout (`jaxsim.data.packing.pack_batch`):
+        the encoder runs on the packed rows.
+      'accumulate': `grad_accum_steps` A micro-batches (rows i, i+A, ... form micro-batch i, so
+        every device keeps its share); gradients and aux are averaged, one update is applied.
+        Negatives then come from the micro-batch.
+      'cached': the same gradient as 'whole', in micro-batches of `micro_batch_size` M examples
+        with cached vector gradients (`jaxsim.train.grad_cache`): every negative kept,
+        activations of M examples at a time. Not with the masked-LM term.
+    """
+
+    mode: str = 'whole'
+    grad_accum_steps: int = 1
+    micro_batch_size: int = 0
+
+    def __post_init__(self):
+        if self.mode not in SPLIT_MODES:
+            raise ConfigError(f'batch split: unknown mode {self.mode!r}; known: '
+                              f'{", ".join(SPLIT_MODES)}')
+        accumulates, cached = self.mode == 'accumulate', self.mode == 'cached'
+        if (self.grad_accum_steps < 1 or (self.grad_accum_steps > 1) != accumulates
+                or self.micro_batch_size < 0 or (self.micro_batch_size > 0) != cached):
+            raise ConfigError(f'batch split {self.mode!r} takes {_SPLIT_SIZES[self.mode]}, got '
+                              f'grad_accum_steps {self.grad_accum_steps} and micro_batch_size '
+                              f'{self.micro_batch_size}')
+
+
+def make_train_step(*, loss: LossSpec, update: UpdateSpec, target: CompileTarget,
+                    split: BatchSplit = BatchSplit()) -> Callable:
+    """The jitted `train_step(state, batch) -> (state, metrics)`.
+
+    Args:
+      loss: what it minimizes: encoder, objective, views, masked-LM term, head.
+      update: the optimizer, gradient divisor and learning-rate schedule.
+      target: the mesh, state shardings, XLA options and PRNG implementation it compiles for.
+      split: how it takes the batch (one pass, packed, accumulated or cached micro-batches).
 
     The step's dropout key is `fold_in(state.rng, state.step)` (and `fold_in(., i)` for
     micro-batch i), so a run is a pure function of (config, seed, data order), whatever the mesh.
@@ -210,21 +282,21 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
 
     Returns:
       The jitted step; metrics hold 'loss', 'grad_norm' (of the divided gradient, before
-      clipping), 'lr' (with `schedule`) and every aux entry the loss returns.
+      clipping), 'lr' (with a schedule) and every aux entry the objective returns.
     """
-    if packed and (micro_batch_size or grad_accum_steps > 1):
-        raise ObjectiveError('packed batches do not combine with grad_accum_steps > 1 or '
-                             'micro_batch_size')
-    if micro_batch_size:
-        if grad_accum_steps > 1 or mlm is not None:
-            raise ObjectiveError('micro_batch_size does not combine with grad_accum_steps > 1 '
-                                 'or the masked-LM term')
-        grad_fn = make_cached_grad_fn(encoder, loss, views, micro_batch_size, mesh,
-                                      functools.partial(encode_views, head=tuple(head)))
+    if split.mode == 'cached':
+        if loss.mlm is not None:
+            raise ConfigError('batch split \'cached\' (micro_batch_size) does not combine with '
+                              'the masked-LM term')
+        grad_fn = make_cached_grad_fn(loss.encoder, loss.objective, loss.views,
+                                      split.micro_batch_size, target.mesh,
+                                      functools.partial(encode_views, head=tuple(loss.head)))
     else:
-        grad_fn = jax.value_and_grad(make_loss_fn(encoder, loss, views, mlm, head),
-                                     has_aux=True)
-    accum = grad_accum_steps
+        grad_fn = jax.value_and_grad(make_loss_fn(loss.encoder, loss.objective, loss.views,
+                                                  loss.mlm, loss.head), has_aux=True)
+    mesh, prng_impl = target.mesh, target.prng_impl
+    tx, grad_divisor, schedule = update.tx, update.grad_divisor, update.schedule
+    accum = split.grad_accum_steps
     replicated = NamedSharding(mesh, P())
 
     def train_step(state: TrainState, batch: Batch):
@@ -285,9 +357,11 @@ def make_train_step(encoder: SentenceEncoder, loss: LossFn, tx: optax.GradientTr
             metrics['lr'] = jnp.asarray(schedule(state.step), jnp.float32)
         return new, metrics
 
-    return jax.jit(train_step, in_shardings=(state_shardings, batch_shardings(mesh, packed)),
-                   out_shardings=(state_shardings, replicated), donate_argnums=0,
-                   compiler_options=compiler_options)
+    shardings = target.state_shardings
+    return jax.jit(train_step,
+                   in_shardings=(shardings, batch_shardings(mesh, split.mode == 'packed')),
+                   out_shardings=(shardings, replicated), donate_argnums=0,
+                   compiler_options=target.compiler_options)
 
 
 def batch_shardings(mesh: Mesh, packed: bool = False) -> dict[str, NamedSharding]:

@@ -24,7 +24,8 @@ _SCRIPT = textwrap.dedent('''
     from jaxsim.train.config import TrainConfig
     from jaxsim.train.optim import make_optimizer
     from jaxsim.train.state import abstract_state, state_shape, state_shardings
-    from jaxsim.train.step import batch_shardings, configure_jax, make_train_step
+    from jaxsim.train.step import (CompileTarget, LossSpec, UpdateSpec, batch_shardings,
+                                   configure_jax, make_train_step)
     configure_jax()
     mesh = sharding.make_mesh(*map(int, sys.argv[1].split(',')))
     # BERT's vocabulary (30522 = 2 x 15261): split over a tensor axis of 2.
@@ -37,8 +38,9 @@ _SCRIPT = textwrap.dedent('''
     spec = shardings.params['bert']['embeddings']['word_embeddings']['embedding'].spec
     mlm = MlmSettings(weight=0.1, probability=0.15, mask_id=103, vocab_size=30522,
                       special_ids=(0, 101, 102))
-    step = make_train_step(encoder, get_objective('unsup').loss, tx, views=2, mesh=mesh,
-                           state_shardings=shardings, mlm=mlm)
+    step = make_train_step(
+        loss=LossSpec(encoder=encoder, objective=get_objective('unsup').loss, views=2, mlm=mlm),
+        update=UpdateSpec(tx=tx), target=CompileTarget(mesh=mesh, state_shardings=shardings))
     ids = {k: jax.ShapeDtypeStruct((16, 1, 12), np.int32, sharding=s)
            for k, s in batch_shardings(mesh).items()}
     step.lower(abstract_state(shape, shardings), ids).compile()

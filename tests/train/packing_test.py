@@ -18,7 +18,8 @@ from jaxsim.train import build, loop
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.optim import make_optimizer
 from jaxsim.train.state import create_state
-from jaxsim.train.step import compiler_options, configure_jax, make_loss_fn, make_train_step
+from jaxsim.train.step import (BatchSplit, CompileTarget, LossSpec, UpdateSpec, compiler_options,
+                               configure_jax, make_loss_fn, make_train_step)
 from tests.conftest import run_on_cpu_devices, tiny_run_config, write_snli_corpus
 
 configure_jax()
@@ -108,9 +109,12 @@ def test_packed_train_step_learns_with_dropout():
     tx = make_optimizer(cfg, 20)
     state, shardings = create_state(init_params(enc, jax.random.key(0)), tx,
                                     jax.random.key(1), mesh, O0)
-    step = make_train_step(enc, functools.partial(get_objective('unsup').loss, temp=0.05), tx,
-                           views=2, mesh=mesh, state_shardings=shardings,
-                           compiler_options=O0, packed=True)
+    step = make_train_step(
+        loss=LossSpec(encoder=enc, objective=functools.partial(get_objective('unsup').loss,
+                                                               temp=0.05), views=2),
+        update=UpdateSpec(tx=tx),
+        target=CompileTarget(mesh=mesh, state_shardings=shardings, compiler_options=O0),
+        split=BatchSplit(mode='packed'))
     ids, mask, types = (x[:, None] for x in _sentences(8, seed=3))
     batch = pack_batch({'input_ids': ids, 'attention_mask': mask, 'token_type_ids': types},
                        2, 2 * L)

@@ -12,7 +12,8 @@ from jaxsim.objectives import get_objective
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.optim import make_optimizer
 from jaxsim.train.state import create_state
-from jaxsim.train.step import compiler_options, configure_jax, dropout_key, make_train_step
+from jaxsim.train.step import (CompileTarget, LossSpec, UpdateSpec, compiler_options,
+                               configure_jax, dropout_key, make_train_step)
 
 configure_jax()
 
@@ -29,9 +30,11 @@ def _run(prng_impl: str, steps: int = 2):
     key = dropout_key(jax.random.key(0), prng_impl)
     state, shardings = create_state(init_params(encoder, jax.random.key(1)), tx, key, mesh)
     objective = get_objective('unsup')
-    step = make_train_step(encoder, objective.loss, tx, views=objective.views, mesh=mesh,
-                           state_shardings=shardings, compiler_options=compiler_options(True),
-                           prng_impl=prng_impl)
+    step = make_train_step(
+        loss=LossSpec(encoder=encoder, objective=objective.loss, views=objective.views),
+        update=UpdateSpec(tx=tx),
+        target=CompileTarget(mesh=mesh, state_shardings=shardings,
+                             compiler_options=compiler_options(True), prng_impl=prng_impl))
     ids = np.random.default_rng(0).integers(3, 50, size=(6, 1, 9)).astype(np.int32)
     batch = {'input_ids': ids, 'attention_mask': np.ones_like(ids),
              'token_type_ids': np.zeros_like(ids)}

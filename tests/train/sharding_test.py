@@ -102,7 +102,8 @@ _SCRIPT = textwrap.dedent('''
     from jaxsim.train.config import TrainConfig
     from jaxsim.train.optim import make_optimizer
     from jaxsim.train.state import create_state, param_shardings
-    from jaxsim.train.step import (compiler_options, configure_jax, make_loss_fn,
+    from jaxsim.train.step import (BatchSplit, CompileTarget, LossSpec, UpdateSpec,
+                                   compiler_options, configure_jax, make_loss_fn,
                                    make_train_step)
     configure_jax()
     assert jax.device_count() == 8, jax.devices()
@@ -138,9 +139,13 @@ _SCRIPT = textwrap.dedent('''
                                   jax.random.key(7))
             tx = make_optimizer(cfg, 3)
             state, sh = create_state(params, tx, jax.random.key(1), mesh, O0)
-            step = make_train_step(encoder, loss, tx, views=2 if views == 1 else views,
-                                   mesh=mesh, state_shardings=sh, grad_accum_steps=accum,
-                                   compiler_options=O0)
+            split = (BatchSplit(mode='accumulate', grad_accum_steps=accum) if accum > 1
+                     else BatchSplit())
+            step = make_train_step(
+                loss=LossSpec(encoder=encoder, objective=loss, views=2 if views == 1 else views),
+                update=UpdateSpec(tx=tx),
+                target=CompileTarget(mesh=mesh, state_shardings=sh, compiler_options=O0),
+                split=split)
             losses = []
             for b in batches:
                 state, m = step(state, sharding.assemble_batch(b, mesh))

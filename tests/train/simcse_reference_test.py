@@ -43,7 +43,8 @@ from jaxsim.train.config_files import load_config_file
 from jaxsim.train.build import grad_divisor  # the divisor training uses
 from jaxsim.train.optim import decay_mask, make_optimizer, make_schedule
 from jaxsim.train.state import create_state
-from jaxsim.train.step import configure_jax, make_loss_fn, make_train_step
+from jaxsim.train.step import (CompileTarget, LossSpec, UpdateSpec, configure_jax, make_loss_fn,
+                               make_train_step)
 from tests.conftest import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -311,9 +312,11 @@ def train_jaxsim(cfg: TrainConfig, encoder, params, batches):
     mesh = make_mesh(devices=jax.devices()[:1])
     state, shardings = create_state(jax.tree.map(jax.numpy.asarray, params), tx,
                                     jax.random.fold_in(jax.random.key(cfg.seed), 2), mesh)
-    step = make_train_step(encoder, loss, tx, views=objective.views, mesh=mesh,
-                           state_shardings=shardings, schedule=make_schedule(cfg, len(batches)),
-                           grad_divisor=grad_divisor(cfg, mesh))
+    step = make_train_step(
+        loss=LossSpec(encoder=encoder, objective=loss, views=objective.views),
+        update=UpdateSpec(tx=tx, grad_divisor=grad_divisor(cfg, mesh),
+                          schedule=make_schedule(cfg, len(batches))),
+        target=CompileTarget(mesh=mesh, state_shardings=shardings))
     record = {'loss': [], 'grad_norm': [], 'lr': []}
     for batch in batches:
         state, metrics = step(state, batch)

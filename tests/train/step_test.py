@@ -9,14 +9,17 @@ import optax
 import pytest
 
 from jaxsim import sharding
+from jaxsim.errors import ConfigError
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
 from jaxsim.objectives import get_objective, register_objective
+from jaxsim.objectives.mlm import MlmSettings
+from jaxsim.train.build import batch_split
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.optim import make_optimizer, make_schedule
 from jaxsim.train.state import create_state
-from jaxsim.train.step import (compiler_options, configure_jax, encode_views, make_loss_fn,
-                               make_train_step)
+from jaxsim.train.step import (BatchSplit, CompileTarget, LossSpec, UpdateSpec, compiler_options,
+                               configure_jax, encode_views, make_loss_fn, make_train_step)
 
 configure_jax()
 O0 = compiler_options(True)
@@ -69,10 +72,13 @@ def _setup(encoder, cfg, mesh=None, loss=None, views=2, accum=1, divisor=1.0):
     tx = make_optimizer(cfg, 10)
     params = init_params(encoder, jax.random.key(0))
     state, shardings = create_state(params, tx, jax.random.key(1), mesh, O0)
-    step = make_train_step(encoder, loss or get_objective('unsup').loss, tx, views=views,
-                           mesh=mesh, state_shardings=shardings, grad_accum_steps=accum,
-                           grad_divisor=divisor, schedule=make_schedule(cfg, 10),
-                           compiler_options=O0)
+    split = BatchSplit(mode='accumulate', grad_accum_steps=accum) if accum > 1 else BatchSplit()
+    step = make_train_step(
+        loss=LossSpec(encoder=encoder, objective=loss or get_objective('unsup').loss,
+                      views=views),
+        update=UpdateSpec(tx=tx, grad_divisor=divisor, schedule=make_schedule(cfg, 10)),
+        target=CompileTarget(mesh=mesh, state_shardings=shardings, compiler_options=O0),
+        split=split)
     return state, step
 
 
@@ -199,3 +205,37 @@ def test_mask_duplicates_reaches_the_objective_through_the_loss_fn():
                                            ids=jnp.asarray(batch['input_ids']))[0]
         np.testing.assert_allclose(got[mask], float(want), rtol=1e-5)
     assert abs(got[True] - got[False]) > 1e-3
+
+
+def test_a_batch_split_has_one_mode_and_refuses_contradictions_in_one_line():
+    contradictions = [
+        (dict(mode='micro'), "unknown mode 'micro'"),
+        (dict(mode='whole', grad_accum_steps=2), "'whole' takes grad_accum_steps 1 and "),
+        (dict(mode='packed', micro_batch_size=4), "'packed' takes grad_accum_steps 1 and "),
+        (dict(mode='accumulate'), "'accumulate' takes grad_accum_steps >= 2"),
+        (dict(mode='accumulate', grad_accum_steps=2, micro_batch_size=4), "'accumulate' takes"),
+        (dict(mode='cached'), "'cached' takes grad_accum_steps 1 and micro_batch_size >= 1"),
+        (dict(mode='cached', grad_accum_steps=2, micro_batch_size=4), "'cached' takes"),
+        (dict(mode='whole', grad_accum_steps=0), "'whole' takes"),
+    ]
+    for fields, message in contradictions:
+        with pytest.raises(ConfigError, match=message) as e:
+            BatchSplit(**fields)
+        assert '\n' not in str(e.value)
+    # A config's split: the one of its settings that is on.
+    def split(**kw):
+        return batch_split(TrainConfig(train_file='x', batch_size=8, max_len=8, **kw))
+
+    assert split() == BatchSplit()
+    assert split(grad_accum_steps=2) == BatchSplit(mode='accumulate', grad_accum_steps=2)
+    assert split(micro_batch_size=4) == BatchSplit(mode='cached', micro_batch_size=4)
+    assert split(pack_length=16) == BatchSplit(mode='packed')
+    # Cached micro-batches have no masked-LM term.
+    mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    mlm = MlmSettings(weight=0.1, probability=0.15, special_ids=(0,), mask_id=1, vocab_size=50)
+    with pytest.raises(ConfigError, match='does not combine with the masked-LM term'):
+        make_train_step(loss=LossSpec(encoder=_encoder(0.0), objective=get_objective('unsup').loss,
+                                      views=2, mlm=mlm),
+                        update=UpdateSpec(tx=optax.sgd(0.1)),
+                        target=CompileTarget(mesh=mesh, state_shardings=None),
+                        split=BatchSplit(mode='cached', micro_batch_size=2))
