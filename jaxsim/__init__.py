@@ -14,7 +14,7 @@ from jaxsim.cli import interrupts as _interrupts
 if _sys.argv[:1] == ["-m"] and _interrupts.running_module() == "jaxsim":
     _interrupts.block()
 from jaxsim.encode import encode
-from jaxsim.io.pretrained import bundled_model_path, load_pretrained
+from jaxsim.formats.pretrained import bundled_model_path, load_pretrained
 from jaxsim.model import SentenceModel
 from jaxsim.search import similarity
 from jaxsim import functional  # the pure pieces (docs/api.md)

@@ -19,7 +19,7 @@ import scipy.stats
 import jaxsim
 from jaxsim import calibrate, plugins
 from jaxsim.cli import cli_io
-from jaxsim.io.export import RECORD_FILE
+from jaxsim.export import RECORD_FILE
 from jaxsim.plugins import PluginError
 from jaxsim.search import build_index
 from tests.conftest import write_run_data, write_tiny_model

@@ -9,14 +9,14 @@ layer (`Pooler.hf_pooler`, e.g. 'cls': a SimCSE head becomes `pooler.dense`, so
 `sentence-transformers` adds, after the Transformer module, the modules the pooler's export
 rule returns (`jaxsim.models.poolers`: stock modules only, each exact), then an optional Dense
 carrying an affine calibration z = (x - mu) W (weight W^T, bias -mu W, identity activation)
-or a flow as a PyTorch module file in the folder (`jaxsim.io.st_flow`, loaded with
+or a flow as a PyTorch module file in the folder (`jaxsim.formats.st_flow`, loaded with
 `trust_remote_code=True`), and an optional Normalize, so `SentenceTransformer(DIR).encode`
 returns jaxsim's vectors.
 
 Every export records its choices in `jaxsim_export.json` (pooler, mlp_only_train, calibration,
 normalize) and where it came from (`provenance`: source, workdir step, selection metric and
 value), which `jaxsim.load_pretrained` reads back. The folder is built next to its final place
-and swapped in (`jaxsim.io.store.replace_dir`), so a failure or an interrupt never leaves half
+and swapped in (`jaxsim.storage.store.replace_dir`), so a failure or an interrupt never leaves half
 an export; folders get mode 0777 and files 0666 less the umask, like any file the user writes.
 """
 from __future__ import annotations
@@ -36,11 +36,12 @@ from jaxsim.data.readers import read_sentences
 from jaxsim.encode import encode
 from jaxsim.errors import JaxsimError
 from jaxsim.flows.config import FlowError
-from jaxsim.io import st_flow, store
-from jaxsim.io.hf import encoder_params_to_hf
-from jaxsim.io.pretrained import describe_provenance, load_pretrained, provenance
-from jaxsim.io.st_folder import RECORD_FILE, has_normalize_module
-from jaxsim.io.workdir import is_train_workdir
+from jaxsim.formats import st_flow
+from jaxsim.storage import store
+from jaxsim.formats.hf import encoder_params_to_hf
+from jaxsim.formats.pretrained import describe_provenance, load_pretrained, provenance
+from jaxsim.formats.st_folder import RECORD_FILE, has_normalize_module
+from jaxsim.formats.workdir import is_train_workdir
 from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
 from jaxsim.models.poolers import StModule, get_pooler, st_dense

@@ -5,7 +5,7 @@ encoder and pooler cover the first two, and `head_of` reads the rest into
 `SentenceModel.head` (`jaxsim.models.st_head`) so `jaxsim.encode` gives the vectors
 `SentenceTransformer(folder).encode` gives. In a jaxsim export the pooler's own modules (e.g.
 'cls': Pooling + the head's Dense(tanh)) are the pooler; its record says which modules follow
-(a calibration's Dense or flow, Normalize). A jaxsim flow module (`jaxsim.io.st_flow`) is read
+(a calibration's Dense or flow, Normalize). A jaxsim flow module (`jaxsim.formats.st_flow`) is read
 back as a `FlowHead` applying the same flow with jaxsim's code.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from jaxsim.io import store
-from jaxsim.io.st_flow import MODULE_TYPE as FLOW_MODULE_TYPE
-from jaxsim.io.st_flow import read_flow
+from jaxsim.storage import store
+from jaxsim.formats.st_flow import MODULE_TYPE as FLOW_MODULE_TYPE
+from jaxsim.formats.st_flow import read_flow
 from jaxsim.models.st_head import Dense, HeadError, Normalize
 
 MODULES_FILE = "modules.json"

@@ -1,6 +1,6 @@
 """A fitted flow in a sentence-transformers folder, as a PyTorch module file, and read back.
 
-Export writes `jaxsim_flow.py` (the text of `jaxsim/io/st_flow_torch.py`) at the folder's root
+Export writes `jaxsim_flow.py` (the text of `jaxsim/formats/st_flow_torch.py`) at the folder's root
 and a module folder holding the flow's config and parameters; modules.json names
 `jaxsim_flow.JaxsimFlow`, which sentence-transformers imports with `trust_remote_code=True`.
 Only the shipped layers have a PyTorch form there; a flow with any other layer is refused.
@@ -21,7 +21,7 @@ from jaxsim.calibrate.flow import FlowCalibration
 from jaxsim.flows.config import FlowConfig
 from jaxsim.flows.couplings import AdditiveCoupling, AffineCoupling
 from jaxsim.flows.layers import FLOW_LAYERS, ActNorm, InvertibleLinear, InvertibleLinearLU, Reverse
-from jaxsim.io import store
+from jaxsim.storage import store
 from jaxsim.models.poolers import StModule
 from jaxsim.models.st_head import HeadError
 
