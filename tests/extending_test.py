@@ -19,7 +19,8 @@ from jaxsim.eval.runner import CachedEncoder, evaluate_rows
 from jaxsim.flows import FLOW_LAYERS, FlowConfig, FlowOutput, layer
 from jaxsim.export import export_model
 from jaxsim.models.bert import BertConfig
-from jaxsim.models.poolers import masked_mean, register_pooler, st_dense, st_pooling
+from jaxsim.formats.st_modules import st_dense, st_pooling
+from jaxsim.models.poolers import masked_mean, register_pooler
 from jaxsim.objectives import register_objective
 from jaxsim.storage.paths import SENTEVAL_ROOT
 from jaxsim.train.loop import train_and_evaluate

@@ -86,7 +86,7 @@ FAULTS = (
           'pooled = jnp.tanh(dense(cls))',
           'pooled = dense(cls)',
           (PARITY,)),
-    Fault('export Dense weight not transposed', 'jaxsim/models/poolers.py',
+    Fault('export Dense weight not transposed', 'jaxsim/formats/st_modules.py',
           '{"linear.weight": kernel.T,',
           '{"linear.weight": kernel,',
           ('tests/export_test.py::test_every_pooler_sentence_transformers_parity',)),
