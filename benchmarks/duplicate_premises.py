@@ -61,7 +61,7 @@ def train_config(*, model: str, data: Optional[Path], steps: int, batch_size: in
     if random_init:
         fields['model_overrides'] = dict(TINY)
     if data is None:
-        from jaxsim.paths import SENTEVAL_ROOT
+        from jaxsim.storage.paths import SENTEVAL_ROOT
         fields.update(data_format='snli', train_file=str(SENTEVAL_ROOT / 'SNLI'))
     else:
         fields.update(data_format='csv', train_file=str(data))
@@ -72,7 +72,7 @@ def write_snli_sample(out: Path, pairs: int = 8, singles: int = 16) -> Path:
     """A CSV of SentEval SNLI dev's triplets: `pairs` premises with two triplets each, then
     `singles` premises with one (the first such, in file order)."""
     from jaxsim.data import sources
-    from jaxsim.paths import SENTEVAL_ROOT
+    from jaxsim.storage.paths import SENTEVAL_ROOT
 
     source = sources.SnliSource(SENTEVAL_ROOT / 'SNLI', ('dev',))
     by_premise: dict = {}
@@ -91,7 +91,7 @@ def write_snli_sample(out: Path, pairs: int = 8, singles: int = 16) -> Path:
 def duplicate_steps(fields: dict) -> list[int]:
     """The steps (1-based) whose batch repeats a premise, read from the run's own batches."""
     from jaxsim import sharding
-    from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
+    from jaxsim.formats.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
     from jaxsim.train import build
     from jaxsim.train.config import TrainConfig, base_config
 

@@ -38,7 +38,7 @@ SETS = ("stsb_test", "long_64_128")
 
 
 def sentence_set(name: str, model) -> list[str]:
-    from jaxsim.paths import SENTEVAL_ROOT
+    from jaxsim.storage.paths import SENTEVAL_ROOT
 
     if name == "stsb_test":
         return stsb_test_sentences(SENTEVAL_ROOT)
@@ -127,7 +127,7 @@ def main(argv=None):
         parser.error("--limit must be >= 0 and --batch-size >= 1")
     set_threads(args.threads)  # before XLA starts its thread pool
     import jaxsim
-    from jaxsim.io.hf_folder import bundled_model_path
+    from jaxsim.formats.hf_folder import bundled_model_path
 
     load = load_average()
     model = jaxsim.load_pretrained(str(bundled_model_path()))

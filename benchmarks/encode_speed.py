@@ -75,7 +75,7 @@ def random_model_folder(shape: str, folder: Path) -> Path:
     from transformers import AutoTokenizer, BertConfig, BertModel
     from transformers.utils import logging as hf_logging
 
-    from jaxsim.io.hf_folder import bundled_model_path
+    from jaxsim.formats.hf_folder import bundled_model_path
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -166,7 +166,7 @@ def run(args, tmp: Path, torch) -> None:
     from sentence_transformers import SentenceTransformer
 
     import jaxsim
-    from jaxsim.paths import SENTEVAL_ROOT
+    from jaxsim.storage.paths import SENTEVAL_ROOT
 
     load = load_average()
     print(f"threads {args.threads}, shape {args.shape}, batch {args.batch_size}, 1-min load "

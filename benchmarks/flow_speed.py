@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from jaxsim import calibrate
     from jaxsim.calibrate.flow import resolve_config
     from jaxsim.data.senteval import load_stsb
-    from jaxsim.paths import SENTEVAL_ROOT
+    from jaxsim.storage.paths import SENTEVAL_ROOT
 
     sentences = []
     for split in ('train', 'dev', 'test'):

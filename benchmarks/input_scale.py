@@ -36,8 +36,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common  # noqa: E402
 from jaxsim.data import pipeline, sources  # noqa: E402
-from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer  # noqa: E402
-from jaxsim.paths import SENTEVAL_ROOT  # noqa: E402
+from jaxsim.formats.hf_folder import bundled_model_path, load_tokenizer  # noqa: E402
+from jaxsim.storage.paths import SENTEVAL_ROOT  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / 'configs' / 'tiny_unsup_simcse.py'

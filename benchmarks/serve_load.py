@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import load_average, write_json  # noqa: E402
-from jaxsim.paths import SENTEVAL_ROOT  # noqa: E402
+from jaxsim.storage.paths import SENTEVAL_ROOT  # noqa: E402
 
 HOST = "127.0.0.1"
 # A client waits this long for one answer before it counts the server as hung.

@@ -54,10 +54,10 @@ import numpy as np
 from jaxsim import sharding
 from jaxsim.data import readers
 from jaxsim.data.batching import tokenize_examples
-from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer
+from jaxsim.formats.hf_folder import bundled_model_path, load_tokenizer
 from jaxsim.models.encoder import init_params
 from jaxsim.objectives import check_kwargs, get_objective
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 from jaxsim.train import build, optim, state as state_lib, step as step_lib
 from jaxsim.train.config import TrainConfig
 

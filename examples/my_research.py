@@ -9,7 +9,8 @@ import numpy as np
 
 from jaxsim.calibrate import CALIBRATIONS, AffineCalibration
 from jaxsim.flows import FLOW_LAYERS, FlowOutput
-from jaxsim.models.poolers import masked_mean, register_pooler, st_dense, st_pooling
+from jaxsim.formats.st_modules import st_dense, st_pooling
+from jaxsim.models.poolers import masked_mean, register_pooler
 from jaxsim.objectives import register_objective
 
 

@@ -2,7 +2,7 @@
 
 What `jaxsim.load_pretrained` returns for a Hugging Face folder, a hub id or a train workdir,
 and what `encode`, evaluation, search and export take. It holds no I/O: loading lives in
-`jaxsim.io`.
+`jaxsim.formats` (`jaxsim.formats.pretrained`).
 """
 from __future__ import annotations
 

@@ -50,9 +50,9 @@ import pytest
 import jaxsim
 from configs.tiny_unsup_simcse import get_config
 from jaxsim import bundled_model_path
-from jaxsim.paths import SENTEVAL_ROOT
-from jaxsim.io.checkpoint import CheckpointOptions, Checkpointer
-from jaxsim.io.workdir import write_model
+from jaxsim.storage.paths import SENTEVAL_ROOT
+from jaxsim.formats.checkpoint import CheckpointOptions, Checkpointer
+from jaxsim.formats.workdir import write_model
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
 from jaxsim.train.config import TrainConfig, base_config
@@ -241,10 +241,10 @@ def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int =
 RUN_FIRST = ("tests/train/multiprocess_test.py", "tests/cli_process_test.py",
              "tests/encode_test.py", "tests/benchmarks/train_speed_test.py",
              "tests/cli_outputs_test.py", "tests/train/resume_test.py",
-             "tests/benchmarks/input_scale_test.py", "tests/io/export_test.py",
+             "tests/benchmarks/input_scale_test.py", "tests/export_test.py",
              "tests/plan/plan_test.py", "tests/docs_test.py", "tests/train/packing_test.py",
              "tests/benchmarks/encode_speed_test.py", "tests/multiprocess_commands_test.py",
-             "tests/flows/flow_layers_test.py", "tests/io/remote_test.py",
+             "tests/flows/flow_layers_test.py", "tests/storage/remote_test.py",
              "tests/serve/shutdown_test.py", "tests/flows/flow_mesh_test.py")
 
 

@@ -19,7 +19,7 @@ from jaxsim.cli import prepare as prepare_cli
 from jaxsim.cli import search as search_cli
 from jaxsim.cli import serve as serve_cli
 from jaxsim.cli import train as train_cli
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]

@@ -17,11 +17,12 @@ from jaxsim import calibrate
 from jaxsim.calibrate import CALIBRATIONS, AffineCalibration
 from jaxsim.eval.runner import CachedEncoder, evaluate_rows
 from jaxsim.flows import FLOW_LAYERS, FlowConfig, FlowOutput, layer
-from jaxsim.io.export import export_model
+from jaxsim.export import export_model
 from jaxsim.models.bert import BertConfig
-from jaxsim.models.poolers import masked_mean, register_pooler, st_dense, st_pooling
+from jaxsim.formats.st_modules import st_dense, st_pooling
+from jaxsim.models.poolers import masked_mean, register_pooler
 from jaxsim.objectives import register_objective
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 from jaxsim.train.loop import train_and_evaluate
 from jaxsim.train.step import configure_jax
 from tests.conftest import tiny_run_config, write_snli_corpus

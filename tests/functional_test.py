@@ -11,7 +11,7 @@ import pytest
 import jaxsim
 from jaxsim import functional as F
 from jaxsim.errors import ConfigError
-from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer
+from jaxsim.formats.hf_folder import bundled_model_path, load_tokenizer
 from jaxsim.models import st_head
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params

@@ -1,6 +1,6 @@
 """The package's shape: no import cycles, no jaxsim import inside a function, command lines only
-in jaxsim/cli/; long modules are reported, not failed (the rule is "a module holds one concept",
-docs/layout.md).
+in jaxsim/cli/, the layers in LAYERS (storage at the bottom, formats below the workflows); long
+modules are reported, not failed (the rule is "a module holds one concept", docs/layout.md).
 
 Imports inside functions were how cycles used to be dodged; with none allowed, the import graph
 below is the whole dependency structure, and it must stay acyclic.
@@ -14,6 +14,17 @@ import warnings
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxsim"
 # A prompt to look again at a module's concept, not a limit.
 SOFT_LINES = 500
+
+# Which jaxsim modules a layer may import (docs/layout.md): 'allowed' lists the only ones,
+# 'forbidden' the ones above it. A prefix names a module and everything under it.
+LAYERS = {
+    # The bottom: paths, atomic writes, the workdir lock, TensorBoard scalars.
+    "jaxsim.storage": {"allowed": ("jaxsim.storage", "jaxsim.errors", "jaxsim.registry")},
+    # On-disk model formats: above storage and models, below every workflow that uses them.
+    "jaxsim.formats": {"forbidden": ("jaxsim.encode", "jaxsim.calibrate", "jaxsim.train",
+                                     "jaxsim.eval", "jaxsim.cli", "jaxsim.search",
+                                     "jaxsim.serve", "jaxsim.plan", "jaxsim.export")},
+}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -93,6 +104,60 @@ def test_no_import_cycles():
         if node not in state:
             visit(node)
     assert not cycles, "\n".join(cycles)
+
+
+def _jaxsim_imports(tree: ast.AST):
+    """(line, module) for each jaxsim module a file imports: `from jaxsim import x` names
+    jaxsim.x; a plain `import jaxsim` names the package (and so all it imports)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "jaxsim":
+            names = [f"jaxsim.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        else:
+            continue
+        yield from ((node.lineno, n) for n in names if n.split(".")[0] == "jaxsim")
+
+
+def _under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _layer_offenders(layer: str) -> list[str]:
+    rule = LAYERS[layer]
+    offenders = []
+    for name, path in _modules().items():
+        if not _under(name, (layer,)):
+            continue
+        for line, target in _jaxsim_imports(ast.parse(path.read_text(encoding="utf-8"))):
+            if ("allowed" in rule and not _under(target, rule["allowed"])) or (
+                    _under(target, rule.get("forbidden", ()))):
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
+    return offenders
+
+
+def test_storage_imports_only_storage_errors_and_registry():
+    assert "jaxsim.storage.store" in _modules()  # the walk sees the layer
+    offenders = _layer_offenders("jaxsim.storage")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_formats_import_no_workflow_above_them():
+    assert "jaxsim.formats.pretrained" in _modules()
+    offenders = _layer_offenders("jaxsim.formats")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_layer_check_names_each_offending_import(tmp_path, monkeypatch):
+    """The check itself: a planted upward import is one line naming file, line and module."""
+    package = tmp_path / "jaxsim"
+    (package / "storage").mkdir(parents=True)
+    (package / "storage" / "bad.py").write_text(
+        "import os\nfrom jaxsim.errors import JaxsimError\nfrom jaxsim import encode\n")
+    monkeypatch.setitem(globals(), "PACKAGE", package)
+    assert _layer_offenders("jaxsim.storage") == ["jaxsim/storage/bad.py:3 imports jaxsim.encode"]
 
 
 def test_only_jaxsim_cli_parses_command_lines():

@@ -19,7 +19,7 @@ import scipy.stats
 import jaxsim
 from jaxsim import calibrate, plugins
 from jaxsim.cli import cli_io
-from jaxsim.io.export import RECORD_FILE
+from jaxsim.export import RECORD_FILE
 from jaxsim.plugins import PluginError
 from jaxsim.search import build_index
 from tests.conftest import write_run_data, write_tiny_model
@@ -38,7 +38,8 @@ import numpy as np
 
 from jaxsim.calibrate import CALIBRATIONS, AffineCalibration
 from jaxsim.flows import FLOW_LAYERS, FlowOutput
-from jaxsim.models.poolers import masked_mean, register_pooler, st_dense, st_pooling
+from jaxsim.formats.st_modules import st_dense, st_pooling
+from jaxsim.models.poolers import masked_mean, register_pooler
 from jaxsim.objectives import register_objective
 
 

@@ -15,7 +15,7 @@ import jaxsim
 from jaxsim import progress
 from jaxsim.eval import report, transfer
 from jaxsim.flows import FlowConfig, fit_flow, layer
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 
 class _Terminal(io.StringIO):

@@ -30,6 +30,7 @@ from jaxsim.flows.config import FlowConfig, FlowError, load_config_file
 from jaxsim.flows.models import make_flow
 from jaxsim.flows.prior import nll_nats
 from jaxsim.flows.training import EmbedFn, fit_flow
+from jaxsim.formats import st_flow
 
 # Shipped configs live beside the package: <repo>/configs/flow_<name>.py.
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / 'configs'
@@ -86,6 +87,9 @@ def _rowwise(fn, x: np.ndarray) -> np.ndarray:
     return np.concatenate(out, axis=0)
 
 
+# A flow module in a sentence-transformers folder reads back as this class (the folder format
+# sits below calibrate/ and cannot import it).
+@st_flow.FLOW_CALIBRATIONS.register('flow')
 @CALIBRATIONS.register('flow')
 class FlowCalibration(Calibration):
     """A fitted flow; `apply` maps embeddings to the flow's latent z (same size).

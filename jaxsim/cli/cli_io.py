@@ -15,7 +15,7 @@ from jaxsim import plugins
 from jaxsim.cli import interrupts
 from jaxsim.data.readers import DataError, decode_text, read_text
 from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS, JaxsimError
-from jaxsim.io import store
+from jaxsim.storage import store
 
 STDIN = "-"
 

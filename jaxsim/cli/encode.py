@@ -16,8 +16,8 @@ from jaxsim.cli import cli_io
 from jaxsim.cli.cli_io import UsageError
 from jaxsim.data.tokenize import token_ids
 from jaxsim.encode import encode
-from jaxsim.io import store
-from jaxsim.io.pretrained import bundled_model_path, load_pretrained
+from jaxsim.storage import store
+from jaxsim.formats.pretrained import bundled_model_path, load_pretrained
 from jaxsim.models.poolers import POOLERS
 
 

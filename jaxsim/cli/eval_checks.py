@@ -10,7 +10,7 @@ from jaxsim.cli import cli_io
 from jaxsim.cli.cli_io import UsageError
 from jaxsim.eval import report_tb
 from jaxsim.eval.runner import DEFAULT_DATA, is_seeded
-from jaxsim.io import store
+from jaxsim.storage import store
 
 
 def parse_tasks(text):

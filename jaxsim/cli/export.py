@@ -1,5 +1,5 @@
 """`python -m jaxsim export`: a train workdir, model folder or hub model as a Hugging Face or
-sentence-transformers folder (the workflow is `jaxsim.io.export.export_source`).
+sentence-transformers folder (the workflow is `jaxsim.export.export_source`).
 
     python -m jaxsim export --checkpoint WORKDIR_OR_FOLDER --out DIR
         [--format hf|sentence-transformers] [--post whitening[:K]|sn|natsv:K --fit-data FILE]
@@ -14,8 +14,8 @@ from typing import Sequence
 
 from jaxsim.cli import cli_io
 from jaxsim.cli.cli_io import UsageError
-from jaxsim.io.export import FORMATS, RECORD_FILE, export_source, exportable_calibrations
-from jaxsim.io.pretrained import describe_provenance
+from jaxsim.export import FORMATS, RECORD_FILE, export_source, exportable_calibrations
+from jaxsim.formats.pretrained import describe_provenance
 from jaxsim.models.poolers import POOLERS
 
 

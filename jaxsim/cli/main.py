@@ -13,7 +13,7 @@
 Every command reports a user error (bad file, bad option, unreadable model) as one line
 `error: <message>` on stderr and exits 1, and SIGINT / SIGTERM as one line with exit 130 / 143
 (start-up included: jaxsim/__init__.py holds them back until `main` installs its handlers);
-anything else is a bug and keeps its traceback. Every output follows `jaxsim.io.store`'s rule:
+anything else is a bug and keeps its traceback. Every output follows `jaxsim.storage.store`'s rule:
 an existing target is refused without --overwrite, and it is written whole or not at all.
 """
 from __future__ import annotations

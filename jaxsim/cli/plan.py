@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import jax
 
 from jaxsim.cli import cli_io
-from jaxsim.io import store
+from jaxsim.storage import store
 from jaxsim.plan.chips import parse_topology
 from jaxsim.plan.planner import make_plan
 from jaxsim.train.config import TrainConfig

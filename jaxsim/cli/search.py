@@ -16,8 +16,8 @@ from typing import Sequence
 
 from jaxsim.cli import cli_io
 from jaxsim.data.tokenize import token_ids
-from jaxsim.io.hf_folder import ModelLoadError
-from jaxsim.io.pretrained import bundled_model_path, load_pretrained
+from jaxsim.formats.hf_folder import ModelLoadError
+from jaxsim.formats.pretrained import bundled_model_path, load_pretrained
 from jaxsim.search.ann import METHODS
 from jaxsim.search.index import build_index, load_index
 from jaxsim.search.storage import check_replaceable_index

@@ -18,7 +18,7 @@ from typing import Sequence
 
 from jaxsim.cli import cli_io
 from jaxsim.cli.cli_io import check_output_file
-from jaxsim.io.store import write_atomic
+from jaxsim.storage.store import write_atomic
 from jaxsim.serve.service import ServeLimits, open_service
 
 # The HTTP stack is the [serve] extra (pip install 'jaxsim[serve]'), not the core install: a

@@ -27,7 +27,7 @@ import fsspec
 import numpy as np
 
 from jaxsim.data.readers import MAX_LINE_CHARS, DataError, PathLike
-from jaxsim.io import store
+from jaxsim.storage import store
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from typing import Optional, Union
 import numpy as np
 
 from jaxsim.data.readers import DataError, decode_text, read_bytes, read_sentences, text_lines
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 PathLike = Union[str, os.PathLike]
 

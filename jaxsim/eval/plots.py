@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxsim.eval.protocol import StsResult
-from jaxsim.io import store
+from jaxsim.storage import store
 
 
 def _pyplot():
@@ -76,7 +76,7 @@ def check_replaceable(directory) -> None:
 def write_plots(results: Sequence[StsResult], directory: str | os.PathLike,
                 overwrite: bool = False) -> list[pathlib.Path]:
     """Writes the figures the diagnostics allow into `directory`, swapped in whole
-    (`jaxsim.io.store.replace_dir`); returns their paths.
+    (`jaxsim.storage.store.replace_dir`); returns their paths.
 
     Args:
       overwrite: replace an earlier plots folder (one holding only these figures).

@@ -27,8 +27,8 @@ import numpy as np
 from jaxsim.eval import runner
 from jaxsim.eval.protocol import StsResult
 from jaxsim.eval.transfer import TransferResult
-from jaxsim.io import store
-from jaxsim.io.tb import ScalarWriter
+from jaxsim.storage import store
+from jaxsim.storage.tb import ScalarWriter
 
 EVENT_FILE_PREFIX = 'events.out.tfevents.'  # how tensorboardX names event files
 

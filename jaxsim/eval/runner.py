@@ -19,7 +19,7 @@ import numpy as np
 
 import jaxsim
 from jaxsim import calibrate
-from jaxsim.io.pretrained import describe_provenance, provenance
+from jaxsim.formats.pretrained import describe_provenance, provenance
 from jaxsim.models.st_head import output_size
 from jaxsim.data import senteval
 from jaxsim.data import transfer as transfer_data
@@ -28,7 +28,7 @@ from jaxsim.eval import diagnostics as diag
 from jaxsim.eval import metrics, protocol, transfer
 from jaxsim.eval.embeddings import CachedEncoder, EmbeddingTable, EncodeFn
 from jaxsim.eval.protocol import FitSet, StsResult
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 DEFAULT_DATA = SENTEVAL_ROOT
 BUNDLED_NAME = 'all-MiniLM-L6-v2 (bundled)'

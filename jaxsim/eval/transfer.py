@@ -31,7 +31,7 @@ from jaxsim.data import transfer as transfer_data
 from jaxsim.data.transfer import LabeledText, PathLike, TransferData
 from jaxsim.eval import logreg
 from jaxsim.eval.logreg import ClassifierConfig, ClassifierError, Problem
-from jaxsim.io import store
+from jaxsim.storage import store
 from jaxsim.progress import CountProgress
 
 EncodeFn = Callable[[list[str]], np.ndarray]

@@ -27,7 +27,7 @@ from jaxsim.flows.config import FlowConfig, FlowError
 from jaxsim.flows.models import make_flow
 from jaxsim.flows.optim import decay_mask, make_optimizer
 from jaxsim.flows.prior import nats_to_bits_per_dim, nll_nats
-from jaxsim.io.tb import optional_writer
+from jaxsim.storage.tb import optional_writer
 from jaxsim.progress import progress_bar
 
 _EVAL_ROWS = 512  # held-out rows are padded to a multiple of this (one compiled shape)
@@ -242,7 +242,7 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
       mesh: the batch is split over its data axes (default: `default_mesh`).
       progress: show progress (a bar on a terminal, else periodic lines: no carriage
         returns in logs).
-      tb_dir: TensorBoard scalars of each history entry at its step (`jaxsim.io.tb`).
+      tb_dir: TensorBoard scalars of each history entry at its step (`jaxsim.storage.tb`).
 
     Returns:
       A FitResult; `make_flow(config, D)` applies its params.

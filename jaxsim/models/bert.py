@@ -2,7 +2,7 @@
 
 Module and parameter names follow the Hugging Face PyTorch layout (`embeddings`,
 `encoder/layer_N/attention/self/query`, ...), so converting a checkpoint is a name table plus a
-transpose (see `jaxsim/io/hf.py`).
+transpose (see `jaxsim/formats/hf.py`).
 The numerical reference is `transformers.BertModel` / `RobertaModel` in float32.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsim.errors import ConfigError
-from jaxsim.io import store
+from jaxsim.storage import store
 from jaxsim.models import attention_ops, dropout, kernels as kernels_lib, ops, packed
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")

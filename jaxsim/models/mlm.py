@@ -24,7 +24,7 @@ class MlmHead(nn.Module):
 
     Parameter names follow the Hugging Face heads: BERT `cls.predictions.transform.dense`,
     `.transform.LayerNorm`, `.bias`; RoBERTa `lm_head.dense`, `lm_head.layer_norm`, `lm_head.bias`
-    (both map to this one tree in `jaxsim.io.hf`).
+    (both map to this one tree in `jaxsim.formats.hf`).
     """
 
     config: BertConfig

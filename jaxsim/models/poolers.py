@@ -21,40 +21,20 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxsim.errors import JaxsimError
+# The rules build sentence-transformers module descriptions; the leaf module imports no jaxsim.
+from jaxsim.formats.st_modules import TANH, StModule, st_dense, st_layer_average, st_pooling
 from jaxsim.models.bert import BertConfig, BertOutput
 from jaxsim.registry import Registry
-
-_TANH = "torch.nn.modules.activation.Tanh"
 
 
 class PoolerError(JaxsimError):
     """A pooler that cannot be computed or exported for this model."""
 
 
-@dataclasses.dataclass(frozen=True)
-class StModule:
-    """One sentence-transformers module after the Transformer, as an export rule describes it.
-
-    Attributes:
-      type: the module class path, e.g. 'sentence_transformers.models.Pooling'.
-      config: its `config.json` content.
-      tensors: its `model.safetensors` content (torch layouts), or None for no weights.
-    """
-
-    type: str
-    config: Mapping[str, Any]
-    tensors: Optional[Mapping[str, np.ndarray]] = None
-
-    @property
-    def short_name(self) -> str:
-        return self.type.rsplit(".", 1)[-1]
-
-
 # export(pooler_params or None, config, use_head) -> the sentence-transformers modules that
-# reproduce the pooler exactly, built from stock modules only.
+# reproduce the pooler exactly, built from stock modules only (`jaxsim.formats.st_modules`).
 ExportRule = Callable[[Optional[Mapping], BertConfig, bool], Sequence[StModule]]
 
 
@@ -129,41 +109,6 @@ def masked_mean(hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------ sentence-transformers rules
-def st_pooling(hidden: int, mode: str) -> StModule:
-    """A sentence-transformers Pooling module in mode 'cls' or 'mean'."""
-    return StModule("sentence_transformers.models.Pooling", {
-        "word_embedding_dimension": hidden,
-        "pooling_mode_cls_token": mode == "cls",
-        "pooling_mode_mean_tokens": mode == "mean",
-        "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False})
-
-
-def st_dense(kernel: np.ndarray, bias: np.ndarray, activation: str) -> StModule:
-    """A sentence-transformers Dense module computing activation(x @ kernel + bias)."""
-    kernel = np.asarray(kernel, np.float32)  # [in, out]; torch Linear stores [out, in]
-    return StModule("sentence_transformers.models.Dense", {
-        "in_features": int(kernel.shape[0]), "out_features": int(kernel.shape[1]), "bias": True,
-        "activation_function": activation},
-        {"linear.weight": kernel.T, "linear.bias": np.asarray(bias, np.float32)})
-
-
-def st_layer_average(config: BertConfig, first: int, second: int) -> StModule:
-    """WeightedLayerPooling with unit weights on two hidden states: exactly (h_a + h_b) / 2.
-
-    It computes sum_i w_i h[start + i] / sum_i w_i over hidden_states[start:].
-    """
-    n_states = config.num_hidden_layers + 1
-    first, second = first % n_states, second % n_states
-    start = min(first, second)
-    weights = np.zeros(n_states - start, np.float32)
-    weights[first - start] += 1.0
-    weights[second - start] += 1.0
-    return StModule("sentence_transformers.models.WeightedLayerPooling", {
-        "word_embedding_dimension": config.hidden_size, "layer_start": start,
-        "num_hidden_layers": config.num_hidden_layers}, {"layer_weights": weights})
-
-
 def _export_mean(params, config, use_head):
     return [st_pooling(config.hidden_size, "mean")]
 
@@ -176,13 +121,14 @@ def _export_cls(params, config, use_head):
     modules = [st_pooling(config.hidden_size, "cls")]
     if use_head:
         dense = params["dense"]
-        modules.append(st_dense(dense["kernel"], dense["bias"], _TANH))
+        modules.append(st_dense(dense["kernel"], dense["bias"], TANH))
     return modules
 
 
 def _export_layer_average(first: int, second: int) -> ExportRule:
     def rule(params, config, use_head):
-        return [st_layer_average(config, first, second), st_pooling(config.hidden_size, "mean")]
+        return [st_layer_average(config.hidden_size, config.num_hidden_layers, first, second),
+                st_pooling(config.hidden_size, "mean")]
     return rule
 
 

@@ -8,7 +8,7 @@
                    method, ann (options; absent: an exact index),
                    sha256 (of the rows of vectors.npy and of sentences.jsonl, in order)
 
-The folder is built beside its target and renamed into place (`jaxsim.io.store.replace_dir`),
+The folder is built beside its target and renamed into place (`jaxsim.storage.store.replace_dir`),
 so an interrupted save leaves the previous index or none. The checksum is verified on load:
 rows reordered, replaced or edited after the save are refused instead of returning wrong
 sentences.
@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from jaxsim.io import store
+from jaxsim.storage import store
 from jaxsim.search.ann import METHODS
 from jaxsim.search.vectors import SearchError, as_matrix
 

@@ -17,8 +17,8 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from jaxsim.data.tokenize import bucket_length
-from jaxsim.io.hf_folder import ModelLoadError
-from jaxsim.io.pretrained import load_pretrained
+from jaxsim.formats.hf_folder import ModelLoadError
+from jaxsim.formats.pretrained import load_pretrained
 from jaxsim.search.index import SearchIndex, load_index
 from jaxsim.search.vectors import SearchError, embed, normalize_rows
 from jaxsim.serve.batcher import Batcher

@@ -20,8 +20,8 @@ from jaxsim.data import readers, sources
 from jaxsim.data.pipeline import StreamIterator
 from jaxsim.data.packing import pack_batch
 from jaxsim.errors import ConfigError
-from jaxsim.io.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
-from jaxsim.io.pretrained import load_pretrained
+from jaxsim.formats.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
+from jaxsim.formats.pretrained import load_pretrained
 from jaxsim.models import st_head
 from jaxsim.models.architectures import MASK_TOKENS, known_architecture
 from jaxsim.models.bert import BertConfig

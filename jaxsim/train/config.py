@@ -18,7 +18,7 @@ import ml_collections
 
 from jaxsim.errors import ConfigError
 from jaxsim.models.kernels import KERNELS
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 DATA_FORMATS = ('text', 'csv', 'snli', 'senteval_corpus', 'tfds')
 PRNG_IMPLS = ('threefry2x32', 'rbg', 'unsafe_rbg')

@@ -27,10 +27,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxsim import distributed, runtime, sharding as sharding_lib
 from jaxsim.data import pipeline
 from jaxsim.errors import Interrupted
-from jaxsim.io import store
-from jaxsim.io.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
-from jaxsim.io.lock import hold_workdir
-from jaxsim.io.workdir import write_model
+from jaxsim.storage import store
+from jaxsim.formats.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
+from jaxsim.storage.lock import hold_workdir
+from jaxsim.formats.workdir import write_model
 from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
 from jaxsim.models.encoder import init_params

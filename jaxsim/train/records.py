@@ -18,11 +18,11 @@ import re
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 from jaxsim.errors import USER_ERRORS, JaxsimError
-from jaxsim.io import store
-from jaxsim.io.tb import ScalarWriter
-from jaxsim.io.checkpoint import CHECKPOINT_DIR
-from jaxsim.io.lock import LOCK_FILE
-from jaxsim.io.workdir import CONFIG_FILE, MODEL_FILE, TOKENIZER_DIR
+from jaxsim.storage import store
+from jaxsim.storage.tb import ScalarWriter
+from jaxsim.formats.checkpoint import CHECKPOINT_DIR
+from jaxsim.storage.lock import LOCK_FILE
+from jaxsim.formats.workdir import CONFIG_FILE, MODEL_FILE, TOKENIZER_DIR
 from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.fingerprint import OPERATIONAL_KEYS, differences, fingerprint, run_defining
 
@@ -31,7 +31,7 @@ TENSORBOARD_DIR = 'tb'
 RESULT_FILE = 'result.json'
 RECORD_FORMAT = 'jaxsim-train-run'
 SEEDS_SUMMARY_FILE = 'seeds_summary.json'
-# What an interrupted writer leaves beside its target (jaxsim.io.store's temporary siblings).
+# What an interrupted writer leaves beside its target (jaxsim.storage.store's temporary siblings).
 _LEFTOVER = re.compile(r'^\..+\.(tmp|old)-\d+-[0-9a-f]{8}$')
 # Run-defining values that are not config keys: allowed like keys (--allow-change=data).
 # 'code': digests of the source the run executes (`fingerprint.code_digests`).
@@ -263,7 +263,7 @@ class TrainResult:
 class MetricsLog:
     """WORKDIR/metrics.jsonl: one JSON row per logged step, steps strictly increasing; with
     `tensorboard`, the same scalars as TensorBoard event files in WORKDIR/tb/
-    (`jaxsim.io.tb`), and there also the end-of-training evaluation (`final`).
+    (`jaxsim.storage.tb`), and there also the end-of-training evaluation (`final`).
 
     Opening it for a run resumed at step S drops the rows after S (written after the last
     checkpoint by a run that did not survive), so the log continues without duplicates; the

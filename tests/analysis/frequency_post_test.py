@@ -16,7 +16,7 @@ from jaxsim.analysis.frequency_post import (CalibratedAnalysisError, analyze_cal
                                             effective_rank, sentence_diagnostics, tb_folder)
 from jaxsim.cli.main import main as jaxsim_main
 from jaxsim.flows import FlowConfig, layer  # noqa: F401  (read by the eval of _FLOW_ARGS)
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 _DIM = 8
 _FLOW_ARGS = ("name='tiny', levels=1, depth=2, step=(layer('actnorm'), "

@@ -12,7 +12,7 @@ from scipy.spatial.distance import cdist
 from jaxsim.analysis.frequency import (analyze, count_tokens, frequency_table, knn_distances,
                                        rank_tokens, token_embeddings)
 from jaxsim.cli.main import main as jaxsim_main
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 
 def test_planted_norms_and_distances():

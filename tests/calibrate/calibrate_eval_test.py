@@ -10,7 +10,7 @@ import scipy.stats
 
 from jaxsim.calibrate import CALIBRATIONS, Calibration
 from jaxsim.eval import runner
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 
 @CALIBRATIONS.register('test_keep_first', replace=True)

@@ -7,7 +7,7 @@ import pytest
 from jaxsim import bundled_model_path, sharding
 from jaxsim.data import batching
 from jaxsim.data.readers import DataError
-from jaxsim.io.hf_folder import load_tokenizer
+from jaxsim.formats.hf_folder import load_tokenizer
 
 
 @pytest.fixture(scope='module')

@@ -10,8 +10,8 @@ import pytest
 
 from jaxsim.data import index, readers, sources
 from jaxsim.data.readers import DataError
-from jaxsim.io import store
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage import store
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 
 @pytest.fixture(autouse=True)

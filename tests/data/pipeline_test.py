@@ -10,8 +10,8 @@ import pytest
 from jaxsim import bundled_model_path
 from jaxsim.data import batching, pipeline, readers, sources
 from jaxsim.data.readers import DataError
-from jaxsim.io.hf_folder import load_tokenizer
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.formats.hf_folder import load_tokenizer
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 MAX_LEN = 12
 

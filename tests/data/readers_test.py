@@ -9,7 +9,7 @@ import pytest
 from jaxsim.data import readers
 from jaxsim.data.readers import DataError
 from jaxsim.errors import JaxsimError
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 
 def test_read_sentences_rule(tmp_path):

@@ -6,9 +6,9 @@ from etils import epath
 
 from jaxsim import bundled_model_path
 from jaxsim.data import pipeline, sources
-from jaxsim.io.hf_folder import load_tokenizer
-from jaxsim.paths import SENTEVAL_ROOT
-from tests.io.remote_test import BUCKET, gcs  # noqa: F401 (the server fixture)
+from jaxsim.formats.hf_folder import load_tokenizer
+from jaxsim.storage.paths import SENTEVAL_ROOT
+from tests.storage.remote_test import BUCKET, gcs  # noqa: F401 (the server fixture)
 
 
 def test_remote_corpus_reads_as_its_local_copy(gcs, tmp_path, monkeypatch):  # noqa: F811

@@ -6,7 +6,7 @@ import pytest
 
 from jaxsim.data import senteval
 from jaxsim.errors import JaxsimError
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 from tests.data.tiny_senteval import SICK_TEST, STSB, write_tiny_senteval
 
 

@@ -7,7 +7,7 @@ import pytest
 from jaxsim.data import transfer
 from jaxsim.data.transfer import TransferDataError
 from jaxsim.errors import JaxsimError
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 
 def _write(path, text, encoding='utf-8'):

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing import event_accumulator
 import jaxsim
 from jaxsim.cli import eval as eval_cli
 from jaxsim.eval import runner
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 from tests.conftest import write_tiny_workdir
 from tests.data.tiny_senteval import write_tiny_senteval
 

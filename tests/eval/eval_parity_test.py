@@ -16,7 +16,7 @@ import scipy.stats
 
 from jaxsim import bundled_model_path
 from jaxsim.eval import runner
-from jaxsim.paths import SENTEVAL_ROOT as DATA
+from jaxsim.storage.paths import SENTEVAL_ROOT as DATA
 
 STS12_SUBSETS = ('MSRpar', 'MSRvid', 'SMTeuroparl', 'surprise.OnWN', 'surprise.SMTnews')
 

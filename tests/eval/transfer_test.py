@@ -16,7 +16,7 @@ from jaxsim.data.transfer import LabeledText
 from jaxsim.errors import JaxsimError
 from jaxsim.eval import logreg, transfer
 from jaxsim.eval.logreg import ClassifierConfig, ClassifierError, Problem
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 # The references run thousands of tiny steps; threads only add contention.
 torch.set_num_threads(1)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from jaxsim.paths import SENTEVAL_ROOT  # noqa: E402
+from jaxsim.storage.paths import SENTEVAL_ROOT  # noqa: E402
 from tests.faults.table import FAULTS, Fault  # noqa: E402
 
 TIMEOUT_S = 900

@@ -28,7 +28,7 @@ import types
 import numpy as np
 
 import jaxsim
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 
 SIMCSE_COMMIT = '49fa580a853752ede55b8c76d9debf748e214d3f'
 POOLERS = ('cls', 'cls_before_pooler', 'avg', 'avg_top2', 'avg_first_last')

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import jaxsim
-from jaxsim.io.hf import params_to_hf
+from jaxsim.formats.hf import params_to_hf
 from jaxsim.models.bert import BertModel
 from tests.conftest import random_padded_ids
 

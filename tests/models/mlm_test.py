@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsim.io.hf import hf_to_encoder_params, hf_to_mlm_params
+from jaxsim.formats.hf import hf_to_encoder_params, hf_to_mlm_params
 from jaxsim.models.bert import BertConfig, BertModel
 from jaxsim.models.encoder import SentenceEncoder, check_params, init_params, mlm_logits
 from jaxsim.models.mlm import IGNORE, MlmHead, mask_tokens, mlm_loss

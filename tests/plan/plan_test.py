@@ -21,7 +21,7 @@ import pytest
 from jaxsim.models import dropout
 from jaxsim.models.encoder import param_shapes
 from jaxsim.plan import figures as fig
-from jaxsim.io.store import StorageError
+from jaxsim.storage.store import StorageError
 from jaxsim.plan import breakdown, hlo, planner
 from jaxsim.cli.plan import run_plan
 from jaxsim.plan.chips import CHIPS, TopologyError, parse_topology

@@ -21,7 +21,7 @@ from jaxsim.cli.main import main as cli_main
 from jaxsim.search import topk
 from jaxsim.search import (IndexFileError, IndexInfo, ModelMismatchError, SearchError,
                            SearchIndex, VectorError, build_index, load_index, similarity)
-from jaxsim.io.store import OutputExistsError
+from jaxsim.storage.store import OutputExistsError
 from tests.conftest import run_on_cpu_devices, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from typing import Optional
 import pytest
 
 import jaxsim
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 from jaxsim.search import build_index
 from tests.conftest import REPO, wait_until, write_tiny_model
 

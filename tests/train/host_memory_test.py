@@ -80,7 +80,7 @@ def test_a_train_step_imports_no_checkpoint_shuffle_or_scipy_library():
     step = ("import jaxsim\n"
             "from jaxsim.train import build, optim, state, step\n"
             "from jaxsim.data import batching, readers\n"
-            "from jaxsim.io import hf_folder")
+            "from jaxsim.formats import hf_folder")
     assert _imported(step, ('orbax', 'tensorstore', 'grain', 'scipy', 'torch')) == []
 
 
@@ -89,6 +89,6 @@ def test_the_train_loop_does_not_import_torch():
     # The loop imports tensorboardX with its first event-file writer, not at start-up.
     writer = ("from jaxsim.train import loop\n"
               "assert 'tensorboardX' not in sys.modules\n"
-              "from jaxsim.io import tb\n"
+              "from jaxsim.storage import tb\n"
               "tb.summary_writer_class()")
     assert _imported(writer, ('torch', 'tensorboardX')) == ['tensorboardX']

@@ -20,8 +20,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxsim.io.checkpoint import Checkpointer
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.formats.checkpoint import Checkpointer
+from jaxsim.storage.paths import SENTEVAL_ROOT
 from tests.conftest import cpu_devices_env
 
 REPO = Path(__file__).resolve().parents[2]

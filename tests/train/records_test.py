@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from jaxsim.io import store
+from jaxsim.storage import store
 from jaxsim.train import records
 from jaxsim.train.config import TrainConfig
 

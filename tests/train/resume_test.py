@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import jaxsim
-from jaxsim.io.checkpoint import Checkpointer
+from jaxsim.formats.checkpoint import Checkpointer
 from tests.conftest import cpu_devices_env, write_run_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ import os, signal, sys, threading
 sys.path.insert(0, os.getcwd())
 from jaxsim.cli import train
 from orbax.checkpoint import checkpoint_manager
-from jaxsim.io import checkpoint
+from jaxsim.formats import checkpoint
 from jaxsim.train import evaluate, loop, step as step_lib
 # The parent checks that the signal landed where the plan says (the PHASE line).
 from tests.signal_phases import fire as fire_signal, reached as phase_reached

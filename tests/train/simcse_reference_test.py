@@ -32,10 +32,10 @@ from flax import traverse_util
 
 from jaxsim.data.batching import FIELDS, tokenize_examples
 from jaxsim.data.readers import build_snli_triplets
-from jaxsim.io.hf import encoder_params_to_hf, flax_to_hf_name, hf_to_encoder_params
+from jaxsim.formats.hf import encoder_params_to_hf, flax_to_hf_name, hf_to_encoder_params
 from jaxsim.models.encoder import init_params
 from jaxsim.objectives import check_kwargs, get_objective
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 from jaxsim.sharding import make_mesh
 from jaxsim.train import build
 from jaxsim.train.config import TrainConfig

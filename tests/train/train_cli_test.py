@@ -10,7 +10,8 @@ import pytest
 
 from jaxsim.cli import train
 from tests.conftest import write_run_data
-from jaxsim.io import hf_folder, store
+from jaxsim.formats import hf_folder
+from jaxsim.storage import store
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / 'configs' / 'tiny_unsup_simcse.py')

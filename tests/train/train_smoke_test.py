@@ -19,10 +19,10 @@ from configs.tiny_unsup_simcse import get_config
 from jaxsim.data.senteval import load_stsb
 from jaxsim.eval.metrics import spearman_x100
 from jaxsim.eval.runner import stsb_score
-from jaxsim.io.checkpoint import Checkpointer
-from jaxsim.io.export import export_model
+from jaxsim.formats.checkpoint import Checkpointer
+from jaxsim.export import export_model
 from jaxsim.objectives import ObjectiveError, register_objective
-from jaxsim.paths import SENTEVAL_ROOT
+from jaxsim.storage.paths import SENTEVAL_ROOT
 from jaxsim.train import loop, step as step_lib
 from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.records import RunMismatchError, TrainResult

@@ -26,7 +26,7 @@ from typing import Mapping, Optional
 
 import jax
 
-from jaxsim.io import store
+from jaxsim.storage import store
 
 
 class _WithoutTorch(importlib.abc.MetaPathFinder):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from jaxsim.io import store
+from jaxsim.storage import store
 
 
 def test_empty_path_is_refused_not_taken_for_the_current_folder():
@@ -107,7 +107,7 @@ def test_read_json_errors_name_the_file_in_the_callers_type(tmp_path, content, m
 
 _KILLED_MID_WRITE = """
 import sys
-from jaxsim.io import store
+from jaxsim.storage import store
 with store.open_atomic(sys.argv[1], "w") as f:
     f.write("half")
     f.flush()

@@ -1,11 +1,13 @@
 """A fitted flow in a sentence-transformers folder, as a PyTorch module file, and read back.
 
-Export writes `jaxsim_flow.py` (the text of `jaxsim/io/st_flow_torch.py`) at the folder's root
+Export writes `jaxsim_flow.py` (the text of `jaxsim/formats/st_flow_torch.py`) at the folder's root
 and a module folder holding the flow's config and parameters; modules.json names
 `jaxsim_flow.JaxsimFlow`, which sentence-transformers imports with `trust_remote_code=True`.
 Only the shipped layers have a PyTorch form there; a flow with any other layer is refused.
 `FlowHead` is the same module read back by `jaxsim.load_pretrained`: it applies the flow with
-jaxsim's own code (`FlowCalibration.apply`).
+jaxsim's own code (`FlowCalibration.apply`). calibrate/ sits above formats/, so the flow
+calibration class registers itself in `FLOW_CALIBRATIONS` (`jaxsim.calibrate.flow`) instead
+of being imported here.
 """
 from __future__ import annotations
 
@@ -16,14 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxsim.calibrate.base import Calibration
-from jaxsim.calibrate.flow import FlowCalibration
 from jaxsim.flows.config import FlowConfig
 from jaxsim.flows.couplings import AdditiveCoupling, AffineCoupling
 from jaxsim.flows.layers import FLOW_LAYERS, ActNorm, InvertibleLinear, InvertibleLinearLU, Reverse
-from jaxsim.io import store
-from jaxsim.models.poolers import StModule
+from jaxsim.formats.st_modules import StModule
 from jaxsim.models.st_head import HeadError
+from jaxsim.registry import Registry
+from jaxsim.storage import store
 
 SOURCE = Path(__file__).with_name("st_flow_torch.py")
 SOURCE_FILE = "jaxsim_flow.py"  # the module file's name in an exported folder
@@ -35,10 +36,9 @@ TORCH_LAYERS = {"actnorm": ActNorm, "reverse": Reverse, "linear": InvertibleLine
                 "affine_coupling": AffineCoupling}
 _NOT_OPTIONS = ("features", "parent", "name")
 
-
-def has_torch_form(calibration_class: type) -> bool:
-    """Whether export can write calibrations of this class as a PyTorch module."""
-    return isinstance(calibration_class, type) and issubclass(calibration_class, FlowCalibration)
+# The calibration class a flow module is read back as (`from_state`, `apply`), under 'flow':
+# jaxsim.calibrate.flow registers FlowCalibration, which this module cannot import.
+FLOW_CALIBRATIONS: Registry[type] = Registry("flow calibration", error=HeadError)
 
 
 def check_layers(config: FlowConfig, what: str) -> None:
@@ -59,10 +59,9 @@ def _layer_options(spec) -> dict[str, Any]:
     return options
 
 
-def flow_module(calibration: Calibration, dim: int) -> StModule:
-    """The sentence-transformers module applying a fitted flow to `dim`-dim vectors."""
-    if not isinstance(calibration, FlowCalibration):
-        raise HeadError(f"calibration {calibration.describe()!r} has no PyTorch form")
+def flow_module(calibration, dim: int) -> StModule:
+    """The sentence-transformers module applying a fitted flow (a FlowCalibration: the export
+    workflow sends only flows here) to `dim`-dim vectors."""
     check_layers(calibration.config, f"calibration {calibration.describe()!r}")
     if calibration.dim != dim:
         raise HeadError(f"the flow maps {calibration.dim}-dim vectors; the model gives "
@@ -85,7 +84,7 @@ def source_text() -> str:
 class FlowHead:
     """A folder's flow module read back: maps pooled vectors to the flow's latent."""
 
-    calibration: FlowCalibration
+    calibration: Any  # a FlowCalibration (FLOW_CALIBRATIONS)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(self.calibration.apply(x), np.float32)
@@ -103,7 +102,7 @@ def read_flow(module_dir: Path, read_state_dict: Callable) -> FlowHead:
         raise HeadError(f"{config_file}: no 'jaxsim' entry (the flow as jaxsim saved it)")
     tensors, source = read_state_dict(module_dir)
     try:
-        calibration = FlowCalibration.from_state(
+        calibration = FLOW_CALIBRATIONS.get("flow").from_state(
             meta, {k: np.asarray(v, np.float32) for k, v in tensors.items()})
     except (ValueError, KeyError) as e:
         raise HeadError(f"{source}: {e}") from None

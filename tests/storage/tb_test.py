@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from jaxsim import calibrate
 from jaxsim.flows import FlowConfig, fit_flow, layer
-from jaxsim.io.tb import ScalarWriter, optional_writer
+from jaxsim.storage.tb import ScalarWriter, optional_writer
 
 # Tiny RealNVP-like flow: compiles in seconds, 2 evaluations per epoch.
 _FLOW = FlowConfig(name='tb_test', levels=1, depth=2, step=(

@@ -1,4 +1,5 @@
-"""jaxsim/io/checkpoint.py: retention, exact round trip, 8 -> 1 device restore, crash safety."""
+"""jaxsim/formats/checkpoint.py: retention, exact round trip, 8 -> 1 device restore, crash
+safety."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxsim.io.checkpoint import (CheckpointError, CheckpointOptions, Checkpointer,
+from jaxsim.formats.checkpoint import (CheckpointError, CheckpointOptions, Checkpointer,
                                   abstract_target, restore_or_none)
 from tests.conftest import cpu_devices_env
 
@@ -217,8 +218,8 @@ def _run(script: str, devices: int, *args: str) -> subprocess.CompletedProcess:
 _SAVE_8 = """
 import sys, jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxsim.io.checkpoint import Checkpointer
-from tests.io.checkpoint_test import TrainState
+from jaxsim.formats.checkpoint import Checkpointer
+from tests.formats.checkpoint_test import TrainState
 assert jax.device_count() == 8, jax.devices()
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('data', 'tensor'))
 w = jax.device_put(jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6),
@@ -234,8 +235,8 @@ print('saved')
 
 _RESTORE_1 = """
 import sys, jax, jax.numpy as jnp, numpy as np
-from jaxsim.io.checkpoint import Checkpointer, abstract_target
-from tests.io.checkpoint_test import TrainState
+from jaxsim.formats.checkpoint import Checkpointer, abstract_target
+from tests.formats.checkpoint_test import TrainState
 assert jax.device_count() == 1, jax.devices()
 like = TrainState(step=jnp.int32(0), params={'w': jnp.zeros((8, 6)), 'b': jnp.zeros(6)},
                   opt_state={'mu': jnp.zeros((8, 6))}, rng=jnp.zeros(2, jnp.uint32))
@@ -267,8 +268,8 @@ def test_restore_8_devices_onto_1(tmp_path):
 _CRASH = """
 import os, signal, sys, jax, jax.numpy as jnp
 from orbax.checkpoint._src.path import atomicity
-from jaxsim.io.checkpoint import Checkpointer
-from tests.io.checkpoint_test import TrainState
+from jaxsim.formats.checkpoint import Checkpointer
+from tests.formats.checkpoint_test import TrainState
 
 def state(v):
     return TrainState(step=jnp.int32(v), params={'w': jnp.full((256, 256), float(v))},

@@ -12,11 +12,11 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 
 import jaxsim
-from jaxsim.io.export import export_model
-from jaxsim.io.hf_folder import ModelLoadError
+from jaxsim.export import export_model
+from jaxsim.formats.hf_folder import ModelLoadError
 from jaxsim.models import st_head
 from tests.conftest import write_tiny_model
-from tests.io.export_test import SENTENCES, st_encode
+from tests.export_test import SENTENCES, st_encode
 
 ATOL = 1e-5
 

@@ -21,9 +21,9 @@ import jax
 import numpy as np
 
 from jaxsim.errors import JaxsimError
-from jaxsim.io import store
-from jaxsim.io.checkpoint import CHECKPOINT_DIR, Checkpointer
-from jaxsim.io.hf_folder import load_tokenizer
+from jaxsim.storage import store
+from jaxsim.formats.checkpoint import CHECKPOINT_DIR, Checkpointer
+from jaxsim.formats.hf_folder import load_tokenizer
 from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
 from jaxsim.models.bert import BertConfig

@@ -3,7 +3,7 @@ where the shipped data lives.
 
 `as_path` is how every path given to jaxsim becomes an `etils.epath.Path` (what orbax uses):
 an empty one is refused, and a remote scheme whose fsspec backend is not installed is named in
-one line. Writing is `jaxsim.io.store`'s.
+one line. Writing is `jaxsim.storage.store`'s.
 
 `SENTEVAL_ROOT`: `../shared/data/senteval` beside the repository, or $JAXSIM_SENTEVAL.
 """
@@ -22,10 +22,11 @@ from jaxsim.errors import JaxsimError
 PathLike = Union[str, os.PathLike]
 Path = epath.Path
 
-# The repository root is two levels above this file; shared/ sits beside the repository.
+# parents[2] is the repository root (this file is jaxsim/storage/paths.py); shared/ sits
+# beside the repository.
 SENTEVAL_ROOT = pathlib.Path(
     os.environ.get("JAXSIM_SENTEVAL")
-    or pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data" / "senteval")
+    or pathlib.Path(__file__).resolve().parents[2].parent / "shared" / "data" / "senteval")
 
 # The fsspec implementation each remote scheme needs (epath's own message is a stack trace).
 _SCHEME_PACKAGES = {"gs": "gcsfs", "s3": "s3fs", "az": "adlfs", "abfs": "adlfs"}

@@ -22,11 +22,11 @@ from jaxsim.calibrate.flow import FlowCalibration, resolve_config
 from jaxsim.flows import FLOW_LAYERS, layer
 from jaxsim.flows.layers import Reverse
 from jaxsim.flows.models import make_flow
-from jaxsim.io import export as export_lib
-from jaxsim.io import st_flow
+from jaxsim import export as export_lib
+from jaxsim.formats import st_flow
 from jaxsim.models.st_head import HeadError
 from tests.conftest import write_tiny_model
-from tests.io.export_test import SENTENCES, _corpus, _fails
+from tests.export_test import SENTENCES, _corpus, _fails
 
 ATOL = 1e-4
 

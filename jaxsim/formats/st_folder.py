@@ -1,24 +1,33 @@
-"""A sentence-transformers folder's pipeline (`modules.json`): the modules after pooling.
+"""A sentence-transformers folder's pipeline (`modules.json`): the modules after pooling, read
+and written.
 
 sentence-transformers runs Transformer -> Pooling -> any Dense / Normalize modules; jaxsim's
 encoder and pooler cover the first two, and `head_of` reads the rest into
 `SentenceModel.head` (`jaxsim.models.st_head`) so `jaxsim.encode` gives the vectors
 `SentenceTransformer(folder).encode` gives. In a jaxsim export the pooler's own modules (e.g.
 'cls': Pooling + the head's Dense(tanh)) are the pooler; its record says which modules follow
-(a calibration's Dense or flow, Normalize). A jaxsim flow module (`jaxsim.io.st_flow`) is read
+(a calibration's Dense or flow, Normalize). A jaxsim flow module (`jaxsim.formats.st_flow`) is read
 back as a `FlowHead` applying the same flow with jaxsim's code.
+
+Writing: `write_modules` lays out the module folders, modules.json and sentence-transformers'
+own config files for a list of `StModule`s (`jaxsim.formats.st_modules`); `head_modules` turns
+a loaded folder's head back into those modules. What goes into the list (pooler rule,
+calibration, Normalize) is the export workflow's choice (`jaxsim.export`).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
+from safetensors.numpy import save as safetensors_bytes
 
-from jaxsim.io import store
-from jaxsim.io.st_flow import MODULE_TYPE as FLOW_MODULE_TYPE
-from jaxsim.io.st_flow import read_flow
+from jaxsim.formats import st_flow
+from jaxsim.formats.st_flow import MODULE_TYPE as FLOW_MODULE_TYPE
+from jaxsim.formats.st_flow import read_flow
+from jaxsim.formats.st_modules import NORMALIZE, StModule, st_dense, st_normalize
 from jaxsim.models.st_head import Dense, HeadError, Normalize
+from jaxsim.storage import store
 
 MODULES_FILE = "modules.json"
 RECORD_FILE = "jaxsim_export.json"  # a jaxsim export's record
@@ -138,3 +147,58 @@ def head_of(folder: Path, read_state_dict: Callable,
                             f"is not supported by jaxsim (it reproduces Dense, Normalize and its "
                             f"own flow module)")
     return tuple(head)
+
+
+# ------------------------------------------------------------------------------ writing
+def save_tensors(path, tensors: Mapping[str, np.ndarray]) -> None:
+    """Writes a safetensors file through open(), so its mode follows the umask
+    (`safetensors.numpy.save_file` creates files 0600)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = safetensors_bytes({k: np.ascontiguousarray(v, dtype=np.float32)
+                              for k, v in tensors.items()}, metadata={"format": "pt"})
+    path.write_bytes(data)
+
+
+def head_modules(head: Sequence) -> list[StModule]:
+    """A model's own modules after pooling (a loaded sentence-transformers folder's Dense /
+    Normalize / flow), as they were."""
+    out = []
+    for module in head:
+        if isinstance(module, Dense):
+            bias = module.bias if module.bias is not None else np.zeros(module.out_features)
+            out.append(st_dense(module.weight.T, bias, module.activation))
+        elif isinstance(module, st_flow.FlowHead):
+            out.append(st_flow.flow_module(module.calibration, module.calibration.dim))
+        else:
+            out.append(st_normalize())
+    return out
+
+
+def ends_with_normalize(modules: Sequence[StModule]) -> bool:
+    return bool(modules) and modules[-1].type == NORMALIZE
+
+
+def write_modules(folder: Path, modules: Sequence[StModule], max_length: int,
+                  version: str) -> list[dict]:
+    """Writes sentence-transformers' files and module folders after the Transformer (the
+    model folder itself); returns modules.json. `version`: jaxsim's, for
+    config_sentence_transformers.json."""
+    entries = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"}]
+    for idx, module in enumerate(modules, start=1):
+        sub = f"{idx}_{module.short_name}"
+        (folder / sub).mkdir()
+        if module.config:
+            store.write_json(folder / sub / "config.json", dict(module.config), indent=2)
+        if module.tensors:
+            save_tensors(folder / sub / "model.safetensors", module.tensors)
+        entries.append({"idx": idx, "name": str(idx), "path": sub, "type": module.type})
+        if module.type == st_flow.MODULE_TYPE:  # the flow's code, where modules.json names it
+            (folder / st_flow.SOURCE_FILE).write_text(st_flow.source_text(), encoding="utf-8")
+    store.write_json(folder / MODULES_FILE, entries, indent=2)
+    store.write_json(folder / "sentence_bert_config.json",
+                     {"max_seq_length": int(max_length), "do_lower_case": False}, indent=2)
+    store.write_json(folder / "config_sentence_transformers.json", {
+        "__version__": {"jaxsim": version}, "similarity_fn_name": "cosine",
+        "prompts": {}, "default_prompt_name": None}, indent=2)
+    return entries

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxsim import runtime
 from jaxsim.errors import JaxsimError
-from jaxsim.io import store
+from jaxsim.storage import store
 
 
 def _orbax():

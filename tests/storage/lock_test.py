@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jaxsim.io import lock as workdir_lock
+from jaxsim.storage import lock as workdir_lock
 
 
 def test_lock_refuses_a_live_holder_and_names_it(tmp_path):
@@ -42,8 +42,8 @@ def test_hold_workdir_locks_on_the_main_process_only(tmp_path):
 
 def test_lock_of_a_killed_run_is_taken_over_with_a_message(tmp_path):
     run = tmp_path / "run"
-    code = ("import os, sys; from jaxsim.io import lock; lock.WorkdirLock(sys.argv[1]).acquire();"
-            " os.kill(os.getpid(), 9)")
+    code = ("import os, sys; from jaxsim.storage import lock; "
+            "lock.WorkdirLock(sys.argv[1]).acquire(); os.kill(os.getpid(), 9)")
     killed = subprocess.run([sys.executable, "-c", code, str(run)])
     assert killed.returncode == -9
     holder = json.loads((run / workdir_lock.LOCK_FILE).read_text())

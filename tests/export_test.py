@@ -22,13 +22,13 @@ from sentence_transformers import SentenceTransformer
 import jaxsim
 from jaxsim import calibrate
 from jaxsim.cli.main import main as cli_main
-from jaxsim.io import export as export_lib
-from jaxsim.io.pretrained import bundled_model_path
+from jaxsim import export as export_lib
+from jaxsim.formats.pretrained import bundled_model_path
 from jaxsim.models.bert import BertModel
 from jaxsim.models.poolers import BUILTIN_POOLERS, get_pooler
 from tests.conftest import write_tiny_model, write_tiny_workdir
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 BUILT_IN_POOLERS = BUILTIN_POOLERS
 SENTENCES = [
     "A man is playing a guitar.",
@@ -292,7 +292,7 @@ def test_bad_requests_are_one_line_errors(workdir, tiny, tmp_path, capsys):
            "trained and evaluated with pooler 'cls'")
     _fails(capsys, ["export", "--checkpoint", src, "--out", out, "--post", "whitening"],
            "--post needs --format sentence-transformers")
-    # A flow is exported as a PyTorch module (tests/io/st_flow_test.py); it is fitted too.
+    # A flow is exported as a PyTorch module (tests/formats/st_flow_test.py); it is fitted too.
     _fails(capsys, ["export", "--checkpoint", src, "--out", out, "--format",
                     "sentence-transformers", "--post", "flow"], "--post flow needs --fit-data")
     _fails(capsys, ["export", "--checkpoint", src, "--out", out, "--format",

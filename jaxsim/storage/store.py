@@ -9,10 +9,10 @@ Paths are `etils.epath.Path` (what orbax uses): a local path, or a URL of a sche
     `open_atomic`), a folder is built beside its target and swapped in (`replace_dir`), so an
     interrupted write leaves the old content or none, never half of it. Object stores have no
     rename, but a single object PUT is atomic already: remote files are written in one PUT;
-  - a train workdir is held by one run at a time (`WorkdirLock`, from `jaxsim.io.lock`).
+  - a train workdir is held by one run at a time (`WorkdirLock`, from `jaxsim.storage.lock`).
 
-Paths are named by `jaxsim.paths` and the lock lives in `jaxsim.io.lock`; their public names
-are reachable here too, so callers import one module for storage.
+Paths are named by `jaxsim.storage.paths` and the lock lives in `jaxsim.storage.lock`; their
+public names are reachable here too, so callers import one module for storage.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from typing import IO, Any, Iterator, Mapping, Optional, Union
 
 from etils import epath
 
-from jaxsim.io.lock import LOCK_FILE, WorkdirLock, WorkdirLockedError
-from jaxsim.paths import Path, PathLike, StorageError, as_path, is_remote, scheme
+from jaxsim.storage.lock import LOCK_FILE, WorkdirLock, WorkdirLockedError
+from jaxsim.storage.paths import Path, PathLike, StorageError, as_path, is_remote, scheme
 
 __all__ = [  # the storage layer's names, wherever they are defined
     "LOCK_FILE", "OutputExistsError", "Path", "PathLike", "StorageError", "WorkdirLock",

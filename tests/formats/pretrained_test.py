@@ -15,11 +15,11 @@ from safetensors.numpy import load_file, save_file
 
 import jaxsim
 from jaxsim.errors import ConfigError
-from jaxsim.io.checkpoint import CheckpointError
-from jaxsim.io.hf import (CheckpointMismatchError, encoder_params_to_hf, hf_to_encoder_params,
+from jaxsim.formats.checkpoint import CheckpointError
+from jaxsim.formats.hf import (CheckpointMismatchError, encoder_params_to_hf, hf_to_encoder_params,
                           hf_to_params, params_to_hf)
-from jaxsim.io.hf_folder import ModelLoadError
-from jaxsim.io.workdir import WorkdirError
+from jaxsim.formats.hf_folder import ModelLoadError
+from jaxsim.formats.workdir import WorkdirError
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.poolers import PoolerError
 from tests.conftest import write_tiny_workdir
@@ -197,7 +197,7 @@ def test_declared_pooler_of_an_export(tiny_folder):
     assert jaxsim.load_pretrained(tiny_folder).pooler == "avg_first_last"
     (tiny_folder / "jaxsim_export.json").write_text(
         json.dumps({"pooler": "cls", "post": {"kind": "whitening"}}))
-    # What follows the pooler is applied from modules.json (tests/io/st_folder_test.py); a
+    # What follows the pooler is applied from modules.json (tests/formats/st_folder_test.py); a
     # folder without one has nothing after the pooler.
     assert jaxsim.load_pretrained(tiny_folder).head == ()
     (tiny_folder / "jaxsim_export.json").write_text(

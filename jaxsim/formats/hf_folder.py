@@ -10,9 +10,9 @@ from typing import Optional
 import jax
 
 from jaxsim.errors import JaxsimError
-from jaxsim.io import store
-from jaxsim.io.hf import hf_to_encoder_params
-from jaxsim.io.st_folder import head_of
+from jaxsim.storage import store
+from jaxsim.formats.hf import hf_to_encoder_params
+from jaxsim.formats.st_folder import head_of
 from jaxsim.model import SentenceModel
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder

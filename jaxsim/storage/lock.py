@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxsim.paths import PathLike, StorageError, as_path, is_remote
+from jaxsim.storage.paths import PathLike, StorageError, as_path, is_remote
 
 LOCK_FILE = ".lock"
 

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from jaxsim.errors import Interrupted
-from jaxsim.io.hf_folder import ModelLoadError, bundled_model_path, load_tokenizer
+from jaxsim.formats.hf_folder import ModelLoadError, bundled_model_path, load_tokenizer
 
 TEXTS = ["Hello world, this is a Test!", "naïve café déjà vu", "a " * 60, ""]
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,11 +5,11 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from jaxsim.io import store
-from jaxsim.io.hf_folder import (ModelLoadError, bundled_model_path, load_hf_folder,
+from jaxsim.storage import store
+from jaxsim.formats.hf_folder import (ModelLoadError, bundled_model_path, load_hf_folder,
                                  resolve_model_path)
-from jaxsim.io.checkpoint import CHECKPOINT_DIR, Checkpointer
-from jaxsim.io.workdir import MODEL_FILE, WorkdirError, is_train_workdir, load_workdir
+from jaxsim.formats.checkpoint import CHECKPOINT_DIR, Checkpointer
+from jaxsim.formats.workdir import MODEL_FILE, WorkdirError, is_train_workdir, load_workdir
 from jaxsim.model import SentenceModel
 
 __all__ = ["load_pretrained", "bundled_model_path", "provenance"]

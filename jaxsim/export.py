@@ -1,4 +1,8 @@
-"""Export a `SentenceModel` as a Hugging Face or sentence-transformers folder.
+"""The export workflow: a `SentenceModel` as a Hugging Face or sentence-transformers folder.
+
+It sits above encode and calibrate (it encodes fit sentences and fits a calibration to bake
+in) and writes through jaxsim/formats/: hf.py (PyTorch names), st_folder.py (modules.json and
+the module folders), st_flow.py (a flow's PyTorch form).
 
 `hf` writes `config.json`, `model.safetensors` (PyTorch `BertModel`/`RobertaModel` names and
 layouts) and the tokenizer, so `transformers.AutoModel.from_pretrained(DIR)` gives jaxsim's
@@ -9,15 +13,15 @@ layer (`Pooler.hf_pooler`, e.g. 'cls': a SimCSE head becomes `pooler.dense`, so
 `sentence-transformers` adds, after the Transformer module, the modules the pooler's export
 rule returns (`jaxsim.models.poolers`: stock modules only, each exact), then an optional Dense
 carrying an affine calibration z = (x - mu) W (weight W^T, bias -mu W, identity activation)
-or a flow as a PyTorch module file in the folder (`jaxsim.io.st_flow`, loaded with
+or a flow as a PyTorch module file in the folder (`jaxsim.formats.st_flow`, loaded with
 `trust_remote_code=True`), and an optional Normalize, so `SentenceTransformer(DIR).encode`
 returns jaxsim's vectors.
 
 Every export records its choices in `jaxsim_export.json` (pooler, mlp_only_train, calibration,
 normalize) and where it came from (`provenance`: source, workdir step, selection metric and
 value), which `jaxsim.load_pretrained` reads back. The folder is built next to its final place
-and swapped in (`jaxsim.io.store.replace_dir`), so a failure or an interrupt never leaves half
-an export; folders get mode 0777 and files 0666 less the umask, like any file the user writes.
+and swapped in (`jaxsim.storage.store.replace_dir`), so a failure or an interrupt never leaves
+half an export; folders get mode 0777 and files 0666 less the umask, like any file the user writes.
 """
 from __future__ import annotations
 
@@ -28,28 +32,28 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
-from safetensors.numpy import save as safetensors_bytes
 
 from jaxsim import calibrate
-from jaxsim.calibrate.flow import BERT_FLOW_AS_RUN, resolve_config
+from jaxsim.calibrate.flow import BERT_FLOW_AS_RUN, FlowCalibration, resolve_config
 from jaxsim.data.readers import read_sentences
 from jaxsim.encode import encode
 from jaxsim.errors import JaxsimError
 from jaxsim.flows.config import FlowError
-from jaxsim.io import st_flow, store
-from jaxsim.io.hf import encoder_params_to_hf
-from jaxsim.io.pretrained import describe_provenance, load_pretrained, provenance
-from jaxsim.io.st_folder import RECORD_FILE, has_normalize_module
-from jaxsim.io.workdir import is_train_workdir
+from jaxsim.formats import st_flow
+from jaxsim.formats.hf import encoder_params_to_hf
+from jaxsim.formats.pretrained import describe_provenance, load_pretrained, provenance
+from jaxsim.formats.st_folder import (RECORD_FILE, ends_with_normalize, has_normalize_module,
+                                      head_modules, save_tensors, write_modules)
+from jaxsim.formats.st_modules import IDENTITY, StModule, st_dense, st_normalize
+from jaxsim.formats.workdir import is_train_workdir
 from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
-from jaxsim.models.poolers import StModule, get_pooler, st_dense
+from jaxsim.models.poolers import get_pooler
 from jaxsim.models.st_head import HeadError
+from jaxsim.storage import store
 
 FORMATS = ("hf", "sentence-transformers")
 
-_IDENTITY = "torch.nn.modules.linear.Identity"
-_NORMALIZE = "sentence_transformers.models.Normalize"
 # sentence-transformers modules that read every layer's output: the Transformer module passes
 # them on only when the Hugging Face config sets output_hidden_states.
 _READS_ALL_LAYERS = ("WeightedLayerPooling",)
@@ -95,16 +99,12 @@ def check_out(out: Union[str, os.PathLike], overwrite: bool,
     return target
 
 
-def _save_tensors(path, tensors: Mapping[str, np.ndarray]) -> None:
-    """Writes a safetensors file through open(), so its mode follows the umask
-    (`safetensors.numpy.save_file` creates files 0600)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = safetensors_bytes({k: np.ascontiguousarray(v, dtype=np.float32)
-                              for k, v in tensors.items()}, metadata={"format": "pt"})
-    path.write_bytes(data)
-
-
 # ------------------------------------------------------------------ sentence-transformers
+def is_flow(calibration_class: type) -> bool:
+    """Whether export writes calibrations of this class as a flow's PyTorch module."""
+    return isinstance(calibration_class, type) and issubclass(calibration_class, FlowCalibration)
+
+
 def pooler_modules(model: SentenceModel) -> list[StModule]:
     """The sentence-transformers modules reproducing the model's pooler, by its export rule."""
     pooler = get_pooler(model.pooler)
@@ -130,7 +130,7 @@ def affine_of(calibration: calibrate.Calibration) -> tuple[np.ndarray, np.ndarra
 def calibration_module(calibration: calibrate.Calibration, dim: int) -> StModule:
     """A Dense module computing z = (x - mu) W = x W + (-mu W), exactly the calibration; a
     flow's PyTorch module for a flow."""
-    if st_flow.has_torch_form(type(calibration)):
+    if is_flow(type(calibration)):
         try:
             return st_flow.flow_module(calibration, dim)
         except HeadError as e:
@@ -139,61 +139,20 @@ def calibration_module(calibration: calibrate.Calibration, dim: int) -> StModule
     if mu.shape != (dim,) or w.ndim != 2 or w.shape[0] != dim:
         raise ExportError(f"the calibration maps {w.shape[0]}-dim vectors (mu {mu.shape}, W "
                           f"{w.shape}); the model gives {dim}-dim vectors")
-    return StModule("sentence_transformers.models.Dense", {
-        "in_features": int(w.shape[0]), "out_features": int(w.shape[1]), "bias": True,
-        "activation_function": _IDENTITY},
-        {"linear.weight": w.T, "linear.bias": -(mu @ w)})  # torch Linear: weight [out, in]
-
-
-def head_modules(model: SentenceModel) -> list[StModule]:
-    """The model's own modules after pooling (a loaded sentence-transformers folder's Dense /
-    Normalize), as they were."""
-    out = []
-    for module in model.head:
-        if isinstance(module, st_head.Dense):
-            bias = module.bias if module.bias is not None else np.zeros(module.out_features)
-            out.append(st_dense(module.weight.T, bias, module.activation))
-        elif isinstance(module, st_flow.FlowHead):
-            out.append(calibration_module(module.calibration, module.calibration.dim))
-        else:
-            out.append(StModule(_NORMALIZE, {}))
-    return out
+    return st_dense(w, -(mu @ w), IDENTITY)  # kernel W [D, K], bias -mu W
 
 
 def st_modules(model: SentenceModel, calibration: Any = None,
                normalize: bool = False) -> list[StModule]:
     """Modules after the Transformer: pooler rule, the model's own head, then calibration
     Dense, then Normalize."""
-    modules = pooler_modules(model) + head_modules(model)
+    modules = pooler_modules(model) + head_modules(model.head)
     if calibration is not None:
         width = st_head.output_size(model.head, model.hidden_size)
         modules.append(calibration_module(calibration, width))
-    if normalize and not (modules and modules[-1].type == _NORMALIZE):
-        modules.append(StModule(_NORMALIZE, {}))
+    if normalize and not ends_with_normalize(modules):
+        modules.append(st_normalize())
     return modules
-
-
-def _write_st(folder: Path, modules: Sequence[StModule], max_length: int) -> list[dict]:
-    """Writes sentence-transformers' files and module folders; returns modules.json."""
-    entries = [{"idx": 0, "name": "0", "path": "",
-                "type": "sentence_transformers.models.Transformer"}]
-    for idx, module in enumerate(modules, start=1):
-        sub = f"{idx}_{module.short_name}"
-        (folder / sub).mkdir()
-        if module.config:
-            store.write_json(folder / sub / "config.json", dict(module.config), indent=2)
-        if module.tensors:
-            _save_tensors(folder / sub / "model.safetensors", module.tensors)
-        entries.append({"idx": idx, "name": str(idx), "path": sub, "type": module.type})
-        if module.type == st_flow.MODULE_TYPE:  # the flow's code, where modules.json names it
-            (folder / st_flow.SOURCE_FILE).write_text(st_flow.source_text(), encoding="utf-8")
-    store.write_json(folder / "modules.json", entries, indent=2)
-    store.write_json(folder / "sentence_bert_config.json",
-                     {"max_seq_length": int(max_length), "do_lower_case": False}, indent=2)
-    store.write_json(folder / "config_sentence_transformers.json", {
-        "__version__": {"jaxsim": _version()}, "similarity_fn_name": "cosine",
-        "prompts": {}, "default_prompt_name": None}, indent=2)
-    return entries
 
 
 # ---------------------------------------------------------------------------- the export
@@ -205,7 +164,7 @@ def hf_tensors(model: SentenceModel) -> dict[str, np.ndarray]:
 
 def describe_calibration(calibration: calibrate.Calibration) -> dict:
     """The record's description of a calibration (never its parameters)."""
-    if st_flow.has_torch_form(type(calibration)):
+    if is_flow(type(calibration)):
         return {"kind": "flow", "spec": calibration.spec, "describe": calibration.describe(),
                 "dim_in": calibration.dim, "dim_out": calibration.dim}
     mu, w = affine_of(calibration)
@@ -271,10 +230,10 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
         record["provenance"] = dict(provenance)
     with store.replace_dir(out, overwrite, "--out", keep=_is_previous_export) as tmp:
         store.write_json(tmp / "config.json", hf_config, indent=2)
-        _save_tensors(tmp / "model.safetensors", tensors)
+        save_tensors(tmp / "model.safetensors", tensors)
         model.tokenizer.save_pretrained(os.fspath(tmp))
         if modules:
-            record["modules"] = _write_st(tmp, modules, max_length)
+            record["modules"] = write_modules(tmp, modules, max_length, _version())
         store.write_json(tmp / RECORD_FILE, record, indent=2)
     return out if store.is_remote(out) else Path(os.fspath(out))
 
@@ -282,7 +241,7 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
 # ------------------------------------------------------------- the command: source -> folder
 def _exportable(cls) -> bool:
     """Affine calibrations become a Dense module, flows a PyTorch module file."""
-    return bool(getattr(cls, "linear", False)) or st_flow.has_torch_form(cls)
+    return bool(getattr(cls, "linear", False)) or is_flow(cls)
 
 
 def exportable_calibrations() -> list[str]:
@@ -293,7 +252,7 @@ def exportable_calibrations() -> list[str]:
         cls = calibrate.CALIBRATIONS.get(name)
         if not _exportable(cls):
             continue
-        arg = ("CONFIG" if st_flow.has_torch_form(cls) else
+        arg = ("CONFIG" if is_flow(cls) else
                "K" if getattr(cls, "arg_type", int) is int else "ARG")
         accepted.append({"none": name, "optional": f"{name}[:{arg}]"}.get(
             getattr(cls, "arg", "none"), f"{name}:{arg}"))
@@ -313,7 +272,7 @@ def check_post(spec: str, format: str) -> Optional[str]:
     if format != "sentence-transformers":
         raise ExportError("--post needs --format sentence-transformers (a Hugging Face model "
                           "folder has no place for it)")
-    if st_flow.has_torch_form(cls):  # a layer without a PyTorch form, before the fit
+    if is_flow(cls):  # a layer without a PyTorch form, before the fit
         try:
             config = resolve_config(arg if arg is not None else BERT_FLOW_AS_RUN)
             st_flow.check_layers(config, f"--post {spec}")
@@ -331,7 +290,7 @@ def fit_calibration(model: SentenceModel, spec: str, fit_data: Optional[Path],
         raise ExportError(f"--post {spec} needs --fit-data FILE (one sentence a line) to fit on")
     sentences = read_sentences(fit_data)
     vectors = encode(model, sentences, batch_size=batch_size, max_length=max_length)
-    if not st_flow.has_torch_form(calibrate.CALIBRATIONS.get(calibrate.parse_spec(spec)[0])):
+    if not is_flow(calibrate.CALIBRATIONS.get(calibrate.parse_spec(spec)[0])):
         return calibrate.fit(spec, vectors)
 
     def noised(key):
@@ -382,7 +341,7 @@ def export_source(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
         if format != "sentence-transformers":
             raise ExportError("--calibration needs --format sentence-transformers")
         loaded = calibrate.load(calibration)
-        if st_flow.has_torch_form(type(loaded)):  # a flow with PyTorch layers, else an error
+        if is_flow(type(loaded)):  # a flow with PyTorch layers, else an error
             try:
                 st_flow.check_layers(loaded.config, f"--calibration {calibration}")
             except HeadError as e:
