@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
-
 # Random-init architectures for `--shape` (BERT vocabulary, so the bundled tokenizer's ids fit).
 SHAPES = {
     "bert-base": {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,

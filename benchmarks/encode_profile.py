@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import step_profile as sp  # noqa: E402
 from common import available_cpus, load_average, set_threads, write_json, xla_flops  # noqa: E402
 from encode_speed import batches_by_shape, long_texts, stsb_test_sentences  # noqa: E402
-import step_profile as sp  # noqa: E402
 
 SETS = ("stsb_test", "long_64_128")
 

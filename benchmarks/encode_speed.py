@@ -33,8 +33,18 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (SHAPES, alternating, available_cpus, best_vs_best,  # noqa: E402
-                    load_average, ratio_stats, seconds, set_threads, write_json, xla_flops)
+from common import (  # noqa: E402
+    SHAPES,
+    alternating,
+    available_cpus,
+    best_vs_best,
+    load_average,
+    ratio_stats,
+    seconds,
+    set_threads,
+    write_json,
+    xla_flops,
+)
 from peak import describe, fraction_of_peak, measure_peaks  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")

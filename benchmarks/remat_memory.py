@@ -31,11 +31,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+
 from jaxsim import sharding  # noqa: E402
 from jaxsim.cli import environment  # noqa: E402
 from jaxsim.models.encoder import init_params  # noqa: E402
 from jaxsim.objectives import get_objective  # noqa: E402
-from jaxsim.train import build, optim, state as state_lib, step as step_lib  # noqa: E402
+from jaxsim.train import build, optim  # noqa: E402
+from jaxsim.train import state as state_lib
+from jaxsim.train import step as step_lib
 from jaxsim.train.config import TrainConfig  # noqa: E402
 
 SETTINGS = [('none', 0), ('full', 0), ('dots', 0), ('none', 64)]

@@ -41,10 +41,8 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (available_cpus, cost_analysis, load_average, set_threads,  # noqa: E402
-                    write_json)
+from common import available_cpus, cost_analysis, load_average, set_threads, write_json  # noqa: E402
 from train_speed import build_step, tokenized  # noqa: E402
-
 
 DENSE_FWD, DENSE_BWD = "dense products, forward", "dense products, backward"
 DROPOUT, EMBED = "dropout masks (threefry bits)", "embedding lookup / gradient"

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 import numpy as np
-
 from common import SHAPES, print_peak_memory, status_mb
 
 LR, TOTAL_STEPS, TEMP, CLIP, DROPOUT = 3e-5, 1000, 0.05, 1.0, 0.1

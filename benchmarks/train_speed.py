@@ -58,14 +58,28 @@ from jaxsim.formats.hf_folder import bundled_model_path, load_tokenizer
 from jaxsim.models.encoder import init_params
 from jaxsim.objectives import check_kwargs, get_objective
 from jaxsim.storage.paths import SENTEVAL_ROOT
-from jaxsim.train import build, optim, state as state_lib, step as step_lib
+from jaxsim.train import build, optim
+from jaxsim.train import state as state_lib
+from jaxsim.train import step as step_lib
 from jaxsim.train.config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch_reference  # noqa: E402
-from common import (SHAPES, ChildContender, alternating, available_cpus,  # noqa: E402
-                    best_vs_best, load_average, print_peak_memory, ratio_stats, serve_contender,
-                    set_threads, status_mb, write_json, xla_flops)
+from common import (  # noqa: E402
+    SHAPES,
+    ChildContender,
+    alternating,
+    available_cpus,
+    best_vs_best,
+    load_average,
+    print_peak_memory,
+    ratio_stats,
+    serve_contender,
+    set_threads,
+    status_mb,
+    write_json,
+    xla_flops,
+)
 from peak import describe, fraction_of_peak, measure_peaks  # noqa: E402
 
 ROWS = ("unsup:float32", "unsup:bfloat16", "sup:float32")

@@ -20,7 +20,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from jaxsim import sharding as sharding_lib
 from jaxsim.cpu import warn_if_bf16_emulated
 from jaxsim.data import encode_layout

@@ -42,8 +42,14 @@ from jaxsim.flows.config import FlowError
 from jaxsim.formats import st_flow
 from jaxsim.formats.hf import encoder_params_to_hf
 from jaxsim.formats.pretrained import describe_provenance, load_pretrained, provenance
-from jaxsim.formats.st_folder import (RECORD_FILE, ends_with_normalize, has_normalize_module,
-                                      head_modules, save_tensors, write_modules)
+from jaxsim.formats.st_folder import (
+    RECORD_FILE,
+    ends_with_normalize,
+    has_normalize_module,
+    head_modules,
+    save_tensors,
+    write_modules,
+)
 from jaxsim.formats.st_modules import IDENTITY, StModule, st_dense, st_normalize
 from jaxsim.formats.workdir import is_train_workdir
 from jaxsim.model import SentenceModel

@@ -35,16 +35,24 @@ from jaxsim.data.batching import tokenize_examples
 from jaxsim.data.pipeline import StreamIterator
 from jaxsim.data.tokenize import TokenBatch, tokenize
 from jaxsim.model import SentenceModel
-from jaxsim.models.encoder import init_params
 from jaxsim.models import st_head
+from jaxsim.models.encoder import init_params
 from jaxsim.objectives import check_kwargs, get_objective
-from jaxsim.train import build, optim, step as step_lib
+from jaxsim.train import build, optim
+from jaxsim.train import step as step_lib
 from jaxsim.train.build import train_program
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.config_files import load_config_file
 from jaxsim.train.state import TrainState, create_state
-from jaxsim.train.step import (BatchSplit, CompileTarget, LossSpec, UpdateSpec, configure_jax,
-                               make_loss_fn, make_train_step)
+from jaxsim.train.step import (
+    BatchSplit,
+    CompileTarget,
+    LossSpec,
+    UpdateSpec,
+    configure_jax,
+    make_loss_fn,
+    make_train_step,
+)
 
 __all__ = ["BatchSplit", "CompileTarget", "HEAD_KEY", "LossSpec", "TokenBatch", "TrainConfig",
            "TrainState", "UpdateSpec", "batches", "configure_jax", "create_state",

@@ -21,7 +21,8 @@ import jax
 import numpy as np
 from flax import traverse_util
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxsim.errors import JaxsimError
 

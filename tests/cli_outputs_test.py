@@ -20,8 +20,8 @@ import jaxsim
 from jaxsim.cli import eval as eval_cli
 from jaxsim.cli.main import main as cli_main
 from jaxsim.encode import NonFiniteVectorsError
-from jaxsim.storage.paths import SENTEVAL_ROOT
 from jaxsim.search import IndexFileError, SearchIndex, load_index
+from jaxsim.storage.paths import SENTEVAL_ROOT
 from tests.conftest import write_tiny_model
 from tests.data.tiny_senteval import write_tiny_senteval
 

@@ -50,11 +50,11 @@ import pytest
 import jaxsim
 from configs.tiny_unsup_simcse import get_config
 from jaxsim import bundled_model_path
-from jaxsim.storage.paths import SENTEVAL_ROOT
-from jaxsim.formats.checkpoint import CheckpointOptions, Checkpointer
+from jaxsim.formats.checkpoint import Checkpointer, CheckpointOptions
 from jaxsim.formats.workdir import write_model
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
+from jaxsim.storage.paths import SENTEVAL_ROOT
 from jaxsim.train.config import TrainConfig, base_config
 
 REPO = Path(__file__).resolve().parents[1]

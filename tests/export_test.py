@@ -21,8 +21,8 @@ from sentence_transformers import SentenceTransformer
 
 import jaxsim
 from jaxsim import calibrate
-from jaxsim.cli.main import main as cli_main
 from jaxsim import export as export_lib
+from jaxsim.cli.main import main as cli_main
 from jaxsim.formats.pretrained import bundled_model_path
 from jaxsim.models.bert import BertModel
 from jaxsim.models.poolers import BUILTIN_POOLERS, get_pooler

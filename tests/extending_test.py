@@ -16,10 +16,10 @@ import jaxsim
 from jaxsim import calibrate
 from jaxsim.calibrate import CALIBRATIONS, AffineCalibration
 from jaxsim.eval.runner import CachedEncoder, evaluate_rows
-from jaxsim.flows import FLOW_LAYERS, FlowConfig, FlowOutput, layer
 from jaxsim.export import export_model
-from jaxsim.models.bert import BertConfig
+from jaxsim.flows import FLOW_LAYERS, FlowConfig, FlowOutput, layer
 from jaxsim.formats.st_modules import st_dense, st_pooling
+from jaxsim.models.bert import BertConfig
 from jaxsim.models.poolers import masked_mean, register_pooler
 from jaxsim.objectives import register_objective
 from jaxsim.storage.paths import SENTEVAL_ROOT

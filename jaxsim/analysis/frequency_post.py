@@ -27,9 +27,14 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from jaxsim import calibrate
+from jaxsim.analysis.frequency import (
+    PAPER_BUCKETS,
+    count_tokens,
+    frequency_table,
+    rank_tokens,
+    token_embeddings,
+)
 from jaxsim.errors import JaxsimError
-from jaxsim.analysis.frequency import (PAPER_BUCKETS, count_tokens, frequency_table, rank_tokens,
-                                       token_embeddings)
 from jaxsim.eval import diagnostics, runner
 
 FitFn = Callable[..., calibrate.Calibration]

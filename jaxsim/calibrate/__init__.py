@@ -5,11 +5,26 @@
   cal.affine() -> (mu [D], W [D, K]) or None; cal.describe() -> one line
   CALIBRATIONS: register a new one with `@CALIBRATIONS.register('name')` on a Calibration
 """
-from jaxsim.calibrate.base import (CALIBRATIONS, Calibration, CalibrationError,
-                                   blas_single_thread, check_embeddings, fit, label, load,
-                                   parse_spec, save, spec_string)
-from jaxsim.calibrate.affine import (AffineCalibration, Identity, Natsv,
-                                     StandardNormalization, Whitening)
+from jaxsim.calibrate.affine import (
+                                   AffineCalibration,
+                                   Identity,
+                                   Natsv,
+                                   StandardNormalization,
+                                   Whitening,
+)
+from jaxsim.calibrate.base import (
+                                   CALIBRATIONS,
+                                   Calibration,
+                                   CalibrationError,
+                                   blas_single_thread,
+                                   check_embeddings,
+                                   fit,
+                                   label,
+                                   load,
+                                   parse_spec,
+                                   save,
+                                   spec_string,
+)
 from jaxsim.calibrate.flow import FlowCalibration
 
 __all__ = ['AffineCalibration', 'CALIBRATIONS', 'Calibration', 'CalibrationError',

@@ -23,8 +23,14 @@ import flax.struct
 import numpy as np
 
 from jaxsim.calibrate import base
-from jaxsim.calibrate.base import (CALIBRATIONS, Calibration, CalibrationError,
-                                   blas_single_thread, check_dim, check_embeddings)
+from jaxsim.calibrate.base import (
+    CALIBRATIONS,
+    Calibration,
+    CalibrationError,
+    blas_single_thread,
+    check_dim,
+    check_embeddings,
+)
 
 # Singular values below RANK_RTOL * largest count as zero: float64 SVD of an exactly
 # rank-deficient covariance leaves ~1e-16 relative residue, real embeddings sit far above.

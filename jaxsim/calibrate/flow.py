@@ -23,8 +23,8 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import Mesh
 
-from jaxsim.calibrate.base import CALIBRATIONS, Calibration, CalibrationError, check_dim
 from jaxsim import compile_options
+from jaxsim.calibrate.base import CALIBRATIONS, Calibration, CalibrationError, check_dim
 from jaxsim.flows.checks import check_matrix
 from jaxsim.flows.config import FlowConfig, FlowError, load_config_file
 from jaxsim.flows.models import make_flow

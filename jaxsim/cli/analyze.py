@@ -21,8 +21,8 @@ from jaxsim.analysis import frequency_post
 from jaxsim.analysis.frequency import PAPER_BUCKETS, plot_frequency
 from jaxsim.cli import cli_io
 from jaxsim.data.readers import read_sentences
-from jaxsim.storage import store
 from jaxsim.formats.pretrained import bundled_model_path, load_pretrained
+from jaxsim.storage import store
 
 JSON_FILE, PNG_FILE, SPECTRUM_FILE = "frequency.json", "frequency.png", "spectrum.png"
 

@@ -16,9 +16,9 @@ from jaxsim.cli import cli_io
 from jaxsim.cli.cli_io import UsageError
 from jaxsim.data.tokenize import token_ids
 from jaxsim.encode import encode
-from jaxsim.storage import store
 from jaxsim.formats.pretrained import bundled_model_path, load_pretrained
 from jaxsim.models.poolers import POOLERS
+from jaxsim.storage import store
 
 
 def _count_over_limit(tokenizer, sentences: Sequence[str], limit: int) -> int:

@@ -30,6 +30,7 @@ from typing import Optional
 
 from jaxsim.errors import SIGNALS, Interrupted
 
+
 def block() -> None:
     """Holds SIGINT/SIGTERM back (start-up); `install()` delivers any that arrived meanwhile."""
     if threading.current_thread() is threading.main_thread():

@@ -20,9 +20,9 @@ from typing import Optional, Sequence
 import jax
 
 from jaxsim.cli import cli_io
-from jaxsim.storage import store
 from jaxsim.plan.chips import parse_topology
 from jaxsim.plan.planner import make_plan
+from jaxsim.storage import store
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.config_files import apply_overrides, load_config_file
 from jaxsim.train.step import configure_jax

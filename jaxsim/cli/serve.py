@@ -18,8 +18,8 @@ from typing import Sequence
 
 from jaxsim.cli import cli_io
 from jaxsim.cli.cli_io import check_output_file
-from jaxsim.storage.store import write_atomic
 from jaxsim.serve.service import ServeLimits, open_service
+from jaxsim.storage.store import write_atomic
 
 # The HTTP stack is the [serve] extra (pip install 'jaxsim[serve]'), not the core install: a
 # process without it runs every other command, and this one says what to install.

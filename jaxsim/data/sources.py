@@ -20,8 +20,14 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxsim.data import index as index_lib
-from jaxsim.data.readers import (NLI_COLUMNS, SNLI_LABELS, DataError, PathLike,
-                                 check_nli_header, check_nli_row)
+from jaxsim.data.readers import (
+    NLI_COLUMNS,
+    SNLI_LABELS,
+    DataError,
+    PathLike,
+    check_nli_header,
+    check_nli_row,
+)
 
 
 def _sha256_json(value) -> str:

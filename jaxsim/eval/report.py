@@ -18,8 +18,8 @@ from jaxsim.eval import transfer
 from jaxsim.eval.metrics import AGGREGATE_DOC
 from jaxsim.eval.protocol import StsResult
 from jaxsim.eval.transfer import TransferResult
-from jaxsim.storage import store
 from jaxsim.formats.pretrained import describe_provenance
+from jaxsim.storage import store
 
 # Column headers as in the SimCSE paper's tables.
 SHORT_NAMES = {

@@ -19,8 +19,6 @@ import numpy as np
 
 import jaxsim
 from jaxsim import calibrate
-from jaxsim.formats.pretrained import describe_provenance, provenance
-from jaxsim.models.st_head import output_size
 from jaxsim.data import senteval
 from jaxsim.data import transfer as transfer_data
 from jaxsim.data.senteval import StsTask
@@ -28,6 +26,8 @@ from jaxsim.eval import diagnostics as diag
 from jaxsim.eval import metrics, protocol, transfer
 from jaxsim.eval.embeddings import CachedEncoder, EmbeddingTable, EncodeFn
 from jaxsim.eval.protocol import FitSet, StsResult
+from jaxsim.formats.pretrained import describe_provenance, provenance
+from jaxsim.models.st_head import output_size
 from jaxsim.storage.paths import SENTEVAL_ROOT
 
 DEFAULT_DATA = SENTEVAL_ROOT

@@ -31,8 +31,8 @@ from jaxsim.data import transfer as transfer_data
 from jaxsim.data.transfer import LabeledText, PathLike, TransferData
 from jaxsim.eval import logreg
 from jaxsim.eval.logreg import ClassifierConfig, ClassifierError, Problem
-from jaxsim.storage import store
 from jaxsim.progress import CountProgress
+from jaxsim.storage import store
 
 EncodeFn = Callable[[list[str]], np.ndarray]
 

@@ -19,8 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsim.flows.layers import (FLOW_LAYERS, FlowOutput, constant_logdet, host_normal,
-                                 tf_default_uniform)
+from jaxsim.flows.layers import (
+    FLOW_LAYERS,
+    FlowOutput,
+    constant_logdet,
+    host_normal,
+    tf_default_uniform,
+)
 
 NETS = ('mlp', 'glow')
 AFFINE_SCALES = ('tanh', 'sigmoid')

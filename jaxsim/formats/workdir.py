@@ -21,7 +21,6 @@ import jax
 import numpy as np
 
 from jaxsim.errors import JaxsimError
-from jaxsim.storage import store
 from jaxsim.formats.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jaxsim.formats.hf_folder import load_tokenizer
 from jaxsim.model import SentenceModel
@@ -30,6 +29,7 @@ from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, check_params
 from jaxsim.models.poolers import get_pooler
 from jaxsim.objectives import owned
+from jaxsim.storage import store
 
 MODEL_FILE = "model.json"
 TOKENIZER_DIR = "tokenizer"

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxsim.errors import ConfigError
+from jaxsim.models import attention_ops, dropout, ops, packed
+from jaxsim.models import kernels as kernels_lib
 from jaxsim.storage import store
-from jaxsim.models import attention_ops, dropout, kernels as kernels_lib, ops, packed
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsim.errors import JaxsimError
+
 # The rules build sentence-transformers module descriptions; the leaf module imports no jaxsim.
 from jaxsim.formats.st_modules import TANH, StModule, st_dense, st_layer_average, st_pooling
 from jaxsim.models.bert import BertConfig, BertOutput

@@ -3,9 +3,19 @@
 `register_objective(name, views=...)` adds one from any file; see `jaxsim.objectives.base`.
 """
 from jaxsim.objectives import owned, simcse  # noqa: F401  (simcse registers 'unsup', 'sup')
-from jaxsim.objectives.base import (CONTEXT_ARGS, OBJECTIVES, LossFn, Objective, ObjectiveError,
-                                    check_kwargs, context_args, get_objective, hyperparameters,
-                                    register_objective, with_context)
+from jaxsim.objectives.base import (
+                                    CONTEXT_ARGS,
+                                    OBJECTIVES,
+                                    LossFn,
+                                    Objective,
+                                    ObjectiveError,
+                                    check_kwargs,
+                                    context_args,
+                                    get_objective,
+                                    hyperparameters,
+                                    register_objective,
+                                    with_context,
+)
 
 __all__ = ["CONTEXT_ARGS", "OBJECTIVES", "LossFn", "Objective", "ObjectiveError", "check_kwargs",
            "context_args", "get_objective", "hyperparameters", "owned", "register_objective",

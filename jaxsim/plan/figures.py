@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import re
 import os
+import re
 import sys
 import threading
 import time
@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxsim.errors import JaxsimError
 from jaxsim.plan import hlo
-from jaxsim.plan.chips import GiB, Chip, Topology, TopologyError
+from jaxsim.plan.chips import Chip, GiB, Topology, TopologyError
 
 
 class PlanError(JaxsimError):

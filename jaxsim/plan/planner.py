@@ -27,10 +27,13 @@ from jaxsim.encode import make_encode_fn
 from jaxsim.errors import ConfigError
 from jaxsim.models.encoder import param_shapes
 from jaxsim.objectives import check_kwargs, get_objective
-from jaxsim.plan import breakdown, figures as fig
+from jaxsim.plan import breakdown
+from jaxsim.plan import figures as fig
 from jaxsim.plan.chips import Topology
 from jaxsim.plan.figures import PlanError, ProgramFigures, Roofline
-from jaxsim.train import build, state as state_lib, step as step_lib
+from jaxsim.train import build
+from jaxsim.train import state as state_lib
+from jaxsim.train import step as step_lib
 from jaxsim.train.config import TrainConfig
 
 # A plan fits when the program's peak HBM is at most this share of the capacity: the runtime

@@ -28,10 +28,17 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from jaxsim.search.topk import (DEFAULT_QUERY_BATCH, Layout, dispatch_query_batches,
-                                gather_query_batches, row_axes, top_k_search)
+from jaxsim.search.topk import (
+    DEFAULT_QUERY_BATCH,
+    Layout,
+    dispatch_query_batches,
+    gather_query_batches,
+    row_axes,
+    top_k_search,
+)
 
 # Rows per group (a power of two: the row within its group is packed into the score's low bits),
 # groups kept per query beyond k, and chosen groups rescored whole (those whose second best row

@@ -28,14 +28,29 @@ from jax.sharding import Mesh
 from jaxsim.cpu import warn_if_bf16_emulated
 from jaxsim.data.readers import read_sentences
 from jaxsim.search import ann
-from jaxsim.search.storage import IndexFileError, read_ann, read_index, write_index
 from jaxsim.search.bf16 import bf16_corpus, bf16_top_k_search
-from jaxsim.search.topk import (DEFAULT_BLOCK_ROWS, DEFAULT_QUERY_BATCH, Layout, place_corpus,
-                                plan_layout, top_k_search)
 from jaxsim.search.model_check import PROBE_SENTENCE, encode_checked
-from jaxsim.search.vectors import (SearchError, as_matrix, check_recall, check_top_k, embed,
-                                   model_ref, normalize_rows, sentence_list)
+from jaxsim.search.storage import IndexFileError, read_ann, read_index, write_index
+from jaxsim.search.topk import (
+    DEFAULT_BLOCK_ROWS,
+    DEFAULT_QUERY_BATCH,
+    Layout,
+    place_corpus,
+    plan_layout,
+    top_k_search,
+)
+from jaxsim.search.vectors import (
+    SearchError,
+    as_matrix,
+    check_recall,
+    check_top_k,
+    embed,
+    model_ref,
+    normalize_rows,
+    sentence_list,
+)
 from jaxsim.sharding import make_mesh
+
 
 @dataclasses.dataclass(frozen=True)
 class IndexInfo:

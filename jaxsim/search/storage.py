@@ -24,9 +24,9 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from jaxsim.storage import store
 from jaxsim.search.ann import METHODS
 from jaxsim.search.vectors import SearchError, as_matrix
+from jaxsim.storage import store
 
 FORMAT = "jaxsim-search-index"
 VERSION = 1

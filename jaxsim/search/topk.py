@@ -27,7 +27,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # Rows scored per scan step on each device: [queries, block] scores stay cache-sized on CPU.
 DEFAULT_BLOCK_ROWS = 2048

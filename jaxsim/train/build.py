@@ -17,8 +17,8 @@ import numpy as np
 from jaxsim import distributed, sharding
 from jaxsim.cpu import warn_if_bf16_emulated
 from jaxsim.data import readers, sources
-from jaxsim.data.pipeline import StreamIterator
 from jaxsim.data.packing import pack_batch
+from jaxsim.data.pipeline import StreamIterator
 from jaxsim.errors import ConfigError
 from jaxsim.formats.hf_folder import bundled_model_path, load_tokenizer, resolve_model_path
 from jaxsim.formats.pretrained import load_pretrained
@@ -29,7 +29,9 @@ from jaxsim.models.encoder import SentenceEncoder
 from jaxsim.models.poolers import get_pooler
 from jaxsim.objectives import Objective, ObjectiveError, owned
 from jaxsim.objectives.mlm import MlmSettings
-from jaxsim.train import optim, state as state_lib, step as step_lib
+from jaxsim.train import optim
+from jaxsim.train import state as state_lib
+from jaxsim.train import step as step_lib
 from jaxsim.train.config import TrainConfig
 
 _DROPOUT_FIELDS = ('hidden_dropout_prob', 'attention_probs_dropout_prob')

@@ -15,6 +15,7 @@ from jaxsim.config_module import run_get_config
 from jaxsim.errors import ConfigError
 from jaxsim.train.config import DEFAULTS, check_keys, to_plain, unknown_key_message
 
+
 def load_config_file(spec: str) -> dict[str, Any]:
     """Loads `path.py` or `path.py:arg` (calling `get_config()` / `get_config(arg)`).
 

@@ -22,14 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxsim import distributed, runtime, sharding as sharding_lib
+from jaxsim import distributed, runtime
+from jaxsim import sharding as sharding_lib
 from jaxsim.data import pipeline
 from jaxsim.errors import Interrupted
-from jaxsim.storage import store
-from jaxsim.formats.checkpoint import CHECKPOINT_DIR, CheckpointOptions, Checkpointer
-from jaxsim.storage.lock import hold_workdir
+from jaxsim.formats.checkpoint import CHECKPOINT_DIR, Checkpointer, CheckpointOptions
 from jaxsim.formats.workdir import write_model
 from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
@@ -38,6 +38,8 @@ from jaxsim.models.poolers import get_pooler
 from jaxsim.objectives import owned
 from jaxsim.objectives.base import check_kwargs, get_objective
 from jaxsim.progress import progress_bar
+from jaxsim.storage import store
+from jaxsim.storage.lock import hold_workdir
 from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.evaluate import DEV_METRIC, StsbEvaluator, optional_evaluator

@@ -18,11 +18,11 @@ import re
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 from jaxsim.errors import USER_ERRORS, JaxsimError
-from jaxsim.storage import store
-from jaxsim.storage.tb import ScalarWriter
 from jaxsim.formats.checkpoint import CHECKPOINT_DIR
-from jaxsim.storage.lock import LOCK_FILE
 from jaxsim.formats.workdir import CONFIG_FILE, MODEL_FILE, TOKENIZER_DIR
+from jaxsim.storage import store
+from jaxsim.storage.lock import LOCK_FILE
+from jaxsim.storage.tb import ScalarWriter
 from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.fingerprint import OPERATIONAL_KEYS, differences, fingerprint, run_defining
 

@@ -7,7 +7,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxsim import sharding as sharding_lib
 from jaxsim.models import st_head

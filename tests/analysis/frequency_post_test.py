@@ -12,8 +12,13 @@ from scipy.spatial.distance import cdist
 from tensorboard.backend.event_processing import event_accumulator
 
 from jaxsim import calibrate
-from jaxsim.analysis.frequency_post import (CalibratedAnalysisError, analyze_calibrations,
-                                            effective_rank, sentence_diagnostics, tb_folder)
+from jaxsim.analysis.frequency_post import (
+    CalibratedAnalysisError,
+    analyze_calibrations,
+    effective_rank,
+    sentence_diagnostics,
+    tb_folder,
+)
 from jaxsim.cli.main import main as jaxsim_main
 from jaxsim.flows import FlowConfig, layer  # noqa: F401  (read by the eval of _FLOW_ARGS)
 from jaxsim.storage.paths import SENTEVAL_ROOT

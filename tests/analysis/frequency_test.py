@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 from scipy.spatial.distance import cdist
 
-from jaxsim.analysis.frequency import (analyze, count_tokens, frequency_table, knn_distances,
-                                       rank_tokens, token_embeddings)
+from jaxsim.analysis.frequency import (
+    analyze,
+    count_tokens,
+    frequency_table,
+    knn_distances,
+    rank_tokens,
+    token_embeddings,
+)
 from jaxsim.cli.main import main as jaxsim_main
 from jaxsim.storage.paths import SENTEVAL_ROOT
 

@@ -9,8 +9,15 @@ import jax
 import numpy as np
 import pytest
 
-from jaxsim.flows import FlowConfig, FlowError, fit_flow, layer, load_config_file, make_flow
-from jaxsim.flows import training
+from jaxsim.flows import (
+    FlowConfig,
+    FlowError,
+    fit_flow,
+    layer,
+    load_config_file,
+    make_flow,
+    training,
+)
 
 _CONFIGS = pathlib.Path(__file__).resolve().parents[2] / 'configs'
 # Small but Glow-shaped: 2 levels x depth 3, data-init actnorm, LU, additive couplings;

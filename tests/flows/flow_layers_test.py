@@ -12,9 +12,18 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from jaxsim.flows import FLOW_LAYERS, FlowConfig, FlowError, FlowOutput, layer, make_flow
 from jaxsim import compile_options
-from jaxsim.flows import couplings, layers, prior
+from jaxsim.flows import (
+    FLOW_LAYERS,
+    FlowConfig,
+    FlowError,
+    FlowOutput,
+    couplings,
+    layer,
+    layers,
+    make_flow,
+    prior,
+)
 
 # The tiny programs here run once: XLA:CPU's cheapest compile (-O0, classic emitters).
 _jit = functools.partial(jax.jit, compiler_options=compile_options.for_effort(

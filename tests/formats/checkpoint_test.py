@@ -16,8 +16,13 @@ import numpy as np
 import optax
 import pytest
 
-from jaxsim.formats.checkpoint import (CheckpointError, CheckpointOptions, Checkpointer,
-                                  abstract_target, restore_or_none)
+from jaxsim.formats.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointOptions,
+    abstract_target,
+    restore_or_none,
+)
 from tests.conftest import cpu_devices_env
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,8 +16,13 @@ from safetensors.numpy import load_file, save_file
 import jaxsim
 from jaxsim.errors import ConfigError
 from jaxsim.formats.checkpoint import CheckpointError
-from jaxsim.formats.hf import (CheckpointMismatchError, encoder_params_to_hf, hf_to_encoder_params,
-                          hf_to_params, params_to_hf)
+from jaxsim.formats.hf import (
+    CheckpointMismatchError,
+    encoder_params_to_hf,
+    hf_to_encoder_params,
+    hf_to_params,
+    params_to_hf,
+)
 from jaxsim.formats.hf_folder import ModelLoadError
 from jaxsim.formats.workdir import WorkdirError
 from jaxsim.models.bert import BertConfig

@@ -17,12 +17,12 @@ from sentence_transformers import SentenceTransformer
 
 import jaxsim
 from jaxsim import calibrate
-from jaxsim.cli.main import main as cli_main
+from jaxsim import export as export_lib
 from jaxsim.calibrate.flow import FlowCalibration, resolve_config
+from jaxsim.cli.main import main as cli_main
 from jaxsim.flows import FLOW_LAYERS, layer
 from jaxsim.flows.layers import Reverse
 from jaxsim.flows.models import make_flow
-from jaxsim import export as export_lib
 from jaxsim.formats import st_flow
 from jaxsim.models.st_head import HeadError
 from tests.conftest import write_tiny_model

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxsim.models import encoder as encoder_lib
 from jaxsim.models.bert import BertConfig, BertModel
-from jaxsim.models.encoder import (SentenceEncoder, check_params, init_fn, init_params,
-                                   param_shapes)
+from jaxsim.models.encoder import SentenceEncoder, check_params, init_fn, init_params, param_shapes
 from jaxsim.models.poolers import POOLERS, PoolerError, get_pooler, masked_mean, register_pooler
 
 TINY = BertConfig(vocab_size=50, hidden_size=12, num_hidden_layers=2, num_attention_heads=3,

@@ -1,11 +1,19 @@
 """SimCSE objectives vs NumPy and vs the reference's PyTorch formulation; the registry."""
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from jaxsim.objectives import (OBJECTIVES, ObjectiveError, check_kwargs, context_args,
-                               get_objective, hyperparameters, register_objective, with_context)
+from jaxsim.objectives import (
+    OBJECTIVES,
+    ObjectiveError,
+    check_kwargs,
+    context_args,
+    get_objective,
+    hyperparameters,
+    register_objective,
+    with_context,
+)
 from jaxsim.objectives import simcse as obj
 
 

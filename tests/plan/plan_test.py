@@ -18,16 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsim.cli.plan import format_plan, run_plan
 from jaxsim.models import dropout
 from jaxsim.models.encoder import param_shapes
-from jaxsim.plan import figures as fig
-from jaxsim.storage.store import StorageError
 from jaxsim.plan import breakdown, hlo, planner
-from jaxsim.cli.plan import run_plan
+from jaxsim.plan import figures as fig
 from jaxsim.plan.chips import CHIPS, TopologyError, parse_topology
-from jaxsim.cli.plan import format_plan
 from jaxsim.plan.planner import make_plan
 from jaxsim.sharding import MeshError, ShardingError
+from jaxsim.storage.store import StorageError
 from jaxsim.train import build
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.config_files import apply_overrides, load_config_file

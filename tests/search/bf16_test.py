@@ -10,8 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxsim.search import SearchError, SearchIndex
-from jaxsim.search import bf16, topk
+from jaxsim.search import SearchError, SearchIndex, bf16, topk
 from tests.search.search_test import _brute_force, _four_hot, _gaussian
 
 

@@ -18,9 +18,18 @@ import pytest
 import jaxsim
 from jaxsim import sharding
 from jaxsim.cli.main import main as cli_main
-from jaxsim.search import topk
-from jaxsim.search import (IndexFileError, IndexInfo, ModelMismatchError, SearchError,
-                           SearchIndex, VectorError, build_index, load_index, similarity)
+from jaxsim.search import (
+    IndexFileError,
+    IndexInfo,
+    ModelMismatchError,
+    SearchError,
+    SearchIndex,
+    VectorError,
+    build_index,
+    load_index,
+    similarity,
+    topk,
+)
 from jaxsim.storage.store import OutputExistsError
 from tests.conftest import run_on_cpu_devices, write_tiny_model
 

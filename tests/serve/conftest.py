@@ -13,8 +13,8 @@ from typing import Optional
 import pytest
 
 import jaxsim
-from jaxsim.storage.paths import SENTEVAL_ROOT
 from jaxsim.search import build_index
+from jaxsim.storage.paths import SENTEVAL_ROOT
 from tests.conftest import REPO, wait_until, write_tiny_model
 
 CORPUS_SIZE = 40

@@ -12,7 +12,8 @@ import functools
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxsim import sharding
 from jaxsim.models.bert import BertConfig

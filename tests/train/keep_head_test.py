@@ -11,8 +11,8 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
 
 import jaxsim
-from jaxsim.formats.checkpoint import Checkpointer
 from jaxsim.export import export_model
+from jaxsim.formats.checkpoint import Checkpointer
 from jaxsim.models import st_head
 from jaxsim.train import loop
 from jaxsim.train.config import TrainConfig, base_config

@@ -4,14 +4,14 @@ import jax
 import numpy as np
 
 import jaxsim
+from configs.tiny_unsup_simcse import get_config
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
 from jaxsim.objectives import get_objective
 from jaxsim.objectives.mlm import MlmSettings
+from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.loop import train_and_evaluate
 from jaxsim.train.step import compiler_options, configure_jax, make_loss_fn
-from configs.tiny_unsup_simcse import get_config
-from jaxsim.train.config import TrainConfig, base_config
 
 configure_jax()
 

@@ -17,8 +17,8 @@ from safetensors.numpy import load_file
 
 import jaxsim
 from jaxsim import sharding
-from jaxsim.formats.checkpoint import Checkpointer
 from jaxsim.export import export_model
+from jaxsim.formats.checkpoint import Checkpointer
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
 from jaxsim.objectives import ObjectiveError, check_kwargs, get_objective, owned

@@ -6,8 +6,13 @@ import optax
 import pytest
 
 from jaxsim.train.config import TrainConfig
-from jaxsim.train.optim import (clip_by_global_norm, decay_mask, fused_adamw, make_optimizer,
-                                 make_schedule)
+from jaxsim.train.optim import (
+    clip_by_global_norm,
+    decay_mask,
+    fused_adamw,
+    make_optimizer,
+    make_schedule,
+)
 
 
 def _tree(scale):

@@ -18,8 +18,16 @@ from jaxsim.train import build, loop
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.optim import make_optimizer
 from jaxsim.train.state import create_state
-from jaxsim.train.step import (BatchSplit, CompileTarget, LossSpec, UpdateSpec, compiler_options,
-                               configure_jax, make_loss_fn, make_train_step)
+from jaxsim.train.step import (
+    BatchSplit,
+    CompileTarget,
+    LossSpec,
+    UpdateSpec,
+    compiler_options,
+    configure_jax,
+    make_loss_fn,
+    make_train_step,
+)
 from tests.conftest import run_on_cpu_devices, tiny_run_config, write_snli_corpus
 
 configure_jax()

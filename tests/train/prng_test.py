@@ -12,8 +12,15 @@ from jaxsim.objectives import get_objective
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.optim import make_optimizer
 from jaxsim.train.state import create_state
-from jaxsim.train.step import (CompileTarget, LossSpec, UpdateSpec, compiler_options,
-                               configure_jax, dropout_key, make_train_step)
+from jaxsim.train.step import (
+    CompileTarget,
+    LossSpec,
+    UpdateSpec,
+    compiler_options,
+    configure_jax,
+    dropout_key,
+    make_train_step,
+)
 
 configure_jax()
 

@@ -16,7 +16,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from jaxsim import sharding
 from tests.conftest import run_on_cpu_devices

@@ -35,16 +35,22 @@ from jaxsim.data.readers import build_snli_triplets
 from jaxsim.formats.hf import encoder_params_to_hf, flax_to_hf_name, hf_to_encoder_params
 from jaxsim.models.encoder import init_params
 from jaxsim.objectives import check_kwargs, get_objective
-from jaxsim.storage.paths import SENTEVAL_ROOT
 from jaxsim.sharding import make_mesh
+from jaxsim.storage.paths import SENTEVAL_ROOT
 from jaxsim.train import build
+from jaxsim.train.build import grad_divisor  # the divisor training uses
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.config_files import load_config_file
-from jaxsim.train.build import grad_divisor  # the divisor training uses
 from jaxsim.train.optim import decay_mask, make_optimizer, make_schedule
 from jaxsim.train.state import create_state
-from jaxsim.train.step import (CompileTarget, LossSpec, UpdateSpec, configure_jax, make_loss_fn,
-                               make_train_step)
+from jaxsim.train.step import (
+    CompileTarget,
+    LossSpec,
+    UpdateSpec,
+    configure_jax,
+    make_loss_fn,
+    make_train_step,
+)
 from tests.conftest import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,8 +18,17 @@ from jaxsim.train.build import batch_split
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.optim import make_optimizer, make_schedule
 from jaxsim.train.state import create_state
-from jaxsim.train.step import (BatchSplit, CompileTarget, LossSpec, UpdateSpec, compiler_options,
-                               configure_jax, encode_views, make_loss_fn, make_train_step)
+from jaxsim.train.step import (
+    BatchSplit,
+    CompileTarget,
+    LossSpec,
+    UpdateSpec,
+    compiler_options,
+    configure_jax,
+    encode_views,
+    make_loss_fn,
+    make_train_step,
+)
 
 configure_jax()
 O0 = compiler_options(True)

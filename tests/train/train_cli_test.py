@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from jaxsim.cli import train
-from tests.conftest import write_run_data
 from jaxsim.formats import hf_folder
 from jaxsim.storage import store
+from tests.conftest import write_run_data
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / 'configs' / 'tiny_unsup_simcse.py')

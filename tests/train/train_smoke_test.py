@@ -19,11 +19,12 @@ from configs.tiny_unsup_simcse import get_config
 from jaxsim.data.senteval import load_stsb
 from jaxsim.eval.metrics import spearman_x100
 from jaxsim.eval.runner import stsb_score
-from jaxsim.formats.checkpoint import Checkpointer
 from jaxsim.export import export_model
+from jaxsim.formats.checkpoint import Checkpointer
 from jaxsim.objectives import ObjectiveError, register_objective
 from jaxsim.storage.paths import SENTEVAL_ROOT
-from jaxsim.train import loop, step as step_lib
+from jaxsim.train import loop
+from jaxsim.train import step as step_lib
 from jaxsim.train.config import TrainConfig, base_config
 from jaxsim.train.records import RunMismatchError, TrainResult
 from jaxsim.train.step import configure_jax
