@@ -5,7 +5,6 @@ Flags: `python eval.py --help`; the command line is jaxsim/cli/eval.py.
 """
 import os
 import signal
-import sys
 
 if __name__ == '__main__':
     # Hold Ctrl-C / SIGTERM back while JAX and transformers import (seconds); main() installs
@@ -17,6 +16,7 @@ if __name__ == '__main__':
 os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 
 from jaxsim.cli.eval import main  # noqa: E402
+from jaxsim.runtime import exit_process  # noqa: E402
 
 if __name__ == '__main__':
-    sys.exit(main())
+    exit_process(main())

@@ -10,7 +10,7 @@ if __name__ == '__main__':
     signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
 
 from jaxsim.cli.train import main  # noqa: E402
-from jaxsim.plan.figures import exit_process  # noqa: E402
+from jaxsim.runtime import exit_process  # noqa: E402
 
 if __name__ == '__main__':
     exit_process(main())

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxsim import runtime
 from jaxsim.errors import JaxsimError
 
 _initialized = False
@@ -283,6 +284,8 @@ def _abandon() -> None:
         os.close(devnull)
 
     atexit.register(silence)
+    # JAX's shutdown of a coordination service whose peers never came can hang the exit.
+    runtime.leave_hard_at_exit('a distributed connection was given up on')
 
 
 def add_launch_flags(parser) -> None:

@@ -1,5 +1,5 @@
-"""Process-wide helpers the library calls where noise or cost starts: log filters and the
-persistent compilation cache.
+"""Process-wide helpers the library calls where noise or cost starts: log filters, the
+persistent compilation cache, and a command's exit where a native teardown could hang it.
 
 Library code calls the two narrow helpers (`quiet_absl_messages`, `ignore_orphaned_loop_callbacks`)
 where the noise starts, so `jaxsim.load_pretrained` is quiet from a notebook too; the command
@@ -25,7 +25,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 
 @contextlib.contextmanager
@@ -98,3 +98,23 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path
     # Cache every program that took noticeable time to compile (the default floor is 1 s).
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     return path
+
+
+# Why this process leaves without its exit handlers, if it must: native teardowns that can hang
+# the exit (libtpu's compiler once loaded; JAX's coordination service whose peers never came).
+_HARD_EXIT_REASONS: list[str] = []
+
+
+def leave_hard_at_exit(reason: str) -> None:
+    """Marks this process's exit as one that must skip the exit handlers (`exit_process`)."""
+    _HARD_EXIT_REASONS.append(reason)
+
+
+def exit_process(code: int) -> NoReturn:
+    """A command line's exit: `sys.exit(code)`, or, when `leave_hard_at_exit` was called,
+    `os._exit(code)` after flushing stdout and stderr (what the command had to say is out)."""
+    if _HARD_EXIT_REASONS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

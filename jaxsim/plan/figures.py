@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from jaxsim import runtime
 from jaxsim.errors import JaxsimError
 from jaxsim.plan import hlo
 from jaxsim.plan.chips import Chip, GiB, Topology, TopologyError
@@ -27,20 +28,6 @@ from jaxsim.plan.chips import Chip, GiB, Topology, TopologyError
 
 class PlanError(JaxsimError):
     """A plan that cannot be made here (no libtpu, a program that does not compile)."""
-
-
-# Whether this process has loaded libtpu's compiler, whose teardown can hang a process's exit.
-_TPU_COMPILER_LOADED = False
-
-
-def exit_process(code: int) -> None:
-    """A command line's exit: `sys.exit(code)`, or, once this process has loaded libtpu's
-    compiler (whose teardown can hang the exit), `os._exit(code)` after flushing."""
-    if _TPU_COMPILER_LOADED:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
 
 
 def compile_only_devices(topology: Topology, num_slices: int = 1) -> list:
@@ -53,10 +40,9 @@ def compile_only_devices(topology: Topology, num_slices: int = 1) -> list:
     if importlib.util.find_spec('libtpu') is None:
         raise PlanError(f'planning for {topology.name} needs the TPU compiler: pip install '
                         f'"jax[tpu]=={jax.__version__}" (it runs on this CPU; no TPU needed)')
-    global _TPU_COMPILER_LOADED
     os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')  # no metadata server off Google Cloud
     from jax.experimental import topologies
-    _TPU_COMPILER_LOADED = True
+    runtime.leave_hard_at_exit("libtpu's compiler is loaded (its teardown can hang the exit)")
     try:
         desc = topologies.get_topology_desc(topology_name=topology.name, platform='tpu',
                                             **({'num_slices': num_slices}
