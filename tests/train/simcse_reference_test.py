@@ -371,13 +371,17 @@ def check_steps(ours: dict, theirs: dict):
     np.testing.assert_allclose(ours['lr'], theirs['lr'], rtol=1e-6)
 
 
-def check_params(ours: dict, theirs: dict, start: dict, exact_grads: dict, first_grads: dict,
-                 later_rows: dict):
+def check_params(ours: dict, theirs: dict, exact: dict, start: dict, exact_grads: dict,
+                 first_grads: dict, later_rows: dict):
     """Every parameter tensor within 1e-3 of its own 10-step update (max |jaxsim - reference|
     <= 1e-3 max |reference update|, plus one float32 spacing of the tensor's largest value, the
-    finest two float32 computations of it can agree), and each tensor's update the same (the
-    median over the tensor of |our update - theirs| / |theirs| under 1%), except in the entries
-    whose first Adam step float32 rounding decides.
+    finest two float32 computations of it can agree) or, where it is larger, within 4x the
+    reference's own distance to the same 10 steps taken in float64 (`exact`). Ten float32 steps
+    end 10-25 spacings from the float64 ones, by an amount that depends on the CPU's rounding
+    (its SIMD width, fused multiply-adds), not on either implementation: on a 2-core AVX2 AMD
+    EPYC jaxsim's distance to float64 was 0.2-2.2x the reference's, tensor by tensor. And
+    each tensor's update the same (the median over the tensor of |our update - theirs| /
+    |theirs| under 1%), except in the entries whose first Adam step float32 rounding decides.
 
     Adam's first update is lr * g / (|g| + eps), the sign of the gradient for |g| >> eps; where
     the exact gradient is within rounding error of zero, either framework may step either way,
@@ -394,7 +398,7 @@ def check_params(ours: dict, theirs: dict, start: dict, exact_grads: dict, first
     for name, g64 in exact_grads.items():
         error = np.max(np.abs(first_grads[name] - g64))
         excluded[name] = (g64 != 0) & (np.abs(g64) <= 10 * error)
-    assert set(ours) == set(theirs) == set(start) == set(excluded)
+    assert set(ours) == set(theirs) == set(exact) == set(start) == set(excluded)
     count, total = sum(m.sum() for m in excluded.values()), sum(m.size for m in excluded.values())
     assert count <= 0.01 * total, f'{count} of {total} entries at rounding level'
     for name in sorted(ours):
@@ -407,10 +411,13 @@ def check_params(ours: dict, theirs: dict, start: dict, exact_grads: dict, first
         update = theirs[name] - start[name]
         assert np.any(update[keep] != 0), f'{name}: the reference did not update it'
         diff = np.abs(ours[name] - theirs[name])
-        bound = 1e-3 * np.abs(update[bounded]).max() + np.spacing(np.abs(theirs[name]).max())
+        own_error = np.abs(theirs[name] - exact[name])[bounded].max()
+        bound = (max(1e-3 * np.abs(update[bounded]).max(), 4 * own_error)
+                 + np.spacing(np.abs(theirs[name]).max()))
         worst = diff[bounded].max()
         assert worst <= bound, (f'{name}: max |jaxsim - reference| = {worst:.3g} > {bound:.3g} '
-                                f'(1e-3 of its largest update + one float32 spacing)')
+                                f'(1e-3 of its largest update or 4x the reference\'s distance '
+                                f'to float64, {own_error:.3g}, + one float32 spacing)')
         median = np.median(diff[keep] / np.maximum(np.abs(update[keep]), 1e-30))
         assert median <= 1e-2, f'{name}: updates differ from the reference by {median:.3g} (median)'
 
@@ -435,14 +442,17 @@ def compare_training(cfg: TrainConfig, model_type: str, rows, views: int,
     model = reference_model(cfg, base, model_type, params)
     check_decay_rule(model, params, model_type)
     exact = float64_gradients(model, batches[0], views, world)
+    exact_model = copy.deepcopy(model).double()
+    train_reference(exact_model, cfg, batches, views, world)
 
     theirs, first_grads = train_reference(model, cfg, batches, views, world)
     final, ours = train_jaxsim(cfg, encoder, params, batches)
     check_steps(ours, theirs)
     to_tree = functools.partial(flat_tree, model_type=model_type, encoder_config=base.config)
     weights = {k: v.numpy() for k, v in model.state_dict().items()}
-    check_params(flat(final), to_tree(weights), flat(params), to_tree(exact),
-                 to_tree(first_grads),
+    exact_weights = {k: v.numpy() for k, v in exact_model.state_dict().items()}
+    check_params(flat(final), to_tree(weights), to_tree(exact_weights), flat(params),
+                 to_tree(exact), to_tree(first_grads),
                  {'bert/embeddings/word_embeddings/embedding': later_token_rows(batches)})
     return theirs
 
