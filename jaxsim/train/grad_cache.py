@@ -31,8 +31,8 @@ from jaxsim.objectives import LossFn, owned, with_context
 from jaxsim.sharding import BATCH_AXES
 
 
-def make_cached_grad_fn(encoder: SentenceEncoder, loss: LossFn, views: int, micro_batch_size: int,
-                        mesh: Mesh, encode_views: Callable) -> Callable:
+def make_cached_grad_fn(encoder: SentenceEncoder, loss: LossFn, *, views: int,
+                        micro_batch_size: int, mesh: Mesh, encode_views: Callable) -> Callable:
     """`grad_fn(params, batch, key, step=None) -> ((loss, aux), grads)`, equal to
     `jax.value_and_grad(loss(encode_views(...)), has_aux=True)` over the whole batch.
 

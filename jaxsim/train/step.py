@@ -289,9 +289,10 @@ def make_train_step(*, loss: LossSpec, update: UpdateSpec, target: CompileTarget
         if loss.mlm is not None:
             raise ConfigError('batch split \'cached\' (micro_batch_size) does not combine with '
                               'the masked-LM term')
-        grad_fn = make_cached_grad_fn(loss.encoder, loss.objective, loss.views,
-                                      split.micro_batch_size, target.mesh,
-                                      functools.partial(encode_views, head=tuple(loss.head)))
+        grad_fn = make_cached_grad_fn(
+            loss.encoder, loss.objective, views=loss.views,
+            micro_batch_size=split.micro_batch_size, mesh=target.mesh,
+            encode_views=functools.partial(encode_views, head=tuple(loss.head)))
     else:
         grad_fn = jax.value_and_grad(make_loss_fn(loss.encoder, loss.objective, loss.views,
                                                   loss.mlm, loss.head), has_aux=True)

@@ -59,8 +59,9 @@ def compare(objective_name: str, micro_batch_size: int, mesh_shape: tuple,
     fast = compiler_options(True)  # XLA -O0: compiling is nearly all of these tiny programs' cost
     one_pass = jax.jit(jax.value_and_grad(make_loss_fn(encoder, loss, objective.views),
                                           has_aux=True), compiler_options=fast)
-    cached = jax.jit(make_cached_grad_fn(encoder, loss, objective.views, micro_batch_size, mesh,
-                                         encode_views), compiler_options=fast)
+    cached = jax.jit(make_cached_grad_fn(encoder, loss, views=objective.views,
+                                         micro_batch_size=micro_batch_size, mesh=mesh,
+                                         encode_views=encode_views), compiler_options=fast)
     (v1, a1), g1 = one_pass(params, batch, key)
     (v2, a2), g2 = cached(params, batch, key)
     (v3, _), _ = one_pass(params, batch, jax.random.key(4))

@@ -96,7 +96,8 @@ def test_the_temperature_gradient_is_the_loss_gradient(name):
     # The cached-gradient step (micro-batches of 2) gives the same gradient, temperature
     # included.
     mesh = sharding.make_mesh(1, 1, 1)
-    cached = jax.jit(make_cached_grad_fn(encoder, loss, objective.views, 2, mesh, encode_views))
+    cached = jax.jit(make_cached_grad_fn(encoder, loss, views=objective.views, micro_batch_size=2,
+                                         mesh=mesh, encode_views=encode_views))
     (value2, aux2), grads2 = cached(params, batch, key)
     assert float(value2) == pytest.approx(float(value), rel=1e-5)
     assert set(grads2) == set(grads)
