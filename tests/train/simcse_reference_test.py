@@ -378,8 +378,8 @@ def check_params(ours: dict, theirs: dict, exact: dict, start: dict, exact_grads
     finest two float32 computations of it can agree) or, where it is larger, within 4x the
     reference's own distance to the same 10 steps taken in float64 (`exact`). Ten float32 steps
     end 10-25 spacings from the float64 ones, by an amount that depends on the CPU's rounding
-    (its SIMD width, fused multiply-adds), not on either implementation: on a 2-core AVX2 AMD
-    EPYC jaxsim's distance to float64 was 0.2-2.2x the reference's, tensor by tensor. And
+    (its SIMD width, fused multiply-adds), not on either implementation: on a 2-core AMD EPYC
+    (AVX-512, no AMX) jaxsim's distance to float64 was 0.2-2.2x the reference's, by tensor. And
     each tensor's update the same (the median over the tensor of |our update - theirs| /
     |theirs| under 1%), except in the entries whose first Adam step float32 rounding decides.
 
