@@ -2,9 +2,8 @@
 
 XLA:CPU runs bf16 products on bf16 hardware (AVX512_BF16, AMX) where the CPU has it; elsewhere
 (e.g. an AVX2-only AMD EPYC) it converts to float32 and back around float32 kernels, so bf16
-compute is slower than float32 there. On such a 2-core AMD EPYC, `jaxsim.encode` on the STS-B
-test sentences ran 234.8 sentences/s in bf16 against 306.8 in float32
-(`benchmarks/encode_speed.py --sets stsb_test`), so choosing bf16 there logs a warning.
+compute is slower than float32 there (docs/performance.md, "Figures the code relies on"), and
+choosing bf16 there logs a warning.
 """
 from __future__ import annotations
 

@@ -241,10 +241,10 @@ def _train_chunk(state, ids, x, y, l2, active, rows, dev_rows, *, cfg: Classifie
 # Host side: plans, batch order, early stopping.
 # ---------------------------------------------------------------------------------------
 
-# Problems per jitted call. Batches of this size run on one thread at ~9 ms of CPU per
-# problem and round (MR); all 110 MR problems in one call ran ~50% more CPU per problem
-# (XLA split the ops over threads) and stalled on a busy machine. Chunks also let
-# problems whose classifiers have all stopped drop out.
+# Problems per jitted call: chunks of this size stay on one thread, where all problems in one
+# call had XLA split the ops over threads for more CPU per problem (docs/performance.md,
+# "Figures the code relies on"). Chunks also let problems whose classifiers have all stopped
+# drop out.
 CHUNK = 16
 
 

@@ -63,9 +63,9 @@ class ServeLimits:
 
 # Encode batches are padded to one of these row counts; more sentences go through `encode` in
 # length-sorted batches of the largest. Top-k widths are padded to a power of two >= 16. So a
-# few shapes compile, once each (`warm_up`). Why 8 rows at most: on CPU a 6-layer MiniLM
-# encoded 144 sentences/s in batches of 8, 96 in 16, 64 in 64 (each batch pads to its longest
-# sentence), vs 39 one by one (measured under load).
+# few shapes compile, once each (`warm_up`). Why 8 rows at most: each batch pads to its longest
+# sentence, and on CPU batches of 8 encoded the most sentences a second (docs/performance.md,
+# "Figures the code relies on").
 ROW_BUCKETS = (1, 2, 4, 8)
 MIN_K_BUCKET = 16
 
