@@ -22,7 +22,7 @@ from jaxsim.cli.main import main as cli_main
 from jaxsim.encode import NonFiniteVectorsError
 from jaxsim.search import IndexFileError, SearchIndex, load_index
 from jaxsim.storage.paths import SENTEVAL_ROOT
-from tests.conftest import write_tiny_model
+from tests.conftest import HANG_GUARD_S, write_tiny_model
 from tests.data.tiny_senteval import write_tiny_senteval
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,7 +181,7 @@ def test_a_full_disk_is_one_line_naming_the_output(tmp_path):
         proc = subprocess.run(
             [sys.executable, '-c', _FULL_DISK, command, '--model', str(tmp_path / 'tiny'),
              '--input', str(sentences), option, str(output)], cwd=REPO, env=env,
-            capture_output=True, text=True, timeout=600)
+            capture_output=True, text=True, timeout=HANG_GUARD_S)
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert proc.stderr.startswith(f'error: {option} {output}: cannot be written: ')
         assert proc.stderr.count('\n') == 1 and proc.stderr.endswith(
@@ -250,7 +250,8 @@ def _signalled(args, signum, phase, tmp_path):
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get('PYTHONPATH', ''))
     proc = subprocess.run([sys.executable, '-c', 'from tests.signal_phases import main; main()',
                            phase, signal.Signals(signum).name, *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          timeout=HANG_GUARD_S)
     lines = proc.stderr.splitlines()
     assert [x[len('PHASE '):] for x in lines if x.startswith('PHASE ')] == [phase], proc.stderr
     return proc.returncode, proc.stdout, '\n'.join(x for x in lines if not x.startswith('PHASE '))

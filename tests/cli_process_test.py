@@ -18,14 +18,14 @@ import scipy.stats
 
 import jaxsim
 from jaxsim.search import load_index
-from tests.conftest import write_run_data, write_tiny_model
+from tests.conftest import HANG_GUARD_S, write_run_data, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = ["a man is playing a guitar .", "a woman slices an onion .", "the cat sat on the mat .",
           "two dogs run across a wide green field together .", "a child reads a book ."]
 
 
-def run(*args, timeout=600):
+def run(*args, timeout=HANG_GUARD_S):
     """Runs `python ARGS` from the repository root; fails the test on a non-zero exit."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -165,7 +165,7 @@ def test_train_seeds_then_an_allowed_change(tmp_path):
     changed = [*args[:-3], "--config.max_steps=3", "--seeds", "0,1", "--noprogress"]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     refused = subprocess.run([sys.executable, *map(str, changed)], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=600)
+                             capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert refused.returncode == 1 and "--allow-change=max_steps" in refused.stderr
     run(*changed, "--allow-change=max_steps")
     for s in (0, 1):

@@ -23,6 +23,13 @@ os.environ["HOME"] = str(SESSION_HOME)
 os.environ["JAXSIM_CACHE_DIR"] = str(_SESSION_DIR / "xla-cache")
 os.environ["JAXSIM_INDEX_DIR"] = str(_SESSION_DIR / "line-index")
 os.environ["MPLCONFIGDIR"] = str(_SESSION_DIR / "matplotlib")
+# Ends a wait on a process or thread that hung (every subprocess timeout, request and join of
+# the suite): far beyond what any test takes on a loaded machine, so it times nothing. Under
+# three suites at once on 2 cores with memory exhausted, a test of 7.5 s took 1,113 s.
+HANG_GUARD_S = 3600
+# The multi-process tests' processes wait that long for each other too (a loaded machine may
+# start the second process minutes after the first); a launch that never completes still ends.
+os.environ["JAXSIM_INIT_TIMEOUT"] = str(HANG_GUARD_S)
 # The test extra installs libtpu (the planner's TPU compiler). Programs run on the CPU backend
 # (JAX would otherwise probe for a TPU in every process, with pages of warnings); the plan
 # tests compile for TPU topologies without one, several processes at a time.
@@ -195,10 +202,6 @@ def write_run_data(root, corpus_source: str, corpus_lines: int, stsb_pairs: int)
     return root
 
 
-# Ends a wait on a process that hung; far beyond any loaded machine's start-up, it times nothing.
-HANG_GUARD_S = 900
-
-
 def wait_until(ready, proc: subprocess.Popen, what: str) -> None:
     """Polls `ready()` until it holds. Fails at once, naming `what`, when `proc` ends first (the
     usual way a start-up fails); HANG_GUARD_S only ends a wait on a process that hung."""
@@ -218,7 +221,8 @@ def cpu_devices_env(devices: int) -> dict:
     return dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
 
 
-def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int = 900) -> dict:
+def run_on_cpu_devices(script: str, *args: str, devices: int = 8,
+                       timeout: float = HANG_GUARD_S) -> dict:
     """Runs `script` (python -c, from the repository root) in a fresh process that sees `devices`
     CPU devices, and returns the JSON it printed after "RESULT" on the last line starting so.
 

@@ -18,7 +18,7 @@ import train
 from jaxsim import distributed
 from jaxsim.__main__ import main as cli_main
 from jaxsim.distributed import DistributedError, Launch, resolve_launch
-from tests.conftest import cpu_devices_env
+from tests.conftest import HANG_GUARD_S, cpu_devices_env
 from tests.train.multiprocess_test import reserved_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def _encode(tmp_path):
 def test_a_process_whose_peers_never_come_stops_in_one_line_naming_the_coordinator(tmp_path):
     with reserved_port() as port:
         proc = _alone(_encode(tmp_path), tmp_path, port, '--init_timeout', '2')
-        out, err = proc.communicate(timeout=600)
+        out, err = proc.communicate(timeout=HANG_GUARD_S)
     assert proc.returncode == 1, err[-3000:]
     assert err.splitlines() == [
         f'waiting up to 2 s for the 2 processes of the run at 127.0.0.1:{port} (this is '

@@ -20,6 +20,7 @@ from jaxsim.cli import search as search_cli
 from jaxsim.cli import serve as serve_cli
 from jaxsim.cli import train as train_cli
 from jaxsim.storage.paths import SENTEVAL_ROOT
+from tests.conftest import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / 'README.md', *sorted((REPO / 'docs').glob('*.md'))]
@@ -79,7 +80,7 @@ def test_walkthrough_runs_as_written(tmp_path):
         if args[1] == 'train.py':
             args += TINY_TRAIN
         proc = subprocess.run([sys.executable, *args[1:]], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=900)
+                              capture_output=True, text=True, timeout=HANG_GUARD_S)
         assert proc.returncode == 0, (command, proc.stderr[-3000:])
         assert 'Traceback' not in proc.stderr, command
     assert (work / 'runs' / 'sup-eval.json').is_file()

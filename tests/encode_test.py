@@ -20,7 +20,7 @@ from jaxsim.data import encode_layout
 from jaxsim.data.tokenize import bucket_length
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
-from tests.conftest import TINY_CONFIG, run_on_cpu_devices
+from tests.conftest import HANG_GUARD_S, TINY_CONFIG, run_on_cpu_devices
 
 REPO = Path(__file__).resolve().parents[1]
 SENTENCES = [
@@ -178,7 +178,7 @@ print("RESULT" + json.dumps(out))
 
 
 def test_mesh_of_8_devices_matches_one_device():
-    result = run_on_cpu_devices(textwrap.dedent(_MESH_SCRIPT), timeout=600)
+    result = run_on_cpu_devices(textwrap.dedent(_MESH_SCRIPT), timeout=HANG_GUARD_S)
     for name, diffs in result.items():
         for mesh, diff in diffs.items():
             if mesh == "vs_plain":
@@ -292,11 +292,11 @@ def test_cli_entry_point_is_quiet(tmp_path):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, "encode", "--input", str(src),
                            "--output", str(tmp_path / "o.npy")], capture_output=True, text=True,
-                          env=env, timeout=900)
+                          env=env, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == f"wrote 1 x 384 vectors to {tmp_path / 'o.npy'}\n"
     proc = subprocess.run([sys.executable, "-m", "jaxsim", "decode"], capture_output=True,
-                          text=True, env=env, timeout=900)
+                          text=True, env=env, timeout=HANG_GUARD_S)
     assert proc.returncode == 1 and proc.stderr.startswith("error: unknown command 'decode'")
 
 
@@ -307,9 +307,9 @@ def test_the_library_is_quiet_without_torch():
     for name in ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "TRANSFORMERS_VERBOSITY"):
         env.pop(name, None)
     plain = subprocess.run([sys.executable, "-c", head + "import transformers\n"],
-                           capture_output=True, text=True, env=env, timeout=900)
+                           capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
     assert "PyTorch was not found" in plain.stderr  # the advice exists without jaxsim ...
     proc = subprocess.run([sys.executable, "-c", head + "import jaxsim\nimport transformers\n"
                            "jaxsim.load_pretrained('bundled')\n"],
-                          capture_output=True, text=True, env=env, timeout=900)
+                          capture_output=True, text=True, env=env, timeout=HANG_GUARD_S)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr  # ... and jaxsim drops it

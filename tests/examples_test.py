@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.conftest import cpu_devices_env, write_run_data
+from tests.conftest import HANG_GUARD_S, cpu_devices_env, write_run_data
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / 'examples' / 'custom_loop.py'
@@ -22,7 +22,7 @@ def _env():
 
 def _run(args):
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

@@ -26,7 +26,7 @@ from jaxsim.cli.main import main as cli_main
 from jaxsim.formats.pretrained import bundled_model_path
 from jaxsim.models.bert import BertModel
 from jaxsim.models.poolers import BUILTIN_POOLERS, get_pooler
-from tests.conftest import write_tiny_model, write_tiny_workdir
+from tests.conftest import HANG_GUARD_S, write_tiny_model, write_tiny_workdir
 
 REPO = Path(__file__).resolve().parents[1]
 BUILT_IN_POOLERS = BUILTIN_POOLERS
@@ -383,7 +383,7 @@ def test_corrupt_checkpoint_is_one_line(workdir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "jaxsim", "export", "--checkpoint", str(folder),
                            "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=900)
+                          env=env, cwd=tmp_path, timeout=HANG_GUARD_S)
     assert proc.returncode == 1
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {folder}/checkpoints/1: "), lines[:20]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.conftest import cpu_devices_env, write_run_data
+from tests.conftest import HANG_GUARD_S, cpu_devices_env, write_run_data
 from tests.train.multiprocess_test import reserved_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +36,7 @@ def _on_two_processes(command):
         procs = [_run(command(pid), 4, ['--coordinator', f'127.0.0.1:{port}',
                                         '--num_processes', '2', '--process_id', str(pid)])
                  for pid in (0, 1)]
-        outs = [p.communicate(timeout=900) for p in procs]
+        outs = [p.communicate(timeout=HANG_GUARD_S) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return outs
@@ -49,7 +49,7 @@ def test_encode_and_eval_on_two_processes_equal_one(tmp_path, tiny_model_dir):
     single = _run(['-m', 'jaxsim', 'encode', '--model', str(model), '--input',
                    str(data / 'corpus.txt'), '--output', str(tmp_path / 'one.npy'),
                    '--batch-size', '16'], 8)
-    assert single.wait(600) == 0, single.stderr.read()[-3000:]
+    assert single.wait(HANG_GUARD_S) == 0, single.stderr.read()[-3000:]
     _on_two_processes(lambda pid: ['-m', 'jaxsim', 'encode', '--model', str(model), '--input',
                                    str(data / 'corpus.txt'), '--output',
                                    str(tmp_path / 'two.npy'), '--batch-size', '16'])
@@ -65,7 +65,7 @@ def test_encode_and_eval_on_two_processes_equal_one(tmp_path, tiny_model_dir):
                 '--json', str(tmp_path / f'{name}.json')]
 
     single = _run(eval_cmd('one'), 8)
-    out_one, err = single.communicate(timeout=600)
+    out_one, err = single.communicate(timeout=HANG_GUARD_S)
     assert single.returncode == 0, err[-3000:]
     outs = _on_two_processes(lambda pid: eval_cmd('two'))
     # gloo, the CPU collectives library, writes its connection lines to stdout itself, from

@@ -22,7 +22,7 @@ from jaxsim.cli import cli_io
 from jaxsim.export import RECORD_FILE
 from jaxsim.plugins import PluginError
 from jaxsim.search import build_index
-from tests.conftest import write_run_data, write_tiny_model
+from tests.conftest import HANG_GUARD_S, write_run_data, write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 SENTENCES = ["a man is playing a guitar .", "a woman slices an onion .",
@@ -111,7 +111,7 @@ def _env(**extra) -> dict:
 def run(*args, ok=True, env=None):
     """`python ARGS` from the repository root; with ok, a non-zero exit fails the test."""
     proc = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env or _env(),
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     if ok:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402
@@ -42,7 +44,7 @@ def test_set_threads_pins_once_and_children_keep_it(tmp_path):
     script.write_text(_SCRIPT.format(bench=str(ROOT / "benchmarks")))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_multi_thread_eigen=true")
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(proc.stdout.splitlines()[-1])
     first = min(os.sched_getaffinity(0))

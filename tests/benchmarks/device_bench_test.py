@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.benchmarks.records import check_rate, check_ratio, products_flops
+from tests.conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -26,7 +27,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
         [sys.executable, str(ROOT / "benchmarks" / "device_bench.py"), "--tiny", "--dtype",
          "float32", "--steps", "1", "--repeats", "2", "--warmup", "1", "--peak-tflops", "0.5",
          "--peak-size", "64", "--peak-repeats", "2", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["model"] == "tiny" and record["platform"] == "cpu"

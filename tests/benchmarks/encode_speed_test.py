@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.benchmarks.records import check_rate, check_ratio, products_flops
+from tests.conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -29,7 +30,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
          "--limit", str(TEXTS), "--batch-size", str(BATCH), "--repeats", "2", "--peak-size",
          "64", "--peak-repeats", "2", "--threads", "1", "--json", str(out)],
         cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-        timeout=900)
+        timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["shape"] == "tiny" and record["threads"] == 1
@@ -73,7 +74,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
 def test_refuses_an_unknown_set():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "encode_speed.py"), "--sets", "stsb_test,news",
-         "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+         "--threads", "1"], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2
     assert "--sets: unknown news; known: stsb_test, long_64_128" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -18,7 +20,7 @@ def test_small_run_writes_a_consistent_record(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / 'benchmarks' / 'input_scale.py'), '--sizes', '2000,6000',
          '--steps', '3', '--repeats', '2', '--input-batches', '5', '--json', str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1500)
+        cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     small, large = record['runs']

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import peak  # noqa: E402
@@ -20,7 +22,8 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "peak.py"), "--size", "64", "--repeats", "2",
          "--threads", "1", "--json", str(out)], cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+        timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["size"] == 64 and record["repeats"] == 2 and record["threads"] == 1
@@ -76,7 +79,7 @@ def test_importing_loads_no_framework():
     probe = ("import sys; import peak; "
              "print(sorted(m for m in ('jax', 'jaxsim', 'torch') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT / "benchmarks",
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]"
 

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,7 +23,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
          "--batch", "128", "--time-batch", "0", "--max-len", "8", "--fast-compile", "--json",
          str(out)],
         cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-        timeout=900)
+        timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     rows = record["rows"]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,7 +23,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
          "--dims", "16,32", "--queries", "8", "--top-k", "5", "--repeats", "2",
          "--faiss-threads", "1", "--peak-size", "64", "--peak-repeats", "2", "--json",
          str(out)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
-        text=True, timeout=600)
+        text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     peak = record["peak_gflops"]["jax"]["float32"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.benchmarks.records import dot_and_erf_bodies, metadata, products_flops
+from tests.conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -98,7 +99,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--tiny", "--batch", "8",
          "--max-len", "32", "--steps", "2", "--threads", "1", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not the wall time" in proc.stdout
     record = json.loads(out.read_text())

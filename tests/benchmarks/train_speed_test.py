@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.benchmarks.records import check_rate, check_ratio, parameter_count, products_flops
+from tests.conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -30,7 +31,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
          "--repeats", "2", "--steps", "1", "--peak-size", "64", "--peak-repeats", "2",
          "--threads", "1", "--no-rss", "--json", str(out)],
         cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-        timeout=900)
+        timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["shape"] == "tiny" and record["threads"] == 1
@@ -89,7 +90,7 @@ def test_pytorch_memory_child_under_autocast(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "torch_reference.py"), "--arrays",
          str(tmp_path / "unsup.npz"), "--shape", "tiny", "--autocast", "bfloat16",
-         "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+         "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     memory = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RSS ")][-1][4:])
     assert memory["peak_rss_mb"] >= memory["after_imports_rss_mb"] > 0

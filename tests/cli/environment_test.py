@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from jaxsim.cli import environment
+from tests.conftest import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,6 +36,7 @@ def test_importing_train_or_eval_script_applies_the_list():
     for script in ('train.py', 'eval.py'):
         out = subprocess.run([sys.executable, '-c', code.format(repo=str(REPO),
                                                                 path=str(REPO / script))],
-                             env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+                             env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
+                             cwd=REPO)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().splitlines()[-1] == 'True', script

@@ -12,6 +12,7 @@ from jaxsim.data import batching, pipeline, readers, sources
 from jaxsim.data.readers import DataError
 from jaxsim.formats.hf_folder import load_tokenizer
 from jaxsim.storage.paths import SENTEVAL_ROOT
+from tests.conftest import HANG_GUARD_S
 
 MAX_LEN = 12
 
@@ -167,7 +168,7 @@ TinyPairs(data_dir=sys.argv[1], file_format='array_record').download_and_prepare
 
 def test_tfds_array_record_source(tmp_path, tokenizer):
     subprocess.run([sys.executable, '-c', _TFDS_BUILD, str(tmp_path)], check=True,
-                   capture_output=True, timeout=900)
+                   capture_output=True, timeout=HANG_GUARD_S)
     folder = str(tmp_path / 'tiny_pairs' / '1.0.0')
     src = sources.TfdsSource(folder, 'train', fields=('sent0', 'sent1'))
     rows = sorted(src[i] for i in range(len(src)))

@@ -10,6 +10,7 @@ from jaxsim.data import readers
 from jaxsim.data.readers import DataError
 from jaxsim.errors import JaxsimError
 from jaxsim.storage.paths import SENTEVAL_ROOT
+from tests.conftest import HANG_GUARD_S
 
 
 def test_read_sentences_rule(tmp_path):
@@ -149,7 +150,7 @@ def test_tfds_source_reads_prepared_array_record_dataset(tmp_path):
     # Built in a subprocess: tfds resolves a builder's module resources, which a test module
     # outside a package does not have; users likewise read a prepared folder, not the code.
     subprocess.run([sys.executable, '-c', _TFDS_BUILD, str(tmp_path)], check=True,
-                   capture_output=True, timeout=600)
+                   capture_output=True, timeout=HANG_GUARD_S)
     folder = tmp_path / 'tiny_corpus' / '1.0.0'
     rows = readers.read_tfds(str(folder), 'train')
     assert sorted(rows) == [('a cat sits',), ('a dog runs',)]  # the empty example is skipped

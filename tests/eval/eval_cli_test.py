@@ -16,7 +16,7 @@ import jaxsim
 from jaxsim.cli import eval as eval_cli
 from jaxsim.eval import runner
 from jaxsim.storage.paths import SENTEVAL_ROOT
-from tests.conftest import write_tiny_workdir
+from tests.conftest import HANG_GUARD_S, write_tiny_workdir
 from tests.data.tiny_senteval import write_tiny_senteval
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -179,12 +179,12 @@ def test_no_library_noise_on_stderr(tmp_path):
     for var in ('TRANSFORMERS_VERBOSITY', 'TRANSFORMERS_NO_ADVISORY_WARNINGS'):
         env.pop(var, None)  # importing eval.py in this process set them
     plain = subprocess.run([sys.executable, '-c', 'import transformers'], env=env,
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert 'PyTorch was not found' in plain.stderr  # the noise exists ...
     root = write_tiny_senteval(tmp_path / 'data', sts12=False, sick=False)
     run = subprocess.run([sys.executable, str(REPO / 'eval.py'), '--data', str(root),
                           '--no-diagnostics'], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
+                         timeout=HANG_GUARD_S, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert '[transformers]' not in run.stderr and 'WARNING' not in run.stderr, run.stderr
     assert '| none |' in run.stdout

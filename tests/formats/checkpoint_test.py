@@ -23,7 +23,7 @@ from jaxsim.formats.checkpoint import (
     abstract_target,
     restore_or_none,
 )
-from tests.conftest import cpu_devices_env
+from tests.conftest import HANG_GUARD_S, cpu_devices_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -217,7 +217,7 @@ def _run(script: str, devices: int, *args: str) -> subprocess.CompletedProcess:
     env = cpu_devices_env(devices)  # the device count must be set before jax starts
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 _SAVE_8 = """

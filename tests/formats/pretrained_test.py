@@ -27,7 +27,7 @@ from jaxsim.formats.hf_folder import ModelLoadError
 from jaxsim.formats.workdir import WorkdirError
 from jaxsim.models.bert import BertConfig
 from jaxsim.models.poolers import PoolerError
-from tests.conftest import write_tiny_workdir
+from tests.conftest import HANG_GUARD_S, write_tiny_workdir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -153,7 +153,7 @@ def test_missing_relative_model_folder_is_not_a_hub_request(tmp_path, monkeypatc
     (tmp_path / "in.txt").write_text("hello\n")
     proc = subprocess.run([sys.executable, "-m", "jaxsim", "encode", "--model", "runs/sup",
                            "--input", "in.txt", "--output", "out.npy"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 1 and proc.stderr == "error: runs/sup: no such model folder\n"
 
 

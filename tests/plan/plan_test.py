@@ -30,6 +30,7 @@ from jaxsim.storage.store import StorageError
 from jaxsim.train import build
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.config_files import apply_overrides, load_config_file
+from tests.conftest import HANG_GUARD_S
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_unsup_simcse.py"
@@ -354,7 +355,7 @@ def test_plan_command_writes_its_json_and_refuses_bad_input_in_one_line(tmp_path
     run = subprocess.run(
         [sys.executable, "-m", "jaxsim", "plan", "--config", str(TINY), "--topology", "v5e:2x2",
          "--json", str(out), "--config.batch_size=32"],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert run.returncode == 0, run.stderr[-2000:]
     record = json.loads(out.read_text())
     assert all(k in record for k in JSON_KEYS) and record["fits"]
@@ -364,7 +365,7 @@ def test_plan_command_writes_its_json_and_refuses_bad_input_in_one_line(tmp_path
     for bad, says in [(["--topology", "v9:2x2"], "--topology v9:2x2"),
                       (["--topology", "v5e:2x2", "--config.mesh_data=3"], "mesh")]:
         run = subprocess.run([sys.executable, "-m", "jaxsim", "plan", "--config", str(TINY), *bad],
-                             cwd=REPO, capture_output=True, text=True, timeout=900)
+                             cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
         assert run.returncode != 0 and "Traceback" not in run.stderr
         last = run.stderr.strip().splitlines()[-1]
         assert says in last, run.stderr[-1000:]
@@ -382,12 +383,12 @@ def test_plan_json_never_replaces_its_config(tmp_path):
 def test_train_py_plans_instead_of_training(tmp_path):
     run = subprocess.run([sys.executable, "train.py", "--config", str(TINY), "--plan", "v5e:2x2",
                           "--config.batch_size=32"],
-                         cwd=REPO, capture_output=True, text=True, timeout=900)
+                         cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "on v5e:2x2: 4 devices" in run.stdout and "largest global batch" in run.stdout
     both = subprocess.run([sys.executable, "train.py", "--config", str(TINY), "--plan", "v5e:2x2",
                            "--workdir", str(tmp_path / "w")],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
+                          cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert both.returncode == 1 and both.stderr.startswith("error: --plan trains nothing")
     assert not (tmp_path / "w").exists()
 
@@ -397,14 +398,14 @@ def test_one_compile_and_two_slices_from_the_command_lines(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "jaxsim", "plan", "--config", str(TINY), "--topology", "v5e:2x2",
          "--no-encode", "--no-search", "--json", str(out), "--config.batch_size=32"],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert run.returncode == 0, run.stderr[-2000:]
     record = json.loads(out.read_text())
     assert "encode" not in record and record["max_global_batch"] is None
     assert run.stderr.count("compiling the") == 1
     sliced = subprocess.run([sys.executable, "train.py", "--config", str(TINY), "--plan",
                              "v5e:2x2", "--num-slices", "2", "--config.batch_size=32"],
-                            cwd=REPO, capture_output=True, text=True, timeout=900)
+                            cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert sliced.returncode == 0, sliced.stderr[-2000:]
     assert "v5e:2x2 x 2 slices: 8 devices" in sliced.stdout
     assert " DCN " in sliced.stdout  # the gradient reduction crosses the slices

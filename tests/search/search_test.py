@@ -31,7 +31,7 @@ from jaxsim.search import (
     topk,
 )
 from jaxsim.storage.store import OutputExistsError
-from tests.conftest import run_on_cpu_devices, write_tiny_model
+from tests.conftest import HANG_GUARD_S, run_on_cpu_devices, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -366,7 +366,7 @@ def test_command_lines_end_to_end(tmp_path, capsys):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "jaxsim", "search", "--index", str(out),
                            "--query", QUERIES[0], "--top-k", "3", "--threshold", "0.2"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln.split("\t") for ln in proc.stdout.splitlines()]
     model = jaxsim.load_pretrained(jaxsim.bundled_model_path())
@@ -464,7 +464,7 @@ def test_sharded_search_equals_single_device(tmp_path):
             "ties": _four_hot(4777, 16, 16), "ties_q": _four_hot(13, 16, 17)}
     np.savez(tmp_path / "data.npz", **data)
     out = run_on_cpu_devices(_SHARDED, str(ROOT), str(tmp_path / "data.npz"), "256",
-                             timeout=600)
+                             timeout=HANG_GUARD_S)
     for kind in ("gauss", "ties"):
         want_scores, want_rows = _brute_force(data[kind], data[kind + "_q"], 9)
         for mesh in ("single", "data8", "data4_fsdp2", "data2_tensor4"):

@@ -15,6 +15,7 @@ import jaxsim
 from jaxsim.search import load_index
 from jaxsim.serve.app import create_app
 from jaxsim.serve.service import ServeLimits
+from tests.conftest import HANG_GUARD_S
 from tests.serve.conftest import CORPUS_SIZE, call
 
 
@@ -220,7 +221,7 @@ def test_bodies_over_the_limit_are_refused_unparsed(server):
     assert status == 413 and answer["field"] == "body"
     # Chunked (no declared length): counted as it streams.
     url = urllib.parse.urlsplit(server.url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=HANG_GUARD_S)
     conn.request("POST", "/search", body=iter([big[:600_000], big[600_000:]]),
                  headers={"Content-Type": "application/json"}, encode_chunked=True)
     response = conn.getresponse()

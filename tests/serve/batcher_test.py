@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxsim.serve.batcher import Batcher, BatcherBusy, BatcherClosed
+from tests.conftest import HANG_GUARD_S
 
 CORPUS = np.random.default_rng(0).normal(size=(50, 4)).astype(np.float32)
 
@@ -20,7 +21,7 @@ class Device:
 
     def encode(self, sentences):
         if self.gate is not None:
-            self.gate.wait(10)
+            self.gate.wait(HANG_GUARD_S)
         self.encodes.append(list(sentences))
         return np.array([[len(s), ord(s[0]), 1.0, -len(s)] for s in sentences], np.float32)
 
@@ -43,7 +44,7 @@ def test_waiting_requests_share_one_encode_and_one_top_k():
     futures = [batcher.submit(["a", "bb"], top_k=3), batcher.submit(["ccc"]),
                batcher.submit(["dddd"], top_k=5)]
     with batcher:
-        results = [f.result(10) for f in futures]
+        results = [f.result(HANG_GUARD_S) for f in futures]
     assert device.encodes == [["a", "bb", "ccc", "dddd"]]
     assert device.searches == [(3, 5)]  # the searching rows only, with the largest top_k
     assert batcher.stats.batches == 1 and batcher.stats.requests == 3
@@ -62,7 +63,7 @@ def test_batches_stop_at_max_batch_without_splitting_a_request():
     futures = [batcher.submit(s) for s in (["a", "b"], ["c"], ["d", "e"], ["f"])]
     with batcher:
         for f in futures:
-            f.result(10)
+            f.result(HANG_GUARD_S)
     assert device.encodes == [["a", "b", "c"], ["d", "e", "f"]]
 
 
@@ -72,7 +73,7 @@ def test_disabled_serves_one_request_per_call():
     futures = [batcher.submit([s], top_k=2) for s in "abc"]
     with batcher:
         for f in futures:
-            f.result(10)
+            f.result(HANG_GUARD_S)
     assert device.encodes == [["a"], ["b"], ["c"]] and device.searches == [(1, 2)] * 3
 
 
@@ -90,10 +91,10 @@ def test_a_full_queue_refuses_and_close_fails_the_waiting():
     closer.start()
     for f in waiting:
         with pytest.raises(BatcherClosed):
-            f.result(10)
+            f.result(HANG_GUARD_S)
     gate.set()  # the batch in flight still completes
-    assert first.result(10).vectors.shape == (1, 4)
-    closer.join(10)
+    assert first.result(HANG_GUARD_S).vectors.shape == (1, 4)
+    closer.join(HANG_GUARD_S)
     with pytest.raises(BatcherClosed):
         batcher.submit(["e"])
 
@@ -112,8 +113,8 @@ def test_an_encode_failure_reaches_every_caller_of_that_batch_only():
     with batcher:
         for f in futures[:2]:
             with pytest.raises(RuntimeError, match="device lost"):
-                f.result(10)
-        assert futures[2].result(10).vectors.shape == (2, 4)
+                f.result(HANG_GUARD_S)
+        assert futures[2].result(HANG_GUARD_S).vectors.shape == (2, 4)
 
 
 @pytest.mark.parametrize("window_s", [float("nan"), float("inf"), -0.001])

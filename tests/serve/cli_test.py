@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import HANG_GUARD_S, REPO
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "jaxsim", "serve", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -71,7 +71,7 @@ _BLOCK_SERVE_EXTRA = ("import sys\n"
 def _run_code(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=HANG_GUARD_S)
 
 
 def test_without_the_serve_extra_serve_says_what_to_install(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 import jaxsim
 from jaxsim.search import build_index
 from jaxsim.storage.paths import SENTEVAL_ROOT
-from tests.conftest import REPO, wait_until, write_tiny_model
+from tests.conftest import HANG_GUARD_S, REPO, wait_until, write_tiny_model
 
 CORPUS_SIZE = 40
 
@@ -59,7 +59,7 @@ class Server:
             raise AssertionError(f"{e}:\n{self.log.read_text()[-3000:]}") from None
         self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
 
-    def stop(self, timeout: float = 30) -> int:
+    def stop(self, timeout: float = HANG_GUARD_S) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -80,7 +80,7 @@ def server(served_index, tmp_path_factory):
 
 def call(url: str, path: str, body: Optional[object] = None, *, raw: Optional[bytes] = None,
          content_type: str = "application/json", method: Optional[str] = None,
-         timeout: float = 60) -> tuple[int, object]:
+         timeout: float = HANG_GUARD_S) -> tuple[int, object]:
     """(status, decoded JSON or text) of one HTTP request; error statuses are returned."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url + path, data=data, method=method,

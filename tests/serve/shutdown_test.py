@@ -13,7 +13,7 @@ import urllib.error
 
 import pytest
 
-from tests.conftest import REPO, wait_until
+from tests.conftest import HANG_GUARD_S, REPO, wait_until
 from tests.serve.conftest import Server, call
 
 
@@ -37,7 +37,7 @@ def test_stopping_under_load_answers_every_client(served_index, tmp_path):
         while True:
             try:
                 status, body = call(server.url, "/search", {"queries": [sentences[n]],
-                                                            "top_k": 2}, timeout=60)
+                                                            "top_k": 2}, timeout=HANG_GUARD_S)
             except (urllib.error.URLError, ConnectionError) as e:  # refused or reset
                 return answers, type(e).__name__
             if status != 200:
@@ -60,7 +60,7 @@ def test_stopping_under_load_answers_every_client(served_index, tmp_path):
         assert server.stop() == 143  # SIGTERM, stopped gracefully (uncaught it is -15)
         stop.set()
         pool.shutdown(wait=False)
-    outcomes = [f.result(timeout=90) for f in futures]  # no client hangs
+    outcomes = [f.result(timeout=HANG_GUARD_S) for f in futures]  # no client hangs
     assert "stopped (SIGTERM)" in server.log.read_text()
     assert all(answers > 0 and how != "gave up" for answers, how in outcomes), outcomes
     assert _fingerprint(index_dir) == before
@@ -77,7 +77,7 @@ def test_load_benchmark_short_form_writes_a_consistent_record(served_index, tmp_
          str(index_dir), "--clients", str(clients), "--duration", str(duration),
          "--rounds", str(rounds), "--warmup", "0", "--warm-up-tokens", "12",
          "--max-query-words", "5", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert (record["clients"], record["duration_s"], record["rounds"],

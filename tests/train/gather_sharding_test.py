@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[2]
 
 _SCRIPT = textwrap.dedent('''
@@ -55,7 +57,7 @@ def test_tensor_sharded_step_compiles_without_involuntary_rematerialization(mesh
                XLA_FLAGS='--xla_force_host_platform_device_count=8')
     env.pop('TF_CPP_MIN_LOG_LEVEL', None)  # XLA's warnings on
     p = subprocess.run([sys.executable, '-c', _SCRIPT, mesh], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert p.returncode == 0, p.stderr[-3000:]
     assert f'SPEC {spec}' in p.stdout  # the vocabulary really is split
     assert 'Involuntary full rematerialization' not in p.stderr, p.stderr[-3000:]

@@ -22,7 +22,7 @@ import pytest
 
 from jaxsim.formats.checkpoint import Checkpointer
 from jaxsim.storage.paths import SENTEVAL_ROOT
-from tests.conftest import cpu_devices_env
+from tests.conftest import HANG_GUARD_S, cpu_devices_env
 
 REPO = Path(__file__).resolve().parents[2]
 U = 2.0 ** -24
@@ -105,7 +105,7 @@ def test_two_processes_match_one_process(tmp_path):
         for (name, mesh), port in zip(MESHES.items(), (port_a, port_b, port_c)):
             runs[name] = [_launch([corpus, tmp_path / name, f'127.0.0.1:{port}', 2, pid,
                                    json.dumps(mesh)], 4) for pid in (0, 1)]
-        outs = {name: [p.communicate(timeout=900) for p in procs]
+        outs = {name: [p.communicate(timeout=HANG_GUARD_S) for p in procs]
                 for name, procs in runs.items()}
     for name, procs in runs.items():
         for p, (out, err) in zip(procs, outs[name]):
@@ -169,7 +169,7 @@ def test_processes_that_see_different_inputs_are_refused_in_one_line(tmp_path, d
                 stderr=subprocess.PIPE, text=True)
 
         procs = [launch(pid) for pid in (0, 1)]
-        outs = [p.communicate(timeout=600) for p in procs]
+        outs = [p.communicate(timeout=HANG_GUARD_S) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 1, err[-3000:]
         assert err.strip().splitlines()[-1] == (

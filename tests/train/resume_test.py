@@ -23,7 +23,7 @@ import pytest
 
 import jaxsim
 from jaxsim.formats.checkpoint import Checkpointer
-from tests.conftest import cpu_devices_env, write_run_data
+from tests.conftest import HANG_GUARD_S, cpu_devices_env, write_run_data
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 20  # 120 sentences / 16 = 7 batches an epoch: the run crosses two epoch boundaries
@@ -125,7 +125,7 @@ def _start(setup, workdir, mode='none', at=0, signame='SIGKILL'):
 
 def _run(*args, **kwargs):
     proc = _start(*args, **kwargs)
-    out, err = proc.communicate(timeout=600)
+    out, err = proc.communicate(timeout=HANG_GUARD_S)
     return proc.returncode, out, err
 
 
@@ -183,7 +183,7 @@ def test_interrupted_runs_resume_bit_identical(setup, tmp_path):
             assert not list(work.glob('checkpoints/*tmp*')), list(work.glob('checkpoints/*'))
         _check_consistent(work)
         if n == 0:
-            _, err = uninterrupted.communicate(timeout=600)
+            _, err = uninterrupted.communicate(timeout=HANG_GUARD_S)
             assert uninterrupted.returncode == 0, err[-3000:]
     rc, out, err = _run(setup, work)
     assert rc == 0, err[-3000:]

@@ -11,7 +11,7 @@ import pytest
 from jaxsim.cli import train
 from jaxsim.formats import hf_folder
 from jaxsim.storage import store
-from tests.conftest import write_run_data
+from tests.conftest import HANG_GUARD_S, write_run_data
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / 'configs' / 'tiny_unsup_simcse.py')
@@ -40,7 +40,7 @@ def _cli(args):
                  'TF_CPP_MIN_LOG_LEVEL'):
         env.pop(name, None)
     return subprocess.run([sys.executable, '-c', _WITHOUT_TORCH, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
 
 
 def test_cli_prints_the_summary_and_no_start_up_noise(data, tmp_path):
@@ -181,7 +181,7 @@ def test_a_run_that_fails_before_training_leaves_no_record(data, tmp_path):
                         f'--config.train_file={data / "corpus.txt"}', '--noprogress',
                         '--config.mesh_tensor=4'],
                        cwd=REPO, env=cpu_devices_env(4), capture_output=True, text=True,
-                       timeout=600)
+                       timeout=HANG_GUARD_S)
     assert p.returncode == 1 and p.stderr.count('\n') == 1, p.stderr[-2000:]
     assert "its 'vocab' dimension 30522 cannot be split over mesh axes tensor" in p.stderr
     assert [q.name for q in workdir.iterdir()] == [store.LOCK_FILE]  # released, nothing else

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from jaxsim.cli import train
-from tests.conftest import write_run_data
+from tests.conftest import HANG_GUARD_S, write_run_data
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / 'configs' / 'tiny_unsup_simcse.py')
@@ -59,7 +59,7 @@ def test_second_run_on_a_held_workdir_is_refused_and_the_first_loses_nothing(tmp
         logged = len((workdir / 'metrics.jsonl').read_text().splitlines())
         first.send_signal(signal.SIGINT)  # delivered when it continues
         first.send_signal(signal.SIGCONT)
-        out, err = first.communicate(timeout=600)
+        out, err = first.communicate(timeout=HANG_GUARD_S)
     finally:
         if first.poll() is None:
             first.kill()
