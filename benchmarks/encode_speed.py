@@ -19,8 +19,12 @@ matrix-product peak of the dtype (`peak.py`, measured in this process on the sam
 sentence-transformers folder both sides load); `--limit N` keeps N texts of each set, `--sets`
 chooses the sets.
 
+`--compare-forms` adds jaxsim in the layers' plain form (`kernels='xla'`, what TPU and GPU run)
+beside the CPU forms that `kernels='auto'` picks on a CPU (`jaxsim.models.kernels`), in the
+same alternating rounds: `ratios["bfloat16_cpu_vs_xla_forms"]` is the case for keeping them.
+
     python benchmarks/encode_speed.py [--threads 2] [--repeats 5] [--shape minilm]
-        [--json out.json]
+        [--compare-forms] [--json out.json]
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import argparse
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import sys
 import tempfile
 from pathlib import Path
@@ -153,6 +158,8 @@ def main():
     parser.add_argument("--peak-repeats", type=int, default=10)
     parser.add_argument("--data", type=Path, default=None, help="SentEval root")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--compare-forms", action="store_true",
+                        help="also run jaxsim with the layers' plain (TPU/GPU) form")
     args = parser.parse_args()
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be positive")
@@ -194,8 +201,11 @@ def run(args, tmp: Path, torch) -> None:
     record = {"threads": args.threads, "batch_size": args.batch_size, "shape": args.shape,
               "peak_gflops": peaks, "sets": {}}
 
-    def ours(texts, dtype):
-        return lambda: jaxsim.encode(model, texts, batch_size=args.batch_size, normalize=True,
+    # The plain form of the layers, to weigh the CPU forms that 'auto' picks here against.
+    plain = dataclasses.replace(model, encoder=model.encoder.clone(kernels="xla"))
+
+    def ours(texts, dtype, which=model):
+        return lambda: jaxsim.encode(which, texts, batch_size=args.batch_size, normalize=True,
                                      dtype=jnp.dtype(dtype))
 
     def theirs(texts, dtype):
@@ -212,10 +222,13 @@ def run(args, tmp: Path, torch) -> None:
         for dtype in DTYPES:
             contenders[f"jaxsim_{dtype}"] = ours(texts, dtype)
             contenders[f"st_{dtype}"] = theirs(texts, dtype)
+            if args.compare_forms:
+                contenders[f"jaxsim_{dtype}_xla_forms"] = ours(texts, dtype, plain)
         first = seconds(contenders["jaxsim_float32"])
         warm = seconds(contenders["jaxsim_float32"])
-        seconds(contenders["jaxsim_bfloat16"])
-        seconds(contenders["st_bfloat16"])
+        for key in contenders:  # every program compiled before the rounds
+            if key not in ("jaxsim_float32", "st_float32"):
+                seconds(contenders[key])
         diff = float(np.abs(contenders["jaxsim_float32"]() - contenders["st_float32"]()).max())
         rates = alternating(contenders, n, args.repeats)
         entry = {"texts": n, "compile_s": max(first - warm, 0.0), "max_abs_diff": diff,
@@ -235,6 +248,9 @@ def run(args, tmp: Path, torch) -> None:
             for ref in DTYPES:
                 entry["ratios"][f"{dtype}_vs_st_{ref}"] = ratio_stats(
                     rates[f"jaxsim_{dtype}"]["rates"], rates[f"st_{ref}"]["rates"])
+            if args.compare_forms:
+                entry["ratios"][f"{dtype}_cpu_vs_xla_forms"] = ratio_stats(
+                    rates[f"jaxsim_{dtype}"]["rates"], rates[f"jaxsim_{dtype}_xla_forms"]["rates"])
         record["sets"][name] = entry
         print(f"{name}: {n} texts, max |jaxsim - ST| {diff:.1e}, compile {first - warm:.1f} s")
         for dtype in DTYPES:
@@ -247,6 +263,12 @@ def run(args, tmp: Path, torch) -> None:
                 line += (f"  vs ST {ref} {stats['ratio']:.2f}x [{stats['ratio_min']:.2f}-"
                          f"{stats['ratio_max']:.2f}]")
             print(line, flush=True)
+            if args.compare_forms:
+                stats = entry["ratios"][f"{dtype}_cpu_vs_xla_forms"]
+                print(f"  jaxsim {dtype:8s} plain (xla) forms "
+                      f"{entry[f'jaxsim_{dtype}_xla_forms_per_s']:7.1f}/s: the CPU forms "
+                      f"{stats['ratio']:.2f}x [{stats['ratio_min']:.2f}-{stats['ratio_max']:.2f}]",
+                      flush=True)
         best = entry["best_vs_best"]
         print(f"  each at its best: {best['ours']} vs {best['reference']} {best['ratio']:.2f}x "
               f"[{best['ratio_min']:.2f}-{best['ratio_max']:.2f}]", flush=True)

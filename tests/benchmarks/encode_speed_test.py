@@ -1,7 +1,8 @@
 """benchmarks/encode_speed.py end to end on a tiny random-init model (saved as a
 sentence-transformers folder both sides load): jaxsim float32 / bf16 beside sentence-transformers
-float32 / bf16 autocast, every ratio recomputed from the record's per-round rates, the pass's
-FLOP count from XLA against the model's product count, the fraction of the measured peak."""
+float32 / bf16 autocast (and jaxsim in the layers' plain form, `--compare-forms`), every ratio
+recomputed from the record's per-round rates, the pass's FLOP count from XLA against the
+model's product count, the fraction of the measured peak."""
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "encode_speed.py"), "--shape", "tiny",
          "--limit", str(TEXTS), "--batch-size", str(BATCH), "--repeats", "2", "--peak-size",
-         "64", "--peak-repeats", "2", "--threads", "1", "--json", str(out)],
+         "64", "--peak-repeats", "2", "--threads", "1", "--compare-forms", "--json", str(out)],
         cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
         timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -40,13 +41,16 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
         assert entry["texts"] == TEXTS
         assert entry["max_abs_diff"] < 1e-4  # same random weights on both sides
         rates = entry["rates"]
-        assert set(rates) == {f"{side}_{d}" for side in ("jaxsim", "st") for d in DTYPES}
+        assert set(rates) == {f"{side}_{d}" for side in ("jaxsim", "st") for d in DTYPES} | {
+            f"jaxsim_{d}_xla_forms" for d in DTYPES}
         for key, values in rates.items():
             check_rate(entry[f"{key}_per_s"], values)
         for dtype in DTYPES:
             for ref in DTYPES:
                 check_ratio(entry["ratios"][f"{dtype}_vs_st_{ref}"], rates[f"jaxsim_{dtype}"],
                             rates[f"st_{ref}"])
+            check_ratio(entry["ratios"][f"{dtype}_cpu_vs_xla_forms"], rates[f"jaxsim_{dtype}"],
+                        rates[f"jaxsim_{dtype}_xla_forms"])
             flops = entry[f"jaxsim_{dtype}_flops_per_pass"]
             # At least the products of TEXTS texts of 2+ tokens, padded batches of BATCH rows
             # (3 of them) of at most 128 tokens.
@@ -68,7 +72,7 @@ def test_tiny_run_writes_a_consistent_record(tmp_path):
     assert record["ratio"] == record["sets"]["stsb_test"]["best_vs_best"]["ratio"]
     assert set(record["cpu"]) >= {"model", "avx2", "avx512_bf16", "amx_bf16"}
     assert "load_average_1min" in record
-    assert "vs ST bfloat16" in proc.stdout
+    assert "vs ST bfloat16" in proc.stdout and "plain (xla) forms" in proc.stdout
 
 
 def test_refuses_an_unknown_set():
