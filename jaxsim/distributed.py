@@ -22,6 +22,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from typing import Any, Callable, Mapping
 
 import jax
@@ -42,6 +43,10 @@ DEFAULT_INIT_TIMEOUT_S = 300.0  # JAX's own default wait for every process to co
 # JAX aborts the process (a C++ check failure) when its own initialization timeout passes:
 # it is given this much longer than ours, which ends the wait first with one line.
 _JAX_TIMEOUT_MARGIN_S = 60
+# A process-directed SIGINT / SIGTERM may land on any thread that does not block it (JAX's,
+# the connecting one); Python then only notes it, and runs the handler when the main thread
+# next runs Python code. The main thread's wait returns this often so that it does.
+_SIGNAL_CHECK_S = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,9 +248,10 @@ def _check_port_free(coordinator: str) -> None:
 def _wait_for(connect: Callable[[], Any], timeout_s: float, what: str) -> None:
     """Runs `connect` (jax.distributed.initialize: it blocks in native code, where neither a
     signal handler nor a timeout of ours could run) in a worker thread while this thread
-    waits for it, so that SIGINT / SIGTERM stop the wait at once (the handlers raise here)
-    and the wait ends after `timeout_s` (TimeoutError). The abandoned connection is left to
-    the process's exit (`_abandon`). Re-raises what `connect` raised."""
+    waits for it, in short slices, so that SIGINT / SIGTERM stop the wait at once (the
+    handlers raise here) whichever thread the signal landed on, and the wait ends after
+    `timeout_s` (TimeoutError). The abandoned connection is left to the process's exit
+    (`_abandon`). Re-raises what `connect` raised."""
     done, failure = threading.Event(), []
 
     def run():
@@ -261,7 +267,10 @@ def _wait_for(connect: Callable[[], Any], timeout_s: float, what: str) -> None:
         # One line on stderr: the wait is visible (a supervisor can tell it is under way).
         print(f'waiting up to {timeout_s:g} s for {what} to connect', file=sys.stderr,
               flush=True)
-        finished = done.wait(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        finished = False
+        while not finished and (left := deadline - time.monotonic()) > 0:
+            finished = done.wait(min(left, _SIGNAL_CHECK_S))
     except BaseException:
         _abandon()
         raise

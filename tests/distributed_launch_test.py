@@ -179,3 +179,33 @@ def test_process_0_refuses_a_coordinator_port_another_program_listens_on():
             distributed._check_port_free(f'127.0.0.1:{port}')
     with reserved_port() as port:  # held as gRPC holds a port: shared, as the service shares it
         distributed._check_port_free(f'127.0.0.1:{port}')
+
+
+def test_a_signal_that_lands_on_another_thread_still_ends_the_wait(monkeypatch):
+    # A process-directed signal may be delivered to any thread that does not block it; Python
+    # then only notes it for the main thread, which must wake up to run the handler (a wait in
+    # one call slept through a SIGTERM until its 300 s were over, on a loaded machine).
+    handled, connect_ended, seen_by_connect = threading.Event(), threading.Event(), []
+
+    class Stop(Exception):
+        pass
+
+    def handler(signum, frame):
+        handled.set()
+        raise Stop
+
+    def connect():  # on the worker thread: the signal lands here, not on the waiting thread
+        handled.wait(0.5)  # a pause, so that the waiting thread is inside its wait
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
+        # Still connecting: the handler must run now, not when the waiter's wait ends.
+        seen_by_connect.append(handled.wait(HANG_GUARD_S))
+        connect_ended.set()
+
+    monkeypatch.setattr(distributed, '_abandon', lambda: None)  # no exit hooks in this process
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        with pytest.raises(Stop):
+            distributed._wait_for(connect, 2 * HANG_GUARD_S, 'the test')
+        assert connect_ended.wait(HANG_GUARD_S) and seen_by_connect == [True]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
