@@ -25,12 +25,12 @@ CORPUS = ["a man is playing a guitar .", "a woman slices an onion .", "the cat s
           "two dogs run across a wide green field together .", "a child reads a book ."]
 
 
-def run(*args, timeout=HANG_GUARD_S):
+def run(*args):
     """Runs `python ARGS` from the repository root; fails the test on a non-zero exit."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -221,8 +221,7 @@ def cpu_devices_env(devices: int) -> dict:
     return dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
 
 
-def run_on_cpu_devices(script: str, *args: str, devices: int = 8,
-                       timeout: float = HANG_GUARD_S) -> dict:
+def run_on_cpu_devices(script: str, *args: str, devices: int = 8) -> dict:
     """Runs `script` (python -c, from the repository root) in a fresh process that sees `devices`
     CPU devices, and returns the JSON it printed after "RESULT" on the last line starting so.
 
@@ -232,7 +231,7 @@ def run_on_cpu_devices(script: str, *args: str, devices: int = 8,
     env = cpu_devices_env(devices)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
     return json.loads(line[len("RESULT"):])

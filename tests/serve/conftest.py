@@ -59,11 +59,11 @@ class Server:
             raise AssertionError(f"{e}:\n{self.log.read_text()[-3000:]}") from None
         self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
 
-    def stop(self, timeout: float = HANG_GUARD_S) -> int:
+    def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(HANG_GUARD_S)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -79,14 +79,14 @@ def server(served_index, tmp_path_factory):
 
 
 def call(url: str, path: str, body: Optional[object] = None, *, raw: Optional[bytes] = None,
-         content_type: str = "application/json", method: Optional[str] = None,
-         timeout: float = HANG_GUARD_S) -> tuple[int, object]:
+         content_type: str = "application/json",
+         method: Optional[str] = None) -> tuple[int, object]:
     """(status, decoded JSON or text) of one HTTP request; error statuses are returned."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url + path, data=data, method=method,
                                      headers={"Content-Type": content_type} if data else {})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=HANG_GUARD_S) as response:
             status, payload, kind = response.status, response.read(), response.headers
     except urllib.error.HTTPError as e:
         status, payload, kind = e.code, e.read(), e.headers
