@@ -211,6 +211,32 @@ def param_specs(params: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None,
     return traverse_util.unflatten_dict(out, sep='/')
 
 
+def update_specs(param_specs_tree: Any, params: Any, mesh: Mesh) -> Any:
+    """Where the optimizer update runs (ZeRO-1): each parameter's spec with the 'data' axis
+    added on its first dimension, other than the last, that is not split yet and that the
+    axis divides. Adam's moments live there and each device updates its share of every
+    parameter. The last dimension is never split: a slice of it is not a whole number of
+    TPU lane tiles (768 / 16 = 48 of 128), and the compiled update then transposes the whole
+    tensor (BERT's word embeddings: three [30522, 768] copies). Parameters with no such
+    dimension (biases, layer norms, a vocabulary of 30522 rows) are updated whole on every
+    device."""
+    size = mesh.shape['data']
+    flat_specs = traverse_util.flatten_dict(param_specs_tree, sep='/')
+    flat = traverse_util.flatten_dict(params, sep='/')
+    out = {}
+    for path, x in flat.items():
+        entries = list(flat_specs[path]) + [None] * (len(x.shape) - len(flat_specs[path]))
+        if size > 1:
+            for dim, (n, entry) in enumerate(zip(x.shape[:-1], entries)):
+                if entry is None and n % size == 0:
+                    entries[dim] = 'data'
+                    break
+        while entries and entries[-1] is None:
+            entries.pop()
+        out[path] = P(*entries)
+    return traverse_util.unflatten_dict(out, sep='/')
+
+
 def tree_shardings(tree: Any, mesh: Mesh, params_specs: Any = None) -> Any:
     """NamedShardings for any pytree: params by the rules, everything else replicated.
 

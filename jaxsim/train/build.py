@@ -278,7 +278,10 @@ def train_program(cfg: TrainConfig, encoder: SentenceEncoder, objective: Objecti
     head_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                st_head.head_weights(head))
     shape = state_lib.state_shape(encoder, tx, dropout_key, owned_shapes, head_shapes)
-    shardings = state_lib.state_shardings(shape, mesh, *param_rules(cfg))
+    shardings = state_lib.state_shardings(shape, mesh, *param_rules(cfg),
+                                          shard_optimizer_state=cfg.shard_optimizer_state)
+    update_at = (state_lib.update_shardings(shape, mesh, *param_rules(cfg))
+                 if cfg.shard_optimizer_state else None)
     train_step = step_lib.make_train_step(
         loss=step_lib.LossSpec(encoder=encoder,
                                objective=functools.partial(objective.loss, **objective_kwargs),
@@ -286,7 +289,8 @@ def train_program(cfg: TrainConfig, encoder: SentenceEncoder, objective: Objecti
         update=step_lib.UpdateSpec(tx=tx, grad_divisor=grad_divisor(cfg, mesh),
                                    schedule=optim.make_schedule(cfg, total_steps)),
         target=step_lib.CompileTarget(mesh=mesh, state_shardings=shardings,
-                                      compiler_options=options, prng_impl=cfg.prng_impl),
+                                      compiler_options=options, prng_impl=cfg.prng_impl,
+                                      update_shardings=update_at),
         split=batch_split(cfg))
     return TrainProgram(train_step=train_step, tx=tx, state_shape=shape, shardings=shardings,
                         init_key=init_key(cfg.seed), dropout_key=dropout_key,

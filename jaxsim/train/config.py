@@ -100,6 +100,11 @@ class TrainConfig:
       mesh axis (or a list of them, or '' for replicated), e.g. {'vocab': ''} keeps the word
       embeddings whole under a tensor mesh. replicate_indivisible: a parameter dimension the
       rules shard but the mesh cannot divide is replicated (else an error naming it).
+    shard_optimizer_state: Adam's moments split over the 'data' axis and each device updating
+      its slice of every parameter, then all-gathering it (ZeRO-1, `jaxsim.train.
+      sharded_update`): the moments' HBM divided by mesh_data, the same state (tested equal on
+      data and fsdp meshes). Parameters no dimension but the last of which divides (biases, a
+      30522-row vocabulary) stay whole. A layout choice: a run may resume with it changed.
     pack_length: > 0 packs each batch's sentences end to end into rows of this many tokens
       (at least max_len; max_len is the least attention work, as each row's scores cover the
       whole row before the mask keeps them to each sentence: at max_len 32, rows of 32 trained
@@ -175,6 +180,7 @@ class TrainConfig:
     mesh_dcn_tensor: int = 1
     logical_axis_rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     replicate_indivisible: bool = False
+    shard_optimizer_state: bool = False
     pack_length: int = 0
     remat: str = 'none'
     kernels: str = 'auto'

@@ -22,7 +22,7 @@ OPERATIONAL_KEYS = frozenset({
     'mesh_data', 'mesh_fsdp', 'mesh_tensor', 'log_every', 'checkpoint', 'checkpoint_every',
     'keep_checkpoints', 'eval_batch_size', 'fast_compile', 'mesh_dcn_data', 'mesh_dcn_fsdp',
     'mesh_dcn_tensor', 'remat', 'micro_batch_size', 'tensorboard', 'logical_axis_rules',
-    'replicate_indivisible'})
+    'replicate_indivisible', 'shard_optimizer_state'})
 
 
 def run_defining(cfg: TrainConfig | Mapping[str, Any]) -> dict[str, Any]:

@@ -44,16 +44,28 @@ def param_shardings(encoder: SentenceEncoder, mesh: Mesh, rules: Optional[dict] 
 
 
 def state_shardings(state_shape: TrainState, mesh: Mesh, rules: Optional[dict] = None,
-                    strict: bool = False) -> TrainState:
-    """Shardings of every TrainState leaf: params by the rules, Adam's moments alike."""
+                    strict: bool = False, shard_optimizer_state: bool = False) -> TrainState:
+    """Shardings of every TrainState leaf: params by the rules, Adam's moments alike, or, with
+    `shard_optimizer_state`, also split over the 'data' axis (`sharding.update_specs`)."""
     specs = sharding_lib.param_specs(state_shape.params, mesh, rules, strict)
     replicated = NamedSharding(mesh, P())
+    moment_specs = (sharding_lib.update_specs(specs, state_shape.params, mesh)
+                    if shard_optimizer_state else specs)
     return TrainState(
         step=replicated,
         params=jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                             is_leaf=lambda x: isinstance(x, P)),
-        opt_state=sharding_lib.tree_shardings(state_shape.opt_state, mesh, specs),
+        opt_state=sharding_lib.tree_shardings(state_shape.opt_state, mesh, moment_specs),
         rng=replicated)
+
+
+def update_shardings(state_shape: TrainState, mesh: Mesh, rules: Optional[dict] = None,
+                     strict: bool = False) -> Any:
+    """NamedShardings, shaped like the params, of where a ZeRO-1 update runs."""
+    specs = sharding_lib.param_specs(state_shape.params, mesh, rules, strict)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s),
+                        sharding_lib.update_specs(specs, state_shape.params, mesh),
+                        is_leaf=lambda x: isinstance(x, P))
 
 
 def _init_fn(tx: optax.GradientTransformation, rng: jax.Array) -> Callable:

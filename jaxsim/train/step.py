@@ -31,6 +31,7 @@ from jaxsim.objectives.base import LossFn, ObjectiveError, with_context
 from jaxsim.objectives.mlm import MlmSettings, mlm_term
 from jaxsim.train.config import PRNG_IMPLS
 from jaxsim.train.grad_cache import make_cached_grad_fn
+from jaxsim.train.sharded_update import make_sharded_update
 from jaxsim.train.state import TrainState
 
 Batch = Mapping[str, jax.Array]
@@ -225,6 +226,7 @@ class CompileTarget:
     state_shardings: TrainState
     compiler_options: Optional[dict] = None
     prng_impl: str = 'threefry2x32'
+    update_shardings: Any = None
 
 
 SPLIT_MODES = ('whole', 'packed', 'accumulate', 'cached')
@@ -299,6 +301,11 @@ def make_train_step(*, loss: LossSpec, update: UpdateSpec, target: CompileTarget
     mesh, prng_impl = target.mesh, target.prng_impl
     tx, grad_divisor, schedule = update.tx, update.grad_divisor, update.schedule
     accum = split.grad_accum_steps
+    sharded_update = None
+    if target.update_shardings is not None:
+        sharded_update = make_sharded_update(
+            tx, mesh, target.state_shardings.params, target.update_shardings,
+            target.state_shardings.opt_state)
     replicated = NamedSharding(mesh, P())
 
     def train_step(state: TrainState, batch: Batch):
@@ -342,6 +349,8 @@ def make_train_step(*, loss: LossSpec, update: UpdateSpec, target: CompileTarget
 
         def update(operands):
             params, opt_state, grads = operands
+            if sharded_update is not None:
+                return sharded_update(params, opt_state, grads, grad_norm)
             # The clipping reuses grad_norm instead of reading every gradient again.
             updates, opt_state = optax.with_extra_args_support(tx).update(
                 grads, opt_state, params, grad_norm=grad_norm)
