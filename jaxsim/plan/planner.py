@@ -94,7 +94,8 @@ class Plan:
             'config': {k: t.cfg.to_dict()[k] for k in (
                 'model', 'objective', 'batch_size', 'max_len', 'dtype', 'remat',
                 'micro_batch_size', 'grad_accum_steps', 'prng_impl', 'mesh_data', 'mesh_fsdp',
-                'mesh_tensor', 'mesh_dcn_data', 'mesh_dcn_fsdp', 'mesh_dcn_tensor')},
+                'mesh_tensor', 'mesh_dcn_data', 'mesh_dcn_fsdp', 'mesh_dcn_tensor',
+                'shard_optimizer_state')},
             'fits': self.fits,
             'hbm_gib': {'parameters': fig.gib(t.parameters),
                         'optimizer_state': fig.gib(t.optimizer_state),
@@ -329,7 +330,8 @@ def _suggest(plan: Plan, devices, chip_of, say, fixed: float, slope: float,
              unit: int) -> dict:
     """Settings that make the batch fit, each planned before it is offered: cached-gradient
     micro-batches (same gradient, activations of M examples), then with full recomputation,
-    then a mesh that shards the parameters and optimizer state (fsdp)."""
+    then Adam's moments split over the data axis (ZeRO-1), then a mesh that shards the
+    parameters and optimizer state (fsdp)."""
     cfg = plan.train.cfg
     budget = FIT_SHARE * plan.capacity
     candidates = []
@@ -342,6 +344,8 @@ def _suggest(plan: Plan, devices, chip_of, say, fixed: float, slope: float,
             candidates.append({'micro_batch_size': micro})
             candidates.append({'micro_batch_size': micro, 'remat': 'full'})
     within = len(devices) // (cfg.mesh_dcn_data * cfg.mesh_dcn_fsdp * cfg.mesh_dcn_tensor)
+    if not cfg.shard_optimizer_state and plan.train.mesh_shape['data'] > 1:
+        candidates.append({'shard_optimizer_state': True})
     if cfg.mesh_fsdp == 1 and cfg.mesh_tensor == 1:
         candidates.append({'mesh_data': 1, 'mesh_fsdp': within})
     for changes in candidates:

@@ -17,7 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
+from jaxsim import sharding as sharding_lib
 from jaxsim.cli.plan import format_plan, run_plan
 from jaxsim.models import dropout
 from jaxsim.models.encoder import param_shapes
@@ -269,6 +272,29 @@ def test_fsdp_divides_parameters_and_optimizer_state_by_its_size(data_parallel):
     assert sharded.train.optimizer_state <= 1.02 * whole.optimizer_state / 4
     assert any(c.kind == "all-gather" and c.axes == ("fsdp",)
                for c in sharded.train.program.collectives)  # parameters gathered to use them
+
+
+def test_shard_optimizer_state_splits_adams_moments_over_the_data_axis(data_parallel):
+    """ZeRO-1 compiled for v5e:2x2 (data=4): each chip holds 1/4 of the moments of every
+    parameter `sharding.update_specs` splits and the whole of the others; the parameters stay
+    whole, gathered back after the update."""
+    split = plan(tiny(shard_optimizer_state=True))
+    whole = data_parallel.train
+    shapes = jax.tree.leaves(param_shapes(build.make_encoder(whole.cfg,
+                                                             build.architecture(whole.cfg))))
+    mesh = AbstractMesh((4, 1, 1), sharding_lib.MESH_AXES)
+    params = {str(i): x for i, x in enumerate(shapes)}
+    specs = sharding_lib.update_specs({k: P() for k in params}, params, mesh)
+    moments = sum(2 * 4 * math.prod(x.shape) // (4 if "data" in specs[k] else 1)
+                  for k, x in params.items())
+    assert any("data" in s for s in specs.values())
+    assert split.train.parameters == whole.parameters
+    assert moments <= split.train.optimizer_state <= moments + 64  # + Adam's step counts
+    # (the tiny model's 30522-row vocabulary, most of it, stays whole)
+    assert split.train.optimizer_state < whole.optimizer_state
+    assert any(c.kind == "all-gather" and c.axes == ("data",)
+               for c in split.train.program.collectives)  # the updated slices
+    assert split.to_json()["config"]["shard_optimizer_state"] is True
 
 
 def test_fsdp_keeps_each_devices_rows():
