@@ -2,6 +2,7 @@
 safety."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
@@ -209,8 +210,47 @@ def test_reads_a_failed_restore_leaves_pending_are_not_reported(monkeypatch):
                                       exc_traceback=None)
         sys.unraisablehook(other)
         assert seen == [other]
+        # The same read wrapped by asyncio (`ensure_future` of an awaitable): dropped too.
+        exec(compile("async def _wrap_awaitable():\n    pass\n", asyncio.tasks.__file__,
+                     "exec"), namespace)
+        wrapped = namespace["_wrap_awaitable"]()
+        try:
+            sys.unraisablehook(types.SimpleNamespace(exc_value=error, object=wrapped,
+                                                     exc_traceback=None))
+            assert seen == [other]
+        finally:
+            wrapped.close()
     finally:
         pending.close()
+
+
+def test_a_task_whose_orbax_error_nobody_retrieved_is_not_logged(caplog):
+    """asyncio logs a garbage-collected task's unretrieved error with its traceback: dropped
+    when the error came from orbax (a failed read's siblings), kept otherwise."""
+    import orbax.checkpoint
+
+    from jaxsim import runtime
+
+    runtime.ignore_orphaned_loop_callbacks()
+    namespace = {}
+    exec(compile("def _read():\n    raise ValueError('OUT_OF_RANGE')\n",
+                 orbax.checkpoint.__file__, "exec"), namespace)
+
+    def log_unretrieved(read):
+        try:
+            read()
+        except ValueError as e:
+            logging.getLogger("asyncio").error("Task exception was never retrieved",
+                                               exc_info=(type(e), e, e.__traceback__))
+
+    def not_orbax():
+        raise ValueError("a bug elsewhere")
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        log_unretrieved(namespace["_read"])
+        assert caplog.records == []
+        log_unretrieved(not_orbax)
+        assert [r.getMessage() for r in caplog.records] == ["Task exception was never retrieved"]
 
 
 def _run(script: str, devices: int, *args: str) -> subprocess.CompletedProcess:

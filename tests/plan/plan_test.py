@@ -423,11 +423,13 @@ def test_one_compile_and_two_slices_from_the_command_lines(tmp_path):
     out = tmp_path / "plan.json"
     run = subprocess.run(
         [sys.executable, "-m", "jaxsim", "plan", "--config", str(TINY), "--topology", "v5e:2x2",
-         "--no-encode", "--no-search", "--json", str(out), "--config.batch_size=32"],
+         "--no-encode", "--no-search", "--json", str(out), "--config.batch_size=32",
+         "--config.shard_optimizer_state=True"],
         cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert run.returncode == 0, run.stderr[-2000:]
     record = json.loads(out.read_text())
     assert "encode" not in record and record["max_global_batch"] is None
+    assert record["config"]["shard_optimizer_state"] is True
     assert run.stderr.count("compiling the") == 1
     sliced = subprocess.run([sys.executable, "train.py", "--config", str(TINY), "--plan",
                              "v5e:2x2", "--num-slices", "2", "--config.batch_size=32"],
