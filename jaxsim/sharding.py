@@ -218,15 +218,16 @@ def update_specs(param_specs_tree: Any, params: Any, mesh: Mesh) -> Any:
     parameter. The last dimension is never split: a slice of it is not a whole number of
     TPU lane tiles (768 / 16 = 48 of 128), and the compiled update then transposes the whole
     tensor (BERT's word embeddings: three [30522, 768] copies). Parameters with no such
-    dimension (biases, layer norms, a vocabulary of 30522 rows) are updated whole on every
-    device."""
+    dimension (biases, layer norms, a vocabulary of 30522 rows), or whose spec already uses
+    'data' (by `logical_axis_rules`), are updated as the rules split them."""
     size = mesh.shape['data']
     flat_specs = traverse_util.flatten_dict(param_specs_tree, sep='/')
     flat = traverse_util.flatten_dict(params, sep='/')
     out = {}
     for path, x in flat.items():
         entries = list(flat_specs[path]) + [None] * (len(x.shape) - len(flat_specs[path]))
-        if size > 1:
+        named = {a for e in entries if e for a in ((e,) if isinstance(e, str) else e)}
+        if size > 1 and 'data' not in named:  # a mesh axis may split one dimension only
             for dim, (n, entry) in enumerate(zip(x.shape[:-1], entries)):
                 if entry is None and n % size == 0:
                     entries[dim] = 'data'

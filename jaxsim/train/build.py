@@ -280,7 +280,7 @@ def train_program(cfg: TrainConfig, encoder: SentenceEncoder, objective: Objecti
     shape = state_lib.state_shape(encoder, tx, dropout_key, owned_shapes, head_shapes)
     shardings = state_lib.state_shardings(shape, mesh, *param_rules(cfg),
                                           shard_optimizer_state=cfg.shard_optimizer_state)
-    update_at = (state_lib.update_shardings(shape, mesh, *param_rules(cfg))
+    update_at = (state_lib.update_shardings(shape, shardings, mesh)
                  if cfg.shard_optimizer_state else None)
     train_step = step_lib.make_train_step(
         loss=step_lib.LossSpec(encoder=encoder,

@@ -59,10 +59,10 @@ def state_shardings(state_shape: TrainState, mesh: Mesh, rules: Optional[dict] =
         rng=replicated)
 
 
-def update_shardings(state_shape: TrainState, mesh: Mesh, rules: Optional[dict] = None,
-                     strict: bool = False) -> Any:
-    """NamedShardings, shaped like the params, of where a ZeRO-1 update runs."""
-    specs = sharding_lib.param_specs(state_shape.params, mesh, rules, strict)
+def update_shardings(state_shape: TrainState, shardings: TrainState, mesh: Mesh) -> Any:
+    """NamedShardings, shaped like the params, of where a ZeRO-1 update runs: the params'
+    own shardings (`state_shardings`) with the 'data' axis added by `sharding.update_specs`."""
+    specs = jax.tree.map(lambda s: s.spec, shardings.params)
     return jax.tree.map(lambda s: NamedSharding(mesh, s),
                         sharding_lib.update_specs(specs, state_shape.params, mesh),
                         is_leaf=lambda x: isinstance(x, P))

@@ -27,15 +27,17 @@ class _S:  # a shape-only leaf
 def test_update_specs_add_the_data_axis_on_the_first_free_dimension_but_the_last():
     mesh = AbstractMesh((4, 2, 1), sharding.MESH_AXES)
     params = {'kernel': _S(32, 48), 'fsdp_kernel': _S(32, 16, 48), 'split': _S(32, 48),
-              'vocab': _S(30, 12), 'bias': _S(48), 'scalar': _S()}
+              'vocab': _S(30, 12), 'bias': _S(48), 'scalar': _S(), 'ruled': _S(32, 16, 48)}
     specs = {'kernel': P(), 'fsdp_kernel': P('fsdp'), 'split': P('fsdp'), 'vocab': P(),
-             'bias': P(), 'scalar': P()}
+             'bias': P(), 'scalar': P(), 'ruled': P(None, ('fsdp', 'data'))}
     out = sharding.update_specs(specs, params, mesh)
     assert out['kernel'] == P('data')
     assert out['fsdp_kernel'] == P('fsdp', 'data')  # dim 0 is fsdp's already
     assert out['split'] == P('fsdp')  # no free dimension but the last: updated whole
     assert out['vocab'] == P()  # 30 rows do not split 4 ways, and the last dim never splits
     assert out['bias'] == P() and out['scalar'] == P()
+    # The rules already split it over 'data' (an axis splits one dimension): as the rules say.
+    assert out['ruled'] == P(None, ('fsdp', 'data'))
 
 
 _SCRIPT = textwrap.dedent('''
@@ -84,7 +86,7 @@ _SCRIPT = textwrap.dedent('''
             shape = jax.eval_shape(state_lib._init_fn(tx, jax.random.key(1)), params)
             sh = state_lib.state_shardings(shape, mesh, shard_optimizer_state=split)
             state, sh = state_lib.create_state(params, tx, jax.random.key(1), mesh, O0, sh)
-            update_at = state_lib.update_shardings(shape, mesh) if split else None
+            update_at = state_lib.update_shardings(shape, sh, mesh) if split else None
             step = make_train_step(
                 loss=LossSpec(encoder=encoder, objective=loss, views=2),
                 update=UpdateSpec(tx=tx),
