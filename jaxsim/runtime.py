@@ -95,7 +95,9 @@ def ignore_orphaned_loop_callbacks() -> None:
 
     hook._jaxsim_filter = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(_DropOrphanedTaskErrors())
+    log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropOrphanedTaskErrors) for f in log.filters):
+        log.addFilter(_DropOrphanedTaskErrors())
 
 
 def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path:
