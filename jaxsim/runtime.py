@@ -16,6 +16,9 @@ What is silenced here, and why:
     coroutines still pending: closing them makes orbax raise the read error once more, with
     the whole TensorStore spec, and asyncio's log of a task whose orbax error nobody retrieved.
     The failure itself is raised normally; only these orphaned completions are dropped.
+    What is still pending at interpreter teardown is out of these hooks' reach (teardown may
+    have removed them), so a command whose checkpoint read failed leaves without teardown
+    (`leave_hard_at_exit`, called by jaxsim.formats.checkpoint).
 """
 from __future__ import annotations
 

@@ -381,9 +381,14 @@ def test_corrupt_checkpoint_is_one_line(workdir, tmp_path):
         for chunk in (folder / "checkpoints" / step / "state").rglob("d/*"):
             chunk.write_bytes(chunk.read_bytes()[:50])
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "jaxsim", "export", "--checkpoint", str(folder),
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=HANG_GUARD_S)
+    # The orbax reads left in flight print (by chance) at interpreter teardown; the command
+    # must leave before it. An exit handler that would print stands for that teardown.
+    leave_via_teardown = ("import atexit, runpy, sys; "
+                          "atexit.register(print, 'teardown ran', file=sys.stderr); "
+                          "runpy.run_module('jaxsim', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", leave_via_teardown, "export", "--checkpoint",
+                           str(folder), "--out", str(tmp_path / "out")], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=HANG_GUARD_S)
     assert proc.returncode == 1
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {folder}/checkpoints/1: "), (

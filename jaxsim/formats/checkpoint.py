@@ -156,6 +156,18 @@ def _cause(error: BaseException, limit: int = 400) -> str:
     return f"{type(error).__name__}: {text}"
 
 
+def _read_failed(message: str, error: BaseException) -> CheckpointError:
+    """The error for a failed read of a checkpoint (`message` + its root cause).
+
+    orbax leaves the failed read's sibling reads in flight on its private asyncio loop; they
+    are garbage-collected at interpreter teardown, after the command has printed its one
+    error line, and at teardown the hooks that drop their reports (jaxsim.runtime) may
+    already be gone: a chance traceback of up to 200 lines. So the process that saw a read
+    fail leaves without teardown (`runtime.exit_process`, after flushing its output)."""
+    runtime.leave_hard_at_exit("a failed checkpoint read left orbax's reads in flight")
+    return CheckpointError(f"{message}: {_cause(error)}")
+
+
 def _messages(error: BaseException) -> list[str]:
     out, seen = [], set()
     while error is not None and id(error) not in seen:
@@ -336,8 +348,8 @@ class Checkpointer:
         try:
             meta = self._manager.item_metadata(step)["state"]
         except Exception as e:  # tensorstore/orbax raise bare ValueErrors for missing files
-            raise CheckpointError(f"{self.directory / str(step)}: cannot read checkpoint "
-                                  f"metadata (corrupt or incomplete): {_cause(e)}") from e
+            raise _read_failed(f"{self.directory / str(step)}: cannot read checkpoint "
+                               "metadata (corrupt or incomplete)", e) from e
         if meta is None:
             raise CheckpointError(f"{self.directory}/{step}: no 'state' item")
         tree = getattr(meta, "tree", meta)
@@ -371,9 +383,9 @@ class Checkpointer:
                 data=ocp.args.JsonRestore(),
                 config=ocp.args.JsonRestore()))
         except Exception as e:  # orbax raises many types; name the checkpoint, keep the cause
-            raise CheckpointError(
+            raise _read_failed(
                 f"{self.directory / str(step)}: cannot restore checkpoint (corrupt, or saved "
-                f"from a different model/optimizer than the target): {_cause(e)}") from e
+                "from a different model/optimizer than the target)", e) from e
         return Restored(step=step, state=out["state"], data=dict(out["data"] or {}),
                         config=dict(out["config"] or {}))
 
@@ -426,8 +438,8 @@ class Checkpointer:
                     restore_args=ocp.checkpoint_utils.construct_restore_args(target))
                 out = reader.restore(self.directory / str(step) / "state", args=args)
         except Exception as e:  # name the checkpoint, keep the cause
-            raise CheckpointError(f"{self.directory / str(step)}: cannot restore params "
-                                  f"(corrupt or incomplete checkpoint): {_cause(e)}") from e
+            raise _read_failed(f"{self.directory / str(step)}: cannot restore params "
+                               "(corrupt or incomplete checkpoint)", e) from e
         return out["params"]
 
 
