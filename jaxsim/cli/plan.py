@@ -114,6 +114,15 @@ def run_plan(config: str, overrides: Sequence[str], topology: str, num_slices: i
     return 0
 
 
+def _what_recomputation_reaches(h: dict) -> str:
+    """Why remat or micro-batches may shrink the total less than the temporaries: they act on
+    nothing else."""
+    kept = h['total'] - h['temporaries']
+    return (f"  remat and micro-batches shrink the temporaries only ({h['temporaries']:.3f} of "
+            f"{h['total']:.3f} GiB); parameters, optimizer state, batch and program "
+            f"({kept:.3f} GiB) stay, so no setting of them brings the total under that")
+
+
 def format_plan(r: dict) -> str:
     """The plan as the lines the command prints."""
     h = r['hbm_gib']
@@ -131,6 +140,8 @@ def format_plan(r: dict) -> str:
         f"batch {h['batch']:.4f}, temporaries {h['temporaries']:.3f}, program "
         f"{h['program']:.3f}, other {h['other_arguments'] + h['outputs_not_aliased']:.3f} GiB",
     ]
+    if cfg['remat'] != 'none' or cfg['micro_batch_size']:
+        lines.append(_what_recomputation_reaches(h))
     if r['compiled']:
         lines += [
             f"per chip: {r['flops_per_chip'] / 1e12:.3f} TFLOP, {r['bytes_per_chip'] / 1e9:.2f} "

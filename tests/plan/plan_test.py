@@ -262,6 +262,10 @@ def test_model_flops_count_the_model_not_the_program(data_parallel):
     assert remat["model_flops_per_chip"] == r["model_flops_per_chip"] > 0
     assert remat["flops_per_chip"] > r["flops_per_chip"]  # the recomputed forward
     assert remat["mfu_ceiling_model_flops"] < remat["mfu_ceiling"]
+    # The plan says what recomputation can reach: the total less the temporaries.
+    h = remat["hbm_gib"]
+    kept = f"({h['total'] - h['temporaries']:.3f} GiB) stay"
+    assert kept in format_plan(remat) and kept not in format_plan(r)
 
 
 def test_fsdp_divides_parameters_and_optimizer_state_by_its_size(data_parallel):
