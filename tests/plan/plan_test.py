@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsim import sharding as sharding_lib
 from jaxsim.cli.plan import format_plan, run_plan
+from jaxsim.errors import ConfigError
 from jaxsim.models import dropout
 from jaxsim.models.encoder import param_shapes
 from jaxsim.plan import breakdown, hlo, planner
@@ -354,6 +355,19 @@ def test_a_mesh_the_topology_cannot_hold_is_one_line_before_any_compile():
     with pytest.raises(MeshError) as e:
         plan(tiny(mesh_data=3))
     assert "\n" not in str(e.value)
+
+
+def test_a_batch_with_fewer_rows_than_chips_is_refused_with_a_mesh_that_takes_it():
+    """Batch 2 on 4 chips: one line before any compile, naming the mesh that splits the batch
+    2 ways and the model 2 ways; that mesh passes the same checks."""
+    with pytest.raises(ConfigError) as e:
+        plan(tiny(batch_size=2))
+    message = str(e.value)
+    assert "\n" not in message and "cannot be split over 4 batch shards" in message
+    assert message.endswith("--config.mesh_data=2 --config.mesh_tensor=2")
+    devices = fig.compile_only_devices(V5E_2X2)
+    mesh = planner.check_plannable(tiny(batch_size=2, mesh_data=2, mesh_tensor=2), devices)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
 
 
 def test_dropout_on_tpu_moves_its_input_and_output_once():
