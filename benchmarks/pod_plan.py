@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -41,18 +42,21 @@ TOPOLOGIES = {'v4-32': ('v4-32', 1), 'v5e-256': ('v5e-256', 1), 'v5p-128': ('v5p
               '2xv5e-256': ('v5e-256', 2)}
 
 
-def plan_one(model: str, case: str, topology: str, search: bool, log) -> dict:
-    """One plan process; its JSON, or the one-line error it gave."""
+# The mesh a plan names when the batch has fewer rows than the mesh has batch shards.
+_MESH_HINT = re.compile(r'(--config\.mesh_data=\d+) (--config\.mesh_tensor=\d+)$')
+
+
+def _run_plan(model: str, case: str, topology: str, search: bool, log,
+              overrides: tuple[str, ...] = ()) -> tuple[Optional[dict], str]:
+    """One plan process: (its JSON, '') or (None, the one-line error it gave)."""
     config, batch, micro = CASES[case]
     topo, slices = TOPOLOGIES[topology]
-    row = {'model': model, 'case': case, 'topology': topology, 'batch': batch,
-           'micro_batch_size': micro}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / 'plan.json'
         cmd = [sys.executable, '-m', 'jaxsim', 'plan', '--config', str(ROOT / 'configs' / config),
                '--topology', topo, '--num-slices', str(slices), '--no-encode',
                f'--config.model={MODELS[model]}', f'--config.batch_size={batch}',
-               f'--config.micro_batch_size={micro}', '--json', str(out)]
+               f'--config.micro_batch_size={micro}', *overrides, '--json', str(out)]
         if not search:
             cmd.append('--no-search')
         log(f'{model} {case} on {topology}: {" ".join(cmd[3:])}')
@@ -60,16 +64,32 @@ def plan_one(model: str, case: str, topology: str, search: bool, log) -> dict:
                               env=dict(os.environ, JAX_PLATFORMS='cpu'))
         if proc.returncode != 0 or not out.exists():
             errors = [x for x in proc.stderr.splitlines() if x.startswith('error:')]
-            row['error'] = errors[-1] if errors else proc.stderr.strip()[-300:]
-            return row
-        plan = json.loads(out.read_text())
+            return None, errors[-1] if errors else proc.stderr.strip()[-300:]
+        return json.loads(out.read_text()), ''
+
+
+def plan_one(model: str, case: str, topology: str, search: bool, log) -> dict:
+    """One row: the plan of the case as configured; where the plan refuses the batch for having
+    fewer rows than the pod's batch shards, the plan of the mesh it names instead."""
+    _, batch, micro = CASES[case]
+    row = {'model': model, 'case': case, 'topology': topology, 'batch': batch,
+           'micro_batch_size': micro}
+    plan, error = _run_plan(model, case, topology, search, log)
+    hint = _MESH_HINT.search(error)
+    if hint:
+        row['as_configured'] = error
+        plan, error = _run_plan(model, case, topology, search, log, hint.groups())
+    if plan is None:
+        row['error'] = error
+        return row
     suggestion = plan.get('suggestion') or {}
     row.update(
         fits=plan['fits'], hbm_gib=plan['hbm_gib']['total'],
         capacity_gib=plan['hbm_gib']['capacity'], step_s_estimate=plan['step_s_estimate'],
         mfu_ceiling=plan['mfu_ceiling'], bound=plan['bound'], mesh=plan['mesh'],
         collectives=plan['collectives'], max_global_batch=plan['max_global_batch'],
-        recommended=('as configured: mesh ' + 'x'.join(f'{k}={v}' for k, v in
+        recommended=(' '.join(hint.groups()) if hint and plan['fits'] else
+                     'as configured: mesh ' + 'x'.join(f'{k}={v}' for k, v in
                                                        plan['mesh'].items() if v > 1)
                      if plan['fits'] else suggestion.get('flags') or
                      suggestion.get('note') or 'does not fit (plan with --search)'),
