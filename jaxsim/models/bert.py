@@ -237,14 +237,12 @@ class BertSelfAttention(nn.Module):
         # blocks and their output needs one transpose back, where the token-major layout made
         # XLA copy q, k and v out separately. Under bf16 the products take bf16 operands with
         # float32 accumulation, as the dense layers do; the softmax stays float32 (the additive
-        # mask is -inf-like). MiniLM, 2 threads, XLA:CPU process time of an encode program:
-        # 8 x 128 tokens bf16 -14%, float32 -10%; 16 x 64 float32 -7%; 32 x 32 about equal.
+        # mask is -inf-like). On XLA:CPU it pays at 64 tokens and more (docs/performance.md).
         scale = jnp.asarray([1.0 / math.sqrt(cfg.head_dim), 1.0, 1.0], jnp.float32)
         qkv = attention_ops.qkv_heads(x, kernel, bias, scale, cfg.num_attention_heads,
                                       self.dtype)
         # Split, not indexed: the gradient of a split is one concatenate of dq, dk, dv, where
-        # that of three index slices is three zero-padded [3, ...] arrays summed (train step:
-        # XLA's bytes accessed 10.24 -> 9.60 GiB).
+        # that of three index slices is three zero-padded [3, ...] arrays summed.
         q, k, v = (part[0] for part in jnp.split(qkv, 3))  # [B, heads, L, head_dim]
         scores = attention_ops.attention_scores(q, k)  # [B, heads, L, L] float32
         probs = jax.nn.softmax(scores + attention_bias, axis=-1)

@@ -110,8 +110,8 @@ def word_bits_broadcast(data: jax.Array, shape: tuple[int, ...], words: int) -> 
 def word_bits_elementwise(data: jax.Array, shape: tuple[int, ...], words: int) -> jax.Array:
     """The same bits as `word_bits_broadcast`, each element hashing its own word's counter:
     no reshape. On TPU the reshape from [..., k, n/k] to [..., n] is a relayout that XLA does
-    not fuse (a [2048, 3072] dropout: 290 MB accessed by XLA's cost analysis for v5e, against
-    25 MB, its input and output once, this way)."""
+    not fuse; this way a dropout moves its input and output once (tests/plan/plan_test.py
+    holds the TPU compile to that)."""
     counter, part = _word_counters(tuple(shape), words)
     low, high = _hash(data, counter)
     return (_pick_word if words == 2 else _pick_half)(low, high, part)

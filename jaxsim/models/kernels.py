@@ -10,11 +10,9 @@
         for TPU from a CPU process, so it resolves 'auto' as 'xla' itself.
 
 Both forms compute the same function; under float32 compute they are the same arithmetic up
-to rounding. Why two: XLA's TPU compile of one BERT-base layer, forward and backward with
-dropout, 64 x 32 tokens in bf16 on one v5e chip, accesses 1.084 GB in the 'cpu' form and
-0.814 GB in the 'xla' form (the head-major layout costs ~0.2 GB in transposes, the float32
-product results ~0.075 GB); in the real train step the per-layer bytes drop from 2.46 to
-1.58 GB (docs/pod.md, "What the compiler counts").
+to rounding. Why two: compiled for TPU, the 'cpu' form's head-major layout costs transposes
+and its float32 product results cost bytes (the plan command's figures: docs/pod.md); on a
+CPU with bf16 instructions it encodes faster (docs/performance.md, "The CPU forms kept").
 """
 from __future__ import annotations
 
