@@ -195,30 +195,8 @@ def check_plannable(cfg: TrainConfig, devices: list):
         raise ConfigError('train config: pack_length cannot be planned: a packed step\'s shape '
                           'depends on the data (plan the padded step, pack_length=0)')
     mesh = _mesh(cfg, devices)
-    try:
-        sharding_lib.check_global_batch(cfg.batch_size, mesh, cfg.grad_accum_steps,
-                                        cfg.micro_batch_size)
-    except ValueError as e:
-        raise ConfigError(f'{e}{_model_split_hint(cfg, mesh)}') from None
+    build.check_batch_split(cfg, mesh, build.architecture(cfg))
     return mesh
-
-
-def _model_split_hint(cfg: TrainConfig, mesh) -> str:
-    """For a batch that has fewer rows than a pod has chips (the papers' batch 64 on 256 chips):
-    the mesh that splits the batch as far as it goes and the model over the chips left."""
-    if (cfg.mesh_fsdp, cfg.mesh_tensor, cfg.mesh_dcn_data, cfg.mesh_dcn_fsdp,
-            cfg.mesh_dcn_tensor) != (1, 1, 1, 1, 1) or cfg.batch_size % cfg.grad_accum_steps:
-        return ''
-    shards = sharding_lib.batch_shards(mesh)
-    data = math.gcd(cfg.batch_size // cfg.grad_accum_steps, cfg.micro_batch_size or shards,
-                    shards)
-    tensor = shards // data
-    config = build.architecture(cfg)
-    if tensor == 1 or any(n % tensor for n in (config.num_attention_heads,
-                                               config.intermediate_size, config.hidden_size)):
-        return ''
-    return (f'; or keep the batch and split the model over the other chips: '
-            f'--config.mesh_data={data} --config.mesh_tensor={tensor}')
 
 
 def plan_train_step(cfg: TrainConfig, devices: list, chip_of: Callable, say) -> TrainFigures:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -177,6 +178,33 @@ def batch_preparer(cfg: TrainConfig, objective: Objective, mesh) -> Callable[[di
     local_shards = len(sharding.process_batch_rows(mesh, sharding.batch_shards(mesh)))
     return functools.partial(pack_batch, views=objective.views, pack_length=cfg.pack_length,
                              shards=local_shards, agree=distributed.max_over_processes)
+
+
+def check_batch_split(cfg: TrainConfig, mesh, config: BertConfig) -> None:
+    """The global batch splits evenly over the mesh's batch shards (and the accumulation steps
+    and micro-batches), else a ConfigError that, for a batch with fewer rows than batch shards
+    (the papers' batch 64 on a 256-chip pod), also names the mesh that takes it: the batch
+    split as far as it goes, the model over the devices left."""
+    try:
+        sharding.check_global_batch(cfg.batch_size, mesh, cfg.grad_accum_steps,
+                                    cfg.micro_batch_size)
+    except ValueError as e:
+        raise ConfigError(f'{e}{_model_split_hint(cfg, mesh, config)}') from None
+
+
+def _model_split_hint(cfg: TrainConfig, mesh, config: BertConfig) -> str:
+    if (cfg.mesh_fsdp, cfg.mesh_tensor, cfg.mesh_dcn_data, cfg.mesh_dcn_fsdp,
+            cfg.mesh_dcn_tensor) != (1, 1, 1, 1, 1) or cfg.batch_size % cfg.grad_accum_steps:
+        return ''
+    shards = sharding.batch_shards(mesh)
+    data = math.gcd(cfg.batch_size // cfg.grad_accum_steps, cfg.micro_batch_size or shards,
+                    shards)
+    tensor = shards // data
+    if tensor == 1 or any(n % tensor for n in (config.num_attention_heads,
+                                               config.intermediate_size, config.hidden_size)):
+        return ''
+    return (f'; or keep the batch and split the model over the other devices: '
+            f'--config.mesh_data={data} --config.mesh_tensor={tensor}')
 
 
 def grad_divisor(cfg: TrainConfig, mesh) -> float:

@@ -104,8 +104,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     base = build.load_base(cfg)
     encoder = build.make_encoder(cfg, base.config)
     mesh = sharding_lib.config_mesh(cfg)
-    sharding_lib.check_global_batch(cfg.batch_size, mesh, cfg.grad_accum_steps,
-                                    cfg.micro_batch_size)
+    build.check_batch_split(cfg, mesh, base.config)
     # Each process reads and tokenizes only the rows its devices hold, ahead of the step.
     it = build.train_batches(cfg, source, base.tokenizer, mesh)
     total = cfg.max_steps or math.ceil(cfg.num_epochs * it.steps_per_epoch)

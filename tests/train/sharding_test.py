@@ -20,6 +20,10 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jaxsim import sharding
+from jaxsim.errors import ConfigError
+from jaxsim.models.architectures import known_architecture
+from jaxsim.train import build
+from jaxsim.train.config import TrainConfig
 from tests.conftest import run_on_cpu_devices
 
 REPO = Path(__file__).resolve().parents[2]
@@ -225,3 +229,23 @@ def test_micro_batch_must_split_over_the_batch_shards():
     assert sharding.check_global_batch(64, mesh, micro_batch_size=16) == 8
     with pytest.raises(ValueError, match='micro_batch_size 12 cannot be split over 8 batch'):
         sharding.check_global_batch(96, mesh, micro_batch_size=12)
+
+
+@pytest.mark.parametrize('batch, mesh, hint', [
+    (64, (256, 1, 1), '--config.mesh_data=64 --config.mesh_tensor=4'),  # the papers' batch, a pod
+    (100, (16, 1, 1), '--config.mesh_data=4 --config.mesh_tensor=4'),
+    (64, (512, 1, 1), None),  # tensor 8 does not divide BERT-base's 12 heads
+])
+def test_a_batch_the_mesh_cannot_split_names_the_mesh_that_takes_it(batch, mesh, hint):
+    """BERT-base: the batch split as far as it goes, the model over the devices left, where its
+    heads and widths divide by that; one line either way."""
+    cfg = TrainConfig(train_file='x', batch_size=batch)
+    config = known_architecture('bert-base-uncased')
+    with pytest.raises(ConfigError) as e:
+        build.check_batch_split(cfg, _mesh(*mesh), config)
+    message = str(e.value)
+    assert '\n' not in message and f'cannot be split over {mesh[0]} batch shards' in message
+    if hint:
+        assert message.endswith(hint)
+    else:
+        assert 'mesh_tensor' not in message
