@@ -182,9 +182,9 @@ def batch_preparer(cfg: TrainConfig, objective: Objective, mesh) -> Callable[[di
 
 def check_batch_split(cfg: TrainConfig, mesh, config: BertConfig) -> None:
     """The global batch splits evenly over the mesh's batch shards (and the accumulation steps
-    and micro-batches), else a ConfigError that, for a batch with fewer rows than batch shards
-    (the papers' batch 64 on a 256-chip pod), also names the mesh that takes it: the batch
-    split as far as it goes, the model over the devices left."""
+    and micro-batches), else a ConfigError that also names, where there is one, the mesh that
+    takes the batch as it is (the papers' batch 64 on a 256-chip pod): the batch split as far
+    as it goes, the model over the devices left."""
     try:
         sharding.check_global_batch(cfg.batch_size, mesh, cfg.grad_accum_steps,
                                     cfg.micro_batch_size)
