@@ -43,7 +43,8 @@ TOPOLOGIES = {'v4-32': ('v4-32', 1), 'v5e-256': ('v5e-256', 1), 'v5p-128': ('v5p
 
 
 # The mesh a plan names when the batch has fewer rows than the mesh has batch shards.
-_MESH_HINT = re.compile(r'(--config\.mesh_data=\d+) (--config\.mesh_tensor=\d+)$')
+_MESH_HINT = re.compile(r'split the model over the other devices: (--config\.mesh_data=\d+ '
+                        r'--config\.mesh_tensor=\d+(?: --config\.replicate_indivisible=True)?)$')
 
 
 def _run_plan(model: str, case: str, topology: str, search: bool, log,
@@ -78,7 +79,7 @@ def plan_one(model: str, case: str, topology: str, search: bool, log) -> dict:
     hint = _MESH_HINT.search(error)
     if hint:
         row['as_configured'] = error
-        plan, error = _run_plan(model, case, topology, search, log, hint.groups())
+        plan, error = _run_plan(model, case, topology, search, log, tuple(hint[1].split()))
     if plan is None:
         row['error'] = error
         return row
@@ -88,7 +89,7 @@ def plan_one(model: str, case: str, topology: str, search: bool, log) -> dict:
         capacity_gib=plan['hbm_gib']['capacity'], step_s_estimate=plan['step_s_estimate'],
         mfu_ceiling=plan['mfu_ceiling'], bound=plan['bound'], mesh=plan['mesh'],
         collectives=plan['collectives'], max_global_batch=plan['max_global_batch'],
-        recommended=(' '.join(hint.groups()) if hint and plan['fits'] else
+        recommended=(hint[1] if hint and plan['fits'] else
                      'as configured: mesh ' + 'x'.join(f'{k}={v}' for k, v in
                                                        plan['mesh'].items() if v > 1)
                      if plan['fits'] else suggestion.get('flags') or

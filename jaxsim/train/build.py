@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AbstractMesh
 
 from jaxsim import distributed, sharding
 from jaxsim.cpu import warn_if_bf16_emulated
@@ -26,7 +27,7 @@ from jaxsim.formats.pretrained import load_pretrained
 from jaxsim.models import st_head
 from jaxsim.models.architectures import MASK_TOKENS, known_architecture
 from jaxsim.models.bert import BertConfig
-from jaxsim.models.encoder import SentenceEncoder
+from jaxsim.models.encoder import SentenceEncoder, param_shapes
 from jaxsim.models.poolers import get_pooler
 from jaxsim.objectives import Objective, ObjectiveError, owned
 from jaxsim.objectives.mlm import MlmSettings
@@ -203,8 +204,14 @@ def _model_split_hint(cfg: TrainConfig, mesh, config: BertConfig) -> str:
     if tensor == 1 or any(n % tensor for n in (config.num_attention_heads,
                                                config.intermediate_size, config.hidden_size)):
         return ''
-    return (f'; or keep the batch and split the model over the other devices: '
-            f'--config.mesh_data={data} --config.mesh_tensor={tensor}')
+    flags = f'--config.mesh_data={data} --config.mesh_tensor={tensor}'
+    rules, strict = param_rules(cfg)
+    try:  # a parameter the rules split but `tensor` does not divide (BERT's 30,522-row vocab)
+        sharding.param_specs(param_shapes(make_encoder(cfg, config)),
+                             AbstractMesh((data, 1, tensor), sharding.MESH_AXES), rules, strict)
+    except sharding.ShardingError:
+        flags += ' --config.replicate_indivisible=True'
+    return f'; or keep the batch and split the model over the other devices: {flags}'
 
 
 def grad_divisor(cfg: TrainConfig, mesh) -> float:
