@@ -98,12 +98,22 @@ def plan_one(model: str, case: str, topology: str, search: bool, log) -> dict:
     return row
 
 
+# Collective kinds as the table names them.
+_SHORT = {'all-gather': 'AG', 'all-reduce': 'AR', 'reduce-scatter': 'RS', 'all-to-all': 'A2A',
+          'collective-permute': 'permute'}
+
+
+def collectives_cell(counts: dict) -> str:
+    """'3 AG, 5 AR': the kinds the compiled step holds, in the plan's order."""
+    return ', '.join(f'{n} {_SHORT.get(kind, kind)}' for kind, n in counts.items() if n) or 'none'
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ['| model | case | topology | fits | HBM GiB/chip | step ms (est.) | MFU ceiling '
-             '| recommended |', '|---|---|---|---|---|---|---|---|']
+             '| collectives | recommended |', '|---|---|---|---|---|---|---|---|---|']
     for r in rows:
         if 'error' in r:
-            lines.append(f"| {r['model']} | {r['case']} | {r['topology']} | - | - | - | - | "
+            lines.append(f"| {r['model']} | {r['case']} | {r['topology']} | - | - | - | - | - | "
                          f"{r['error']} |")
             continue
         lines.append(f"| {r['model']} | {r['case']} | {r['topology']} | "
@@ -111,7 +121,7 @@ def markdown(rows: list[dict]) -> str:
                      f"{r['capacity_gib']:.1f} | "
                      + ('- | - |' if r['step_s_estimate'] is None else  # refused: no cost
                         f"{r['step_s_estimate'] * 1e3:.1f} | {r['mfu_ceiling']:.1%} |")
-                     + f" {r['recommended']} |")
+                     + f" {collectives_cell(r['collectives'])} | {r['recommended']} |")
     return '\n'.join(lines)
 
 

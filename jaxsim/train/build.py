@@ -194,17 +194,22 @@ def check_batch_split(cfg: TrainConfig, mesh, config: BertConfig) -> None:
 
 
 def _model_split_hint(cfg: TrainConfig, mesh, config: BertConfig) -> str:
-    if (cfg.mesh_fsdp, cfg.mesh_tensor, cfg.mesh_dcn_data, cfg.mesh_dcn_fsdp,
-            cfg.mesh_dcn_tensor) != (1, 1, 1, 1, 1) or cfg.batch_size % cfg.grad_accum_steps:
+    # Only the default mesh (data over every chip of each slice) is re-planned: a mesh the
+    # user chose is theirs. Slices keep their data split; within each, the rows take what
+    # they can and the model splits over the chips left.
+    slices = cfg.mesh_dcn_data
+    if (cfg.mesh_fsdp, cfg.mesh_tensor, cfg.mesh_dcn_fsdp, cfg.mesh_dcn_tensor) != (1, 1, 1, 1) \
+            or cfg.batch_size % cfg.grad_accum_steps:
         return ''
     shards = sharding.batch_shards(mesh)
     data = math.gcd(cfg.batch_size // cfg.grad_accum_steps, cfg.micro_batch_size or shards,
                     shards)
     tensor = shards // data
-    if tensor == 1 or any(n % tensor for n in (config.num_attention_heads,
-                                               config.intermediate_size, config.hidden_size)):
+    if data % slices or tensor == 1 or any(
+            n % tensor for n in (config.num_attention_heads, config.intermediate_size,
+                                 config.hidden_size)):
         return ''
-    flags = f'--config.mesh_data={data} --config.mesh_tensor={tensor}'
+    flags = f'--config.mesh_data={data // slices} --config.mesh_tensor={tensor}'
     rules, strict = param_rules(cfg)
     try:  # a parameter the rules split but `tensor` does not divide (BERT's 30,522-row vocab)
         sharding.param_specs(param_shapes(make_encoder(cfg, config)),

@@ -33,6 +33,7 @@ def test_a_row_is_the_plan_commands_json(monkeypatch):
     assert bad['error'].startswith('error:') and 'no-such-model' in bad['error'], bad
     table = pod_plan.markdown([row, small, bad]).splitlines()
     assert table[2].startswith('| tiny | tiny-16 | v5e-4 | yes | ')
+    assert f"{row['collectives']['all-reduce']} AR" in table[2].split(' | ')[7]
     assert table[3].startswith('| tiny | tiny-6 | v5e-4 | yes | ')
     assert table[4].startswith('| unknown | tiny-16 | v5e-4 | - |') and 'error:' in table[4]
 

@@ -231,20 +231,27 @@ def test_micro_batch_must_split_over_the_batch_shards():
         sharding.check_global_batch(96, mesh, micro_batch_size=12)
 
 
-@pytest.mark.parametrize('batch, mesh, hint', [
+@pytest.mark.parametrize('model, batch, mesh, slices, hint', [
     # The papers' batch on a pod; BERT's 30,522-row vocabulary does not split 4 ways.
-    (64, (256, 1, 1),
+    ('bert-base-uncased', 64, (256, 1, 1), 1,
      '--config.mesh_data=64 --config.mesh_tensor=4 --config.replicate_indivisible=True'),
-    (64, (128, 1, 1), '--config.mesh_data=64 --config.mesh_tensor=2'),
-    (100, (16, 1, 1),
+    ('bert-base-uncased', 64, (128, 1, 1), 1, '--config.mesh_data=64 --config.mesh_tensor=2'),
+    ('bert-base-uncased', 100, (16, 1, 1), 1,
      '--config.mesh_data=4 --config.mesh_tensor=4 --config.replicate_indivisible=True'),
-    (64, (512, 1, 1), None),  # tensor 8 does not divide BERT-base's 12 heads
+    ('bert-base-uncased', 64, (512, 1, 1), 1, None),  # tensor 8 does not divide 12 heads
+    # Two slices of 256 chips: 32 rows a slice, BERT-large's 16 heads split 8 ways; the
+    # per-slice mesh_data is what the flag takes (the slices stay mesh_dcn_data).
+    ('bert-large-uncased', 64, (512, 1, 1), 2,
+     '--config.mesh_data=32 --config.mesh_tensor=8 --config.replicate_indivisible=True'),
+    ('bert-base-uncased', 64, (512, 1, 1), 2, None),
+    ('bert-large-uncased', 2, (8, 1, 1), 4, None),  # fewer rows than slices
 ])
-def test_a_batch_the_mesh_cannot_split_names_the_mesh_that_takes_it(batch, mesh, hint):
-    """BERT-base: the batch split as far as it goes, the model over the devices left, where its
-    heads and widths divide by that; one line either way."""
-    cfg = TrainConfig(train_file='x', batch_size=batch)
-    config = known_architecture('bert-base-uncased')
+def test_a_batch_the_mesh_cannot_split_names_the_mesh_that_takes_it(model, batch, mesh, slices,
+                                                                   hint):
+    """The batch split as far as it goes, the model over the devices left, where its heads and
+    widths divide by that; one line either way."""
+    cfg = TrainConfig(train_file='x', batch_size=batch, mesh_dcn_data=slices)
+    config = known_architecture(model)
     with pytest.raises(ConfigError) as e:
         build.check_batch_split(cfg, _mesh(*mesh), config)
     message = str(e.value)
