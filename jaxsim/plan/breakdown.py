@@ -10,7 +10,8 @@ instructions inside a fusion) is charged:
 Instructions are grouped by their JAX operation path (HLO metadata `op_name`, `jit(...)/`
 dropped) with layer indices merged (`layer_N`): a 12-layer model shows one row per operation.
 Control-flow instructions (`conditional`, `while`, `call`) are left out: their operands are
-the whole state handed to a branch, not traffic; their bodies' instructions are counted.
+the whole state handed to a branch, not traffic; their bodies' instructions are counted, as
+often as the loop runs (`jaxsim.plan.loops`).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import dataclasses
 import re
 from collections import defaultdict
 
-from jaxsim.plan.hlo import shape_bytes
+from jaxsim.plan.hlo import computations, shape_bytes
+from jaxsim.plan.loops import loops
 
 # Bookkeeping and control flow: no data moved by the instruction itself.
 _NOT_WORK = frozenset({
@@ -26,7 +28,6 @@ _NOT_WORK = frozenset({
     'partition-id', 'replica-id', 'conditional', 'while', 'call', 'copy-done', 'slice-done',
     'all-gather-done', 'all-reduce-done', 'collective-permute-done', 'async-done',
     'async-update'})
-_COMPUTATION = re.compile(r'^(?:ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$')
 _INSTRUCTION = re.compile(
     r'^\s+(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?) '
     r'(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)')
@@ -52,26 +53,14 @@ def operation_name(op_name: str) -> str:
     return re.sub(r'layer_\d+', 'layer_N', name) or '(no JAX operation)'
 
 
-def _computations(hlo_text: str) -> dict[str, list[str]]:
-    out, current = {}, None
-    for line in hlo_text.splitlines():
-        if not line.startswith(' '):
-            m = _COMPUTATION.match(line)
-            current = m.group('name') if m else None
-            if current:
-                out[current] = []
-        elif current is not None:
-            out[current].append(line)
-    return out
-
-
 def op_costs(hlo_text: str) -> list[OpCost]:
     """The program's operations, most cycles first (then most bytes)."""
-    computations = _computations(hlo_text)
+    comps = computations(hlo_text)
+    runs, _, _ = loops(hlo_text)  # an instruction in a loop body counts each run
     inner = set(_INNER.findall(hlo_text))
     shapes: dict[str, str] = {}
     rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
-    for name, lines in computations.items():
+    for name, lines in comps.items():
         if name in inner:
             continue
         for line in lines:
@@ -87,9 +76,10 @@ def op_costs(hlo_text: str) -> list[OpCost]:
             cycles = _CYCLES.search(line)
             op_name = _OP_NAME.search(line)
             row = rows[operation_name(op_name.group(1) if op_name else '')]
+            times = runs.get(name, 1)
             row[0] += 1
-            row[1] += int(cycles.group(1)) if cycles else 0
-            row[2] += moved
+            row[1] += times * int(cycles.group(1)) if cycles else 0
+            row[2] += times * moved
     costs = [OpCost(op, n, c, b) for op, (n, c, b) in rows.items()]
     return sorted(costs, key=lambda r: (-r.cycles, -r.bytes, r.op))
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxsim import runtime
 from jaxsim.errors import JaxsimError
-from jaxsim.plan import hlo
+from jaxsim.plan import hlo, loops
 from jaxsim.plan.chips import Chip, GiB, Topology, TopologyError
 
 
@@ -64,7 +64,7 @@ class ProgramFigures:
     """A compiled program's figures per device (XLA's own)."""
 
     name: str
-    flops: float
+    flops: float  # XLA's cost analysis, each loop body counted as often as it runs
     bytes_accessed: float
     argument_bytes: int
     output_bytes: int
@@ -77,6 +77,10 @@ class ProgramFigures:
     # False when the compiler refused the program for want of HBM: then only the memory
     # figures are known (temporaries as the compiler's refusal states them), no cost.
     compiled: bool = True
+    # XLA's totals as it gives them (each loop body once) and the loops (`jaxsim.plan.loops`).
+    xla_flops: float = 0.0
+    xla_bytes_accessed: float = 0.0
+    loops: tuple = ()
 
     @property
     def hbm_bytes(self) -> int:
@@ -138,10 +142,13 @@ def compile_program(name: str, jitted: Any, args: tuple, mesh,
     devices = list(mesh.devices.flat)
     slices = [getattr(d, 'slice_index', 0) for d in devices]
     text = compiled.as_text()
-    collectives = hlo.collectives(text, mesh.devices.shape, mesh.axis_names, slices)
+    runs, _, _ = loops.loops(text)
+    collectives = hlo.collectives(text, mesh.devices.shape, mesh.axis_names, slices, runs)
+    flops, moved = float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0))
+    scale = loops.loop_scale(text)
     return ProgramFigures(
-        name=name, flops=float(cost.get('flops', 0.0)),
-        bytes_accessed=float(cost.get('bytes accessed', 0.0)),
+        name=name, flops=flops * scale.flops, bytes_accessed=moved * scale.bytes,
+        xla_flops=flops, xla_bytes_accessed=moved, loops=scale.loops,
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),
@@ -188,8 +195,8 @@ class Roofline:
 
 def roofline(figures: ProgramFigures, chip: Chip, per_chip: int = 1) -> Roofline:
     """The roofline of a program on `chip`, whose peaks are shared by `per_chip` devices."""
-    ici = sum(c.traffic_bytes for c in figures.collectives if not c.dcn)
-    dcn = sum(c.traffic_bytes for c in figures.collectives if c.dcn)
+    ici = sum(c.traffic_bytes * c.runs for c in figures.collectives if not c.dcn)
+    dcn = sum(c.traffic_bytes * c.runs for c in figures.collectives if c.dcn)
     return Roofline(compute_s=figures.flops * per_chip / chip.peak_flops,
                     memory_s=figures.bytes_accessed * per_chip / chip.hbm_bytes_per_s,
                     ici_s=ici * per_chip / chip.ici_bytes_per_s,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -28,6 +28,7 @@ _DCN_SEND = re.compile(
     r'%[\w.\-]+ = \((?P<shape>[a-z0-9]+\[[\d,]*\]).*? send\('
     r'.*_xla_host_transfer_rendezvous="(?P<name>[^"]+)"'
     r'.*_xla_megascale_transfer_type="(?P<kind>[A-Z_]+)"')
+_COMPUTATION = re.compile(r'^(?:ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$')
 _INSTRUCTION = re.compile(
     r'%[\w.\-]+ = (?P<shape>.*?) (?P<kind>' + '|'.join(KINDS) + r')(?:-start)?\((?P<rest>.*)$')
 
@@ -44,6 +45,7 @@ class Collective:
       axes: the mesh axes its groups span (names of the mesh the program was compiled on).
       dcn: whether a group spans slices (the data-center network).
       op_name: the JAX operation it came from (HLO metadata), for reading.
+      runs: how many times it runs a step (inside a loop: the loop's trip count).
     """
 
     kind: str
@@ -52,6 +54,7 @@ class Collective:
     axes: tuple[str, ...]
     dcn: bool
     op_name: str = ''
+    runs: int = 1
 
     @property
     def traffic_bytes(self) -> float:
@@ -78,6 +81,20 @@ def shape_bytes(shape: str) -> int:
         if dtype in _DTYPE_BYTES:
             total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(',') if d]))
     return total
+
+
+def computations(hlo_text: str) -> dict[str, list[str]]:
+    """The instruction lines of each computation of an HLO module's text, by name."""
+    out, current = {}, None
+    for line in hlo_text.splitlines():
+        if not line.startswith(' '):
+            m = _COMPUTATION.match(line)
+            current = m.group('name') if m else None
+            if current:
+                out[current] = []
+        elif current is not None:
+            out[current].append(line)
+    return out
 
 
 def _balanced(text: str, start: int, open_: str, close: str) -> str:
@@ -131,7 +148,8 @@ def replica_groups(attributes: str, num_devices: int) -> list[list[int]]:
 
 
 def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[str],
-                slice_of: Sequence[int]) -> list[Collective]:
+                slice_of: Sequence[int], runs: Optional[dict[str, int]] = None
+                ) -> list[Collective]:
     """Every collective of an optimized HLO module, one per channel.
 
     Args:
@@ -139,11 +157,12 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
       mesh_shape, axis_names: the mesh the program was compiled on; device id i of the HLO is
         the i-th device of the mesh in row-major order (the jit's device assignment).
       slice_of: the slice index of each of those devices.
+      runs: how many times each computation runs a step (`loops.loops`); 1 where absent.
     """
     found: dict[str, Collective] = {}
     unnumbered = itertools.count()
     num_devices = int(np.prod(mesh_shape))
-    for line in hlo_text.splitlines():
+    for comp, line in _lines(hlo_text):
         m = _INSTRUCTION.search(line)
         if not m:
             continue
@@ -162,12 +181,23 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
             shape = shape.rsplit(', ', 1)[-1]  # an async start's (operand, result): the result
         found[key] = Collective(kind=m.group('kind'), bytes=shape_bytes(shape),
                                 group_size=max(len(g) for g in groups), axes=axes, dcn=dcn,
-                                op_name=op.group(1) if op else '')
-    return list(found.values()) + _dcn_transfers(hlo_text, mesh_shape, axis_names, slice_of)
+                                op_name=op.group(1) if op else '',
+                                runs=(runs or {}).get(comp, 1))
+    return list(found.values()) + _dcn_transfers(hlo_text, mesh_shape, axis_names, slice_of,
+                                                 runs or {})
+
+
+def _lines(hlo_text: str):
+    """(computation, instruction line) of every instruction; a bare list of instructions
+    (no computation around them) is one unnamed computation."""
+    comps = computations(hlo_text) or {'': hlo_text.splitlines()}
+    for comp, lines in comps.items():
+        for line in lines:
+            yield comp, line
 
 
 def _dcn_transfers(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[str],
-                   slice_of: Sequence[int]) -> list[Collective]:
+                   slice_of: Sequence[int], runs: dict[str, int]) -> list[Collective]:
     """The cross-slice parts of collectives: one per rendezvous of the multislice runtime's
     sends, sized by the array each slice sends, over the mesh axes that change slice."""
     slices = np.asarray(slice_of).reshape(tuple(mesh_shape))
@@ -176,7 +206,7 @@ def _dcn_transfers(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequenc
     kinds = {k.replace('-', '_').upper(): k for k in KINDS}
     n = len(set(slice_of))
     found: dict[str, Collective] = {}
-    for line in hlo_text.splitlines():
+    for comp, line in _lines(hlo_text):
         m = _DCN_SEND.search(line)
         if not m or m.group('name') in found:
             continue
@@ -185,5 +215,6 @@ def _dcn_transfers(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequenc
         sent = shape_bytes(m.group('shape'))  # one slice's piece (all-gather) or array
         found[m.group('name')] = Collective(
             kind=kind, bytes=sent * n if kind == 'all-gather' else sent, group_size=n,
-            axes=axes, dcn=True, op_name=op.group(1) if op else m.group('name'))
+            axes=axes, dcn=True, op_name=op.group(1) if op else m.group('name'),
+            runs=runs.get(comp, 1))
     return list(found.values())

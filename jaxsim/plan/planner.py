@@ -107,11 +107,16 @@ class Plan:
             'flops_per_chip': p.flops * self.per_chip,
             'model_flops_per_chip': t.model_flops * self.per_chip,
             'bytes_per_chip': p.bytes_accessed * self.per_chip,
+            # XLA's totals as its cost analysis gives them, each loop body counted once, and
+            # the loops whose bodies the two figures above count as often as they run.
+            'xla_cost_analysis_per_chip': {'flops': p.xla_flops * self.per_chip,
+                                           'bytes accessed': p.xla_bytes_accessed * self.per_chip},
+            'loops': [{'trips': x.trips, 'runs': x.runs} for x in p.loops],
             'collectives': p.collective_counts(),
             'collective_list': [
                 {'kind': c.kind, 'axes': list(c.axes), 'network': 'DCN' if c.dcn else 'ICI',
                  'mib': round(c.bytes / 2 ** 20, 3), 'group_size': c.group_size,
-                 'op': c.op_name[-120:]} for c in p.collectives],
+                 'runs': c.runs, 'op': c.op_name[-120:]} for c in p.collectives],
             'compute_s': fig.round_sig(roof.compute_s), 'hbm_s': fig.round_sig(roof.memory_s),
             'ici_s': fig.round_sig(roof.ici_s), 'dcn_s': fig.round_sig(roof.dcn_s),
             'step_s_estimate': fig.round_sig(roof.step_s),
@@ -132,7 +137,8 @@ class Plan:
             'breakdown': breakdown.summary(breakdown.op_costs(p.hlo_text), BREAKDOWN_ROWS),
         }
         if not p.compiled:  # refused for want of HBM: its memory is known, its cost is not
-            out.update(flops_per_chip=None, bytes_per_chip=None, compute_s=None, hbm_s=None,
+            out.update(flops_per_chip=None, bytes_per_chip=None, xla_cost_analysis_per_chip=None,
+                       compute_s=None, hbm_s=None,
                        ici_s=None, dcn_s=None, step_s_estimate=None, mfu_ceiling=None,
                        mfu_ceiling_model_flops=None,
                        bound=None, note='the compiler refused the step: its temporaries '

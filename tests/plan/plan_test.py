@@ -467,3 +467,69 @@ def test_a_step_the_compiler_refuses_for_want_of_hbm_is_planned_as_not_fitting()
     assert record["hbm_gib"]["temporaries"] > 2 * record["hbm_gib"]["capacity"]
     assert record["mfu_ceiling"] is None and record["flops_per_chip"] is None
     assert "the compiler refused the step" in format_plan(record)
+
+
+# ---- loops: XLA's cost analysis counts a loop's body once ---------------------------------------
+
+def _one_chip():
+    device = fig.compile_only_devices(V5E_2X2)[0]
+    mesh = jax.sharding.Mesh(np.array([device]), ("data",))
+    return mesh, jax.sharding.NamedSharding(mesh, P())
+
+
+def _layers(x, w, trips, unroll):
+    def layer(x, _):
+        return jnp.tanh(x @ w), None
+    return jax.lax.scan(layer, x, None, length=trips, unroll=unroll)[0]
+
+
+def test_a_loops_body_counts_as_often_as_it_runs():
+    """A scan of 6 products costs what the same 6 products unrolled cost (XLA's raw total
+    counts the body once); nested, 3 x 4 runs of the inner body."""
+    mesh, sharding = _one_chip()
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=sharding)
+    w = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16, sharding=sharding)
+
+    def compile_(f):
+        return fig.compile_program("loop", jax.jit(f), (x, w), mesh, lambda m: None)
+    product = 2 * 256 * 512 * 512
+    rolled = compile_(lambda x, w: _layers(x, w, 6, 1))
+    unrolled = compile_(lambda x, w: _layers(x, w, 6, True))
+    assert [(x.trips, x.runs) for x in rolled.loops] == [(6, 6)] and unrolled.loops == ()
+    assert rolled.xla_flops < 2 * product  # the body once
+    assert rolled.flops == pytest.approx(unrolled.flops, rel=0.01)
+    assert rolled.flops == pytest.approx(6 * product, rel=0.02)
+    # Bytes: the body's share of the raw total, repeated (at most the whole, 6 times).
+    assert rolled.xla_bytes_accessed < rolled.bytes_accessed < 6 * rolled.xla_bytes_accessed
+
+    def nested(x, w):
+        return jax.lax.scan(lambda x, _: (_layers(x, w, 4, 1), None), x, None, length=3)[0]
+    both = compile_(nested)
+    assert sorted((x.trips, x.runs) for x in both.loops) == [(3, 3), (4, 12)]
+    assert both.flops == pytest.approx(12 * product, rel=0.02)
+
+
+def test_a_loop_whose_trip_count_is_data_is_counted_once():
+    mesh, sharding = _one_chip()
+    x = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=sharding)
+
+    def until_small(x):
+        return jax.lax.while_loop(lambda x: jnp.max(x) > 1.0, lambda x: x * 0.5, x)
+    program = fig.compile_program("while", jax.jit(until_small), (x,), mesh, lambda m: None)
+    assert [x.trips for x in program.loops] == [None]
+    assert program.flops == program.xla_flops
+
+
+def test_micro_batches_count_every_micro_batch(data_parallel):
+    """GradCache's two loops run once per micro-batch: the plan counts every run (the model's
+    forward twice and backward once: more than the whole batch's step), collectives inside
+    the loops included, and says so."""
+    whole = data_parallel.to_json()
+    micro = plan(tiny(micro_batch_size=4)).to_json()  # 4 of the batch's 16 rows: 4 runs
+    assert sorted(x["runs"] for x in micro["loops"] if x["runs"] > 1) == [4, 4]
+    xla = micro["xla_cost_analysis_per_chip"]
+    assert xla["flops"] < whole["flops_per_chip"] < micro["flops_per_chip"]
+    assert micro["flops_per_chip"] < 1.6 * whole["flops_per_chip"]
+    assert any(c["runs"] == 4 for c in micro["collective_list"])
+    assert "loop bodies counted as often as they run: 4, 4 times" in format_plan(micro)
+    assert whole["loops"] == [] and "loop bodies" not in format_plan(whole)
