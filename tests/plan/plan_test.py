@@ -533,3 +533,17 @@ def test_micro_batches_count_every_micro_batch(data_parallel):
     assert any(c["runs"] == 4 for c in micro["collective_list"])
     assert "loop bodies counted as often as they run: 4, 4 times" in format_plan(micro)
     assert whole["loops"] == [] and "loop bodies" not in format_plan(whole)
+
+
+def test_a_loop_body_that_cannot_be_costed_alone_leaves_the_raw_totals_and_says_so(monkeypatch):
+    mesh, sharding = _one_chip()
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=sharding)
+
+    def refuse(text):
+        raise RuntimeError("INVALID_ARGUMENT: Syntax error")
+    monkeypatch.setattr(fig.loops, "loop_scale", refuse)
+    said = []
+    step = jax.jit(lambda x: _layers(x, jnp.ones((512, 512), x.dtype), 6, 1))
+    program = fig.compile_program("loop", step, (x,), mesh, said.append)
+    assert program.flops == program.xla_flops and program.loops == ()
+    assert any("counted once" in m and "Syntax error" in m for m in said), said
