@@ -547,3 +547,15 @@ def test_a_loop_body_that_cannot_be_costed_alone_leaves_the_raw_totals_and_says_
     program = fig.compile_program("loop", step, (x,), mesh, said.append)
     assert program.flops == program.xla_flops and program.loops == ()
     assert any("counted once" in m and "Syntax error" in m for m in said), said
+
+
+def test_accumulated_halves_cost_the_whole_batch(data_parallel):
+    """Gradient accumulation runs the same work as the whole batch in 4 pieces (each piece's
+    negatives only its own: a smaller similarity product): counted as run, the FLOPs come
+    within a few percent of the whole step's; counted once, one piece and the update."""
+    whole = data_parallel.to_json()
+    accumulated = plan(tiny(grad_accum_steps=4)).to_json()  # 4 rows a device, 1 a piece
+    assert [x["runs"] for x in accumulated["loops"] if x["runs"] > 1] == [4]
+    assert accumulated["flops_per_chip"] == pytest.approx(whole["flops_per_chip"], rel=0.05)
+    raw = accumulated["xla_cost_analysis_per_chip"]["flops"]
+    assert raw < 0.6 * whole["flops_per_chip"]
