@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import defaultdict
+from typing import Optional
 
 from jaxsim.plan.hlo import computations, shape_bytes
 from jaxsim.plan.loops import loops
@@ -53,10 +54,12 @@ def operation_name(op_name: str) -> str:
     return re.sub(r'layer_\d+', 'layer_N', name) or '(no JAX operation)'
 
 
-def op_costs(hlo_text: str) -> list[OpCost]:
-    """The program's operations, most cycles first (then most bytes)."""
+def op_costs(hlo_text: str, runs: Optional[dict[str, int]] = None) -> list[OpCost]:
+    """The program's operations, most cycles first (then most bytes). An instruction in a loop
+    body counts each run: `runs` per computation (`loops.loops`; read from the text if None)."""
     comps = computations(hlo_text)
-    runs, _, _ = loops(hlo_text)  # an instruction in a loop body counts each run
+    if runs is None:
+        runs, _, _ = loops(hlo_text)
     inner = set(_INNER.findall(hlo_text))
     shapes: dict[str, str] = {}
     rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])

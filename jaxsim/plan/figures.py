@@ -81,6 +81,8 @@ class ProgramFigures:
     xla_flops: float = 0.0
     xla_bytes_accessed: float = 0.0
     loops: tuple = ()
+    # How many times each computation runs a step (`loops.loops`), for the breakdown.
+    computation_runs: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def hbm_bytes(self) -> int:
@@ -142,18 +144,19 @@ def compile_program(name: str, jitted: Any, args: tuple, mesh,
     devices = list(mesh.devices.flat)
     slices = [getattr(d, 'slice_index', 0) for d in devices]
     text = compiled.as_text()
-    runs, _, _ = loops.loops(text)
+    runs, found, parent = loops.loops(text)
     collectives = hlo.collectives(text, mesh.devices.shape, mesh.axis_names, slices, runs)
     flops, moved = float(cost.get('flops', 0.0)), float(cost.get('bytes accessed', 0.0))
     try:
-        scale = loops.loop_scale(text)
+        scale = loops.loop_scale(text, found, parent)
     except Exception as e:  # XLA's HLO parser refused a body: the raw totals, said so
-        say(f'warning: {name}: its loops are counted once, as XLA counts them (a loop body '
-            f'could not be costed alone: {" ".join(str(e).split())[:160]})')
+        say(f'warning: {name}: its FLOPs and bytes have each loop body counted '
+            f'once, as XLA\'s totals do (a loop body could not be costed alone: '
+            f'{" ".join(str(e).split())[:160]})')
         scale = loops.LoopScale()
     return ProgramFigures(
         name=name, flops=flops * scale.flops, bytes_accessed=moved * scale.bytes,
-        xla_flops=flops, xla_bytes_accessed=moved, loops=scale.loops,
+        xla_flops=flops, xla_bytes_accessed=moved, loops=scale.loops, computation_runs=runs,
         argument_bytes=int(memory.argument_size_in_bytes),
         output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes),

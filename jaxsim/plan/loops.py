@@ -107,9 +107,10 @@ class LoopScale:
     loops: tuple[Loop, ...] = ()
 
 
-def loop_scale(hlo_text: str, client=None) -> LoopScale:
-    """The factors for a program whose loops run more than once (1.0 without loops)."""
-    _, found, parent = loops(hlo_text)
+def loop_scale(hlo_text: str, found: list[Loop], parent: dict[str, str],
+               client=None) -> LoopScale:
+    """The factors for a program whose loops run more than once (1.0 without loops);
+    `found` and `parent` are what `loops(hlo_text)` gives."""
     repeated = [x for x in found if x.trips and x.trips > 1]
     if not repeated:
         return LoopScale(loops=tuple(found))

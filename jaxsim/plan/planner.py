@@ -134,7 +134,8 @@ class Plan:
                     "published peaks: estimates, not measurements",
             'compiled': p.compiled,
             # Where the step's time goes by the TPU compiler's cost model (jaxsim.plan.breakdown).
-            'breakdown': breakdown.summary(breakdown.op_costs(p.hlo_text), BREAKDOWN_ROWS),
+            'breakdown': breakdown.summary(breakdown.op_costs(p.hlo_text, p.computation_runs),
+                                           BREAKDOWN_ROWS),
         }
         if not p.compiled:  # refused for want of HBM: its memory is known, its cost is not
             out.update(flops_per_chip=None, bytes_per_chip=None, xla_cost_analysis_per_chip=None,

@@ -539,7 +539,7 @@ def test_a_loop_body_that_cannot_be_costed_alone_leaves_the_raw_totals_and_says_
     mesh, sharding = _one_chip()
     x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=sharding)
 
-    def refuse(text):
+    def refuse(text, found, parent):
         raise RuntimeError("INVALID_ARGUMENT: Syntax error")
     monkeypatch.setattr(fig.loops, "loop_scale", refuse)
     said = []
