@@ -162,7 +162,8 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
     found: dict[str, Collective] = {}
     unnumbered = itertools.count()
     num_devices = int(np.prod(mesh_shape))
-    for comp, line in _lines(hlo_text):
+    lines = list(_lines(hlo_text))  # the text split once, for both kinds of collective
+    for comp, line in lines:
         m = _INSTRUCTION.search(line)
         if not m:
             continue
@@ -183,7 +184,7 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
                                 group_size=max(len(g) for g in groups), axes=axes, dcn=dcn,
                                 op_name=op.group(1) if op else '',
                                 runs=(runs or {}).get(comp, 1))
-    return list(found.values()) + _dcn_transfers(hlo_text, mesh_shape, axis_names, slice_of,
+    return list(found.values()) + _dcn_transfers(lines, mesh_shape, axis_names, slice_of,
                                                  runs or {})
 
 
@@ -196,17 +197,19 @@ def _lines(hlo_text: str):
             yield comp, line
 
 
-def _dcn_transfers(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[str],
-                   slice_of: Sequence[int], runs: dict[str, int]) -> list[Collective]:
+def _dcn_transfers(lines: list[tuple[str, str]], mesh_shape: Sequence[int],
+                   axis_names: Sequence[str], slice_of: Sequence[int],
+                   runs: dict[str, int]) -> list[Collective]:
     """The cross-slice parts of collectives: one per rendezvous of the multislice runtime's
-    sends, sized by the array each slice sends, over the mesh axes that change slice."""
+    sends, sized by the array each slice sends, over the mesh axes that change slice.
+    `lines`: (computation, instruction line) pairs, as `_lines` gives them."""
     slices = np.asarray(slice_of).reshape(tuple(mesh_shape))
     axes = tuple(name for i, name in enumerate(axis_names)
                  if np.any(np.diff(slices, axis=i) != 0))
     kinds = {k.replace('-', '_').upper(): k for k in KINDS}
     n = len(set(slice_of))
     found: dict[str, Collective] = {}
-    for comp, line in _lines(hlo_text):
+    for comp, line in lines:
         m = _DCN_SEND.search(line)
         if not m or m.group('name') in found:
             continue

@@ -52,35 +52,46 @@ def trip_count(condition: list[str]) -> Optional[int]:
 
 def loops(hlo_text: str) -> tuple[dict[str, int], list[Loop], dict[str, str]]:
     """(runs of every computation reached from the entry, its loops in program order, the
-    loop body each body is nested in directly ('' for the entry))."""
+    loop body each body is nested in directly ('' for the entry)).
+
+    A computation called from several places runs once for each run of each call site: its
+    runs are the sum over the call sites (XLA usually clones such callees, not always)."""
     comps = computations(hlo_text)
     entry = re.search(r'^ENTRY %?([\w.\-]+)', hlo_text, re.M)
-    runs: dict[str, int] = {}
-    found: list[Loop] = []
+    if not entry:  # a fragment of a module: no loops to see
+        return {}, [], {}
+    calls: dict[str, list[tuple[str, int]]] = {}  # caller -> (callee, runs per caller run)
+    trips: dict[str, Optional[int]] = {}  # loop body -> trip count, in program order
     parent: dict[str, str] = {}
+    order: list[str] = []  # callers after their callees (depth-first post-order)
 
-    def visit(name: str, times: int, owner: str) -> None:
-        if runs.get(name, 0) >= times:
-            return
-        runs[name] = times
+    def visit(name: str, owner: str) -> None:
+        calls[name] = []
         for line in comps.get(name, ()):
             loop = _BODY.search(line)
             if loop:
                 cond, body = loop.groups()
-                trips = trip_count(comps.get(cond, []))
-                found.append(Loop(body=body, trips=trips, runs=times * (trips or 1)))
-                parent[body] = owner
-                visit(cond, times * (trips or 1), owner)
-                visit(body, times * (trips or 1), body)
-            for callee in _CALLS.findall(line):
-                visit(callee, times, owner)
+                trips.setdefault(body, trip_count(comps.get(cond, [])))
+                parent.setdefault(body, owner)
+                calls[name] += [(cond, trips[body] or 1), (body, trips[body] or 1)]
+            callees = _CALLS.findall(line)
             branches = _BRANCHES.search(line)
             if branches:
-                for callee in re.findall(r'%([\w.\-]+)', branches.group(1)):
-                    visit(callee, times, owner)
+                callees += re.findall(r'%([\w.\-]+)', branches.group(1))
+            # Once each: a conditional runs one of its branches, even where two are the same.
+            calls[name] += [(callee, 1) for callee in dict.fromkeys(callees)]
+        for callee, _ in calls[name]:
+            if callee not in calls:
+                visit(callee, callee if callee in trips else owner)
+        order.append(name)
 
-    if entry:  # else a fragment of a module: no loops to see
-        visit(entry.group(1), 1, '')
+    visit(entry.group(1), '')
+    runs = dict.fromkeys(order, 0)
+    runs[entry.group(1)] = 1
+    for caller in reversed(order):  # every caller's runs are final before its callees'
+        for callee, times in calls[caller]:
+            runs[callee] += runs[caller] * times
+    found = [Loop(body=b, trips=t, runs=runs[b]) for b, t in trips.items()]
     return runs, found, parent
 
 

@@ -509,6 +509,42 @@ def test_a_loops_body_counts_as_often_as_it_runs():
     assert both.flops == pytest.approx(12 * product, rel=0.02)
 
 
+# One computation holding a 5-trip loop, called from two places of the entry (XLA usually
+# clones such a callee; a module need not).
+_TWO_CALL_SITES = """HloModule two_calls
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]) parameter(0)
+  ROOT %t = (s32[], f32[4]) tuple(%p)
+}
+
+%twice (x: f32[4]) -> f32[4] {
+  %x = f32[4] parameter(0)
+  %w = (s32[], f32[4]) while(%x), condition=%cond, body=%body
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4] parameter(0)
+  %a = f32[4] call(%x), to_apply=%twice
+  ROOT %b = f32[4] call(%a), to_apply=%twice
+}
+"""
+
+
+def test_a_computation_called_from_two_places_runs_for_each():
+    runs, found, parent = fig.loops.loops(_TWO_CALL_SITES)
+    assert runs["main"] == 1 and runs["twice"] == 2 and runs["body"] == 10
+    assert found == [fig.loops.Loop(body="body", trips=5, runs=10)]
+    assert parent == {"body": ""}
+
+
 def test_a_loop_whose_trip_count_is_data_is_counted_once():
     mesh, sharding = _one_chip()
     x = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=sharding)
