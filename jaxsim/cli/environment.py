@@ -8,12 +8,23 @@ anything initializes a JAX backend or loads a model. What is silenced, and why:
   - libtpu / XLA C++ INFO and WARNING logs at backend start-up (TPU_MIN_LOG_LEVEL,
     TPU_STDERR_LOG_LEVEL, TF_CPP_MIN_LOG_LEVEL, GRPC_VERBOSITY). Errors still print.
   - what `jaxsim.runtime` filters for library callers too (orphaned orbax read callbacks).
+  - libtpu's start-up errors on a host without a TPU: with libtpu installed (the test extra
+    installs it for the plan command) JAX tries the TPU backend first and libtpu prints five
+    lines of errors before JAX falls back to the CPU. Where no TPU chip is attached (no
+    Google TPU on the PCI bus, as JAX itself checks, and no /dev/accel* or /dev/vfio/N node)
+    and no other JAX backend plugin (a GPU) is installed, the commands ask for the CPU
+    (JAX_PLATFORMS=cpu): a command's error stays one line (`skips_absent_tpu`).
 Every environment variable is set with `setdefault`: a value the user exported wins. This
 module owns that list (`QUIET_ENV`).
 """
 from __future__ import annotations
 
+import glob
+import importlib.metadata
+import importlib.util
 import os
+
+import jax
 
 from jaxsim import runtime
 
@@ -28,9 +39,43 @@ QUIET_ENV = {
 
 
 def quiet_environment() -> None:
-    """Sets `QUIET_ENV` where the user has not: before transformers loads or a backend starts."""
+    """Sets `QUIET_ENV` where the user has not: before transformers loads or a backend starts;
+    and JAX_PLATFORMS=cpu where `skips_absent_tpu`."""
     for name, value in QUIET_ENV.items():
         os.environ.setdefault(name, value)
+    if skips_absent_tpu():
+        os.environ['JAX_PLATFORMS'] = 'cpu'  # this process's children too
+        jax.config.update('jax_platforms', 'cpu')  # JAX read the variable at its import
+
+
+def _libtpu_installed() -> bool:
+    return (importlib.util.find_spec('libtpu') is not None
+            or bool(os.environ.get('TPU_LIBRARY_PATH')))
+
+
+def _backend_plugins() -> bool:
+    """Whether a JAX backend plugin (a GPU's) is installed."""
+    return bool(importlib.metadata.entry_points(group='jax_plugins'))
+
+
+def _tpu_attached() -> bool:
+    """A TPU chip on the PCI bus (JAX's own check) or a TPU device node; True where unsure."""
+    try:
+        from jax._src.hardware_utils import num_available_tpu_chips_and_device_id
+        chips = num_available_tpu_chips_and_device_id()[0]
+    except Exception:  # the check moved or failed: leave JAX to decide
+        return True
+    return chips > 0 or bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
+
+
+def skips_absent_tpu() -> bool:
+    """Whether the commands run JAX on the CPU without trying the TPU backend: libtpu is
+    installed (else JAX tries no TPU and nothing prints), no other backend plugin is
+    installed (JAX then picks among its backends itself), no TPU is attached, and neither
+    JAX_PLATFORMS nor JAX_FORCE_TPU_INIT is set (the user's choice wins)."""
+    if os.environ.get('JAX_PLATFORMS') or 'JAX_FORCE_TPU_INIT' in os.environ:
+        return False
+    return _libtpu_installed() and not _backend_plugins() and not _tpu_attached()
 
 
 def setup(compilation_cache: bool = True) -> None:

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from jaxsim.cli import environment
 from tests.conftest import HANG_GUARD_S
 
@@ -40,3 +42,37 @@ def test_importing_train_or_eval_script_applies_the_list():
                              cwd=REPO)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().splitlines()[-1] == 'True', script
+
+
+@pytest.mark.parametrize('libtpu, plugins, attached, user, skips', [
+    (True, False, False, {}, True),  # libtpu on a CPU host: its start-up errors skipped
+    (False, False, False, {}, False),  # no libtpu: JAX tries no TPU
+    (True, True, False, {}, False),  # a GPU plugin: JAX chooses
+    (True, False, True, {}, False),  # a TPU host: the TPU backend
+    (True, False, False, {'JAX_PLATFORMS': 'tpu,cpu'}, False),  # the user's choice
+    (True, False, False, {'JAX_FORCE_TPU_INIT': '1'}, False),
+])
+def test_an_absent_tpu_is_skipped_only_where_nothing_else_decides(monkeypatch, libtpu, plugins,
+                                                                 attached, user, skips):
+    monkeypatch.delenv('JAX_PLATFORMS', raising=False)
+    monkeypatch.delenv('JAX_FORCE_TPU_INIT', raising=False)
+    for name, value in user.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(environment, '_libtpu_installed', lambda: libtpu)
+    monkeypatch.setattr(environment, '_backend_plugins', lambda: plugins)
+    monkeypatch.setattr(environment, '_tpu_attached', lambda: attached)
+    assert environment.skips_absent_tpu() is skips
+
+
+def test_a_commands_error_is_one_line_where_libtpu_is_installed_without_a_tpu(tmp_path):
+    """The test extra installs libtpu (for the plan command); on this TPU-less host a command
+    run without JAX_PLATFORMS used to print libtpu's five start-up error lines first."""
+    assert environment._libtpu_installed() and not environment._tpu_attached()
+    (tmp_path / 'empty.txt').write_text('\n')
+    env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
+    out = subprocess.run([sys.executable, '-m', 'jaxsim', 'encode', '--input', 'empty.txt',
+                          '--output', 'x.npy'], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=HANG_GUARD_S)
+    assert out.returncode == 1
+    assert out.stderr.splitlines() == ['error: empty.txt: no sentences (the input is empty '
+                                       'or blank)'], out.stderr[-2000:]
