@@ -1,7 +1,7 @@
 """The command lines' process set-up: library noise off, compilation cache on.
 
-Every command applies it first (`python -m jaxsim`, train.py, eval.py; benchmarks too), before
-anything initializes a JAX backend or loads a model. What is silenced, and why:
+Every command applies it first (`python -m jaxsim`, train.py, eval.py, benchmarks/remat_memory.py),
+before anything initializes a JAX backend or loads a model. What is silenced, and why:
   - transformers' "PyTorch was not found" line and its other import-time advice: jaxsim runs
     JAX models; transformers is used for tokenizers and configs only
     (TRANSFORMERS_NO_ADVISORY_WARNINGS, TRANSFORMERS_VERBOSITY).
