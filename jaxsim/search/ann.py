@@ -86,6 +86,8 @@ def build(method: str, vectors: np.ndarray, options: AnnOptions) -> Any:
         nlist = options.nlist or default_nlist(len(data))
         index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist,
                                    faiss.METRIC_INNER_PRODUCT)
+        if nlist == 1:  # one cell holds every row: no k-means to warn about (a small corpus)
+            index.cp.min_points_per_centroid = 1
         # k-means on a sample of TRAIN_ROWS_PER_CELL rows a cell: at 1M rows and 4000 cells,
         # faiss's own cap (256 a cell) would cost ~31 TFLOP of training, this ~8.
         cap = TRAIN_ROWS_PER_CELL * nlist

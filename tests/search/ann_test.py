@@ -42,6 +42,17 @@ def test_recall_and_scores_against_brute_force(data, method):
     assert (np.diff(found.scores, axis=1) <= 1e-6).all()
 
 
+def test_a_corpus_too_small_for_two_cells_is_one_cell_found_whole_without_a_warning(capfd):
+    """Under 78 rows the IVF index is one cell (faiss's 39 training rows a cell): every row is
+    scanned, so it is exact, and faiss's k-means warning has nothing to warn about."""
+    corpus = clustered(5, 32, 2)
+    index = SearchIndex.from_vectors(corpus, method="ivf")
+    found = index.search_vectors(corpus[:2], top_k=5)
+    assert capfd.readouterr().err == ""
+    exact = np.argsort(-(corpus[:2] @ corpus.T), axis=1, kind="stable")
+    np.testing.assert_array_equal(found.rows, exact)
+
+
 def test_few_probes_lose_recall_and_more_probes_restore_it(data, tmp_path):
     corpus, queries = data
     exact = np.argsort(-(queries @ corpus.T), axis=1, kind="stable")[:, :10]
