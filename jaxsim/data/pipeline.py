@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 from jaxsim.data.batching import OrderedIterator, tokenize_examples
+from jaxsim.data.readers import DataError
 
 _NO_END = 2**62  # the batch positions run on across epochs until the loop stops
 
@@ -55,7 +56,10 @@ class StreamIterator(OrderedIterator):
 
     def __init__(self, source, tokenizer, max_len: int, global_batch: int,
                  workers: Optional[int] = None, prefetch: int = 4, **kwargs):
-        super().__init__(len(source), global_batch, **kwargs)
+        try:
+            super().__init__(len(source), global_batch, **kwargs)
+        except DataError as e:  # too few examples: say which data
+            raise DataError(f'{source.name}: {e}') from None
         self.source = source
         self.tokenize = _ThreadTokenizer(tokenizer, max_len, source.name)
         self.workers = workers or min(4, os.cpu_count() or 1)

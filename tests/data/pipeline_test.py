@@ -128,6 +128,14 @@ def test_data_errors_of_the_workers_reach_the_caller(tokenizer):
     it.close()
 
 
+def test_too_few_examples_for_one_batch_names_the_data(tmp_path, tokenizer):
+    (tmp_path / 'three.txt').write_text('a\nb\nc\n')
+    with pytest.raises(DataError, match=r'three.txt: 3 examples cannot fill one global batch '
+                                        r'of 4$'):
+        pipeline.StreamIterator(sources.TextSource(tmp_path / 'three.txt'), tokenizer,
+                                MAX_LEN, 4)
+
+
 def test_digest_follows_content_and_settings_not_paths(corpus, tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(batching, 'tokenize_examples',
                         lambda *a, **k: pytest.fail('the digest tokenized the data'))
