@@ -233,6 +233,24 @@ def test_whitening_fitted_by_the_command_line(tiny, tmp_path):
     np.testing.assert_allclose(st_encode(again), got, atol=1e-5)
 
 
+def test_a_singular_whitening_fit_is_said_and_recorded(tiny, tmp_path, capsys):
+    """Fewer fit sentences than dimensions: whitening keeps the covariance's rank (the null
+    directions dropped); the export says so and records it, as eval.py notes it."""
+    model = tiny["bert"]
+    fit = tmp_path / "few.txt"
+    fit.write_text("\n".join(_corpus(5)) + "\n")
+    out = tmp_path / "st"
+    assert cli_main(["export", "--checkpoint", model.path, "--out", str(out), "--format",
+                     "sentence-transformers", "--pooler", "avg", "--post", "whitening",
+                     "--fit-data", str(fit)]) == 0
+    err = capsys.readouterr().err
+    assert f"note: --fit-data {fit}: whitening: the covariance of the 5x" in err
+    record = json.loads((out / "jaxsim_export.json").read_text())
+    assert record["post"]["dim_out"] == 4  # 5 centred rows span 4 directions
+    assert "dropped its" in record["post"]["note"]
+    assert st_encode(out).shape == (len(SENTENCES), 4)
+
+
 def test_pooler_without_export_rule_is_refused(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(export_lib, "get_pooler",
                         lambda name: dataclasses.replace(get_pooler(name), export=None))
