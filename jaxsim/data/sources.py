@@ -241,8 +241,10 @@ class TfdsSource:
                        else tfds.builder(name, data_dir=data_dir))
             self.source = builder.as_data_source(split=split)
         except Exception as e:
+            # An unknown name's message goes on to list every dataset TFDS knows: cut there.
+            reason = ' '.join(str(e).split()).split(' Available datasets:')[0]
             raise DataError(f'TFDS {name!r} split {split!r} (data_dir={data_dir}): cannot open: '
-                            f'{type(e).__name__}: {e}') from None
+                            f'{type(e).__name__}: {reason[:300]}') from None
         files = sorted(p for p in Path(str(builder.data_path)).iterdir() if p.is_file())
         key = {'split': split, 'fields': self.fields,
                'files': [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxsim.data import readers
+from jaxsim.data import readers, sources
 from jaxsim.data.readers import DataError
 from jaxsim.errors import JaxsimError
 from jaxsim.storage.paths import SENTEVAL_ROOT
@@ -156,3 +156,14 @@ def test_tfds_source_reads_prepared_array_record_dataset(tmp_path):
     assert sorted(rows) == [('a cat sits',), ('a dog runs',)]  # the empty example is skipped
     with pytest.raises(DataError, match="no field 'sent0'"):
         readers.read_tfds(str(folder), 'train', fields=('sent0',))
+
+
+def test_an_unknown_tfds_name_is_one_short_line(tmp_path):
+    """TFDS's own message for an unknown name lists every dataset it knows (thousands of
+    names); the error keeps what went wrong."""
+    with pytest.raises(DataError) as caught:
+        sources.TfdsSource('no_such_dataset_here', data_dir=str(tmp_path))
+    message = str(caught.value)
+    assert message.startswith("TFDS 'no_such_dataset_here' split 'train'")
+    assert 'DatasetNotFoundError' in message and 'not found' in message
+    assert len(message) < 400 and 'mnist' not in message
