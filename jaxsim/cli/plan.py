@@ -98,6 +98,8 @@ def run_plan(config: str, overrides: Sequence[str], topology: str, num_slices: i
                                        inputs=[('--config', config if Path(config).is_file()
                                                            else config.partition(':')[0])])
               if json_path else None)
+    if hlo_dir:  # a folder the HLO files go into (replaced there), checked before the compile
+        cli_io.check_output_dir(hlo_dir, True, '--hlo-dir')
     # Several planning processes may share this machine (libtpu otherwise takes a lock).
     os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
     # The plan compiles for the topology's compile-only devices; the process itself needs no
@@ -109,6 +111,11 @@ def run_plan(config: str, overrides: Sequence[str], topology: str, num_slices: i
     plan = make_plan(cfg, topo, num_slices, encode=encode, search=search)
     record = plan.to_json()
     print(format_plan(record))
+    if output is not None:  # first: the JSON is the plan's record
+        with store.open_atomic(Path(output), 'w', overwrite=overwrite, what='--json') as f:
+            json.dump(record, f, indent=2)
+            f.write('\n')
+        print(f'wrote {output}', file=sys.stderr)
     if hlo_dir:
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)
         for program in (plan.train.program, plan.encode):
@@ -118,11 +125,6 @@ def run_plan(config: str, overrides: Sequence[str], topology: str, num_slices: i
                                        what='--hlo-dir') as f:
                     f.write(program.hlo_text)
         print(f'wrote the compiled HLO to {hlo_dir}', file=sys.stderr)
-    if output is not None:
-        with store.open_atomic(Path(output), 'w', overwrite=overwrite, what='--json') as f:
-            json.dump(record, f, indent=2)
-            f.write('\n')
-        print(f'wrote {output}', file=sys.stderr)
     return 0
 
 

@@ -75,7 +75,8 @@ class ProgramFigures:
     compile_s: float
     hlo_text: str = dataclasses.field(default='', repr=False)  # the compiled, partitioned HLO
     # False when the compiler refused the program for want of HBM: then only the memory
-    # figures are known (temporaries as the compiler's refusal states them), no cost.
+    # figures are known (the refusal's total; temporaries: all of it beyond the arguments,
+    # outputs included), no cost.
     compiled: bool = True
     # XLA's totals as it gives them (each loop body once) and the loops (`jaxsim.plan.loops`).
     xla_flops: float = 0.0
@@ -111,8 +112,18 @@ def _ticker(label: str, say: Callable[[str], None], every_s: float = 20.0):
     return done
 
 
-# XLA:TPU's refusal of a program whose temporaries exceed the chip's HBM (sizes in GiB).
-_OUT_OF_HBM = re.compile(r'memory required for HLO temporaries \(([0-9.]+)G\) exceeds')
+# XLA:TPU's refusal of a program whose memory exceeds the chip's HBM.
+_OUT_OF_HBM = re.compile(
+    r'memory required for HLO temporaries \(([0-9.]+)([KMGTP]?)\) exceeds')
+
+
+def refusal_bytes(message: str) -> Optional[int]:
+    """What XLA:TPU's refusal for want of HBM says the program needs (its arguments and
+    outputs included, binary units: '18.00G' for two 9 GiB arguments), or None."""
+    m = _OUT_OF_HBM.search(message)
+    if m is None:
+        return None
+    return int(float(m.group(1)) * 1024 ** ' KMGTP'.index(m.group(2) or ' '))
 
 
 def compile_program(name: str, jitted: Any, args: tuple, mesh,
@@ -126,14 +137,16 @@ def compile_program(name: str, jitted: Any, args: tuple, mesh,
         compiled = jitted.lower(*args).compile()
     except Exception as e:  # a program XLA cannot compile for this topology
         message = ' '.join(str(e).split())
-        needed = _OUT_OF_HBM.search(message)
+        needed = refusal_bytes(message)
         if needed is None:
             raise PlanError(f'{name} does not compile for this topology: {message[:300]}') \
                 from None
         # Too large for the chip: what it would need is the answer, not an error.
+        # The refusal's figure holds the arguments: the temporaries are the rest of it.
+        arguments = per_device_bytes(args)
         return ProgramFigures(
-            name=name, flops=0.0, bytes_accessed=0.0, argument_bytes=per_device_bytes(args),
-            output_bytes=0, alias_bytes=0, temp_bytes=int(float(needed.group(1)) * GiB),
+            name=name, flops=0.0, bytes_accessed=0.0, argument_bytes=arguments,
+            output_bytes=0, alias_bytes=0, temp_bytes=max(0, needed - arguments),
             code_bytes=0, collectives=(), compile_s=round(time.perf_counter() - start, 1),
             compiled=False)
     finally:

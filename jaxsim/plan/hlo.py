@@ -3,8 +3,11 @@
 The TPU compiler splits one asynchronous collective over several fusions (start, continuation,
 done), each holding a copy of the instruction under the same `channel_id`; counting lines
 would count the copies (a data-parallel BERT-base step shows 116 all-gather lines for 3
-all-gathers). A collective here is one channel: its kind, its bytes, the device groups it runs
-over, and from those the mesh axes it spans and whether it crosses slices (DCN).
+all-gathers). The channel alone does not name a collective: every collective `shard_map`
+emits shares `channel_id=1`. A collective here is one (channel, kind, result shape without
+layout, device groups, JAX operation, async name) found in any number of computations, a copy
+in each; two in one computation are two collectives. Each has its kind, its bytes, the device
+groups it runs over, and from those the mesh axes it spans and whether it crosses slices (DCN).
 
 Compiled for several slices, a collective over slices is split: the in-slice part stays an
 HLO collective (groups within a slice), the cross-slice part becomes host-transfer
@@ -22,15 +25,17 @@ import numpy as np
 
 KINDS = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
 
-_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'bf16': 2, 'f16': 2,
-                's16': 2, 'u16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8}
+_DTYPE_BYTES = {'pred': 1, 's4': 0.5, 'u4': 0.5, 's8': 1, 'u8': 1, 'bf16': 2, 'f16': 2,
+                's16': 2, 'u16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8,
+                'c64': 8, 'c128': 16}  # and every f8 type (f8e4m3fn, f8e5m2fnuz, ...): 1
 _DCN_SEND = re.compile(
     r'%[\w.\-]+ = \((?P<shape>[a-z0-9]+\[[\d,]*\]).*? send\('
     r'.*_xla_host_transfer_rendezvous="(?P<name>[^"]+)"'
     r'.*_xla_megascale_transfer_type="(?P<kind>[A-Z_]+)"')
 _COMPUTATION = re.compile(r'^(?:ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$')
 _INSTRUCTION = re.compile(
-    r'%[\w.\-]+ = (?P<shape>.*?) (?P<kind>' + '|'.join(KINDS) + r')(?:-start)?\((?P<rest>.*)$')
+    r'%[\w.\-]+ = (?P<shape>.*?) (?P<kind>' + '|'.join(KINDS) + r')(?P<start>-start)?\('
+    r'(?P<rest>.*)$')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +81,35 @@ class Collective:
 
 def shape_bytes(shape: str) -> int:
     """Bytes of an HLO shape string: 'f32[64,32]{1,0:T(8,128)}' or a tuple of them."""
-    total = 0
+    total = 0.0
     for dtype, dims in re.findall(r'\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]', shape):
-        if dtype in _DTYPE_BYTES:
-            total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(',') if d]))
-    return total
+        size = 1 if dtype.startswith('f8') else _DTYPE_BYTES.get(dtype)
+        if size:
+            total += size * int(np.prod([int(d) for d in dims.split(',') if d]))
+    return int(total)
+
+
+def tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape '(a, (b, c), d)'; [shape] for an array."""
+    if not shape.startswith('('):
+        return [shape]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(shape[:-1]):
+        depth += ch in '([{'
+        depth -= ch in ')]}'
+        if ch == ',' and depth == 1:
+            parts.append(shape[start:i].strip())
+            start = i + 1
+    return parts + [shape[start:-1].strip()]
+
+
+def _result_shape(shape: str, kind: str, start: bool) -> str:
+    """The array(s) a collective produces: an async all-gather or permute start holds
+    (operand, result, ...) and its result is the second; otherwise the shape itself (a
+    combined collective's tuple is all of its results)."""
+    if start and kind in ('all-gather', 'collective-permute') and shape.startswith('('):
+        return tuple_elements(shape)[1]
+    return shape
 
 
 def computations(hlo_text: str) -> dict[str, list[str]]:
@@ -158,8 +187,11 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
         the i-th device of the mesh in row-major order (the jit's device assignment).
       slice_of: the slice index of each of those devices.
       runs: how many times each computation runs a step (`loops.loops`); 1 where absent.
+      A collective copied into computations that run different numbers of times (a start
+      before a loop, a continuation inside it) counts the fewest runs of its copies.
     """
-    found: dict[str, Collective] = {}
+    found: dict[tuple, Collective] = {}
+    held_in: dict[tuple, set[str]] = {}  # the computations holding a copy of each collective
     unnumbered = itertools.count()
     num_devices = int(np.prod(mesh_shape))
     lines = list(_lines(hlo_text))  # the text split once, for both kinds of collective
@@ -167,23 +199,32 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
         m = _INSTRUCTION.search(line)
         if not m:
             continue
-        channel = re.search(r'channel_id=(\d+)', line)
-        key = channel.group(1) if channel else f'local-{next(unnumbered)}'
-        if key in found:
-            continue
+        kind = m.group('kind')
+        shape = _result_shape(m.group('shape'), kind, bool(m.group('start')))
         groups = replica_groups(m.group('rest'), num_devices)
+        channel = re.search(r'channel_id=(\d+)', line)
+        async_name = re.search(r'async_collective_name="([^"]*)"', line)
+        op = re.search(r'op_name="([^"]*)"', line)
+        op_name = op.group(1) if op else ''
+        identity = (channel.group(1) if channel else f'local-{next(unnumbered)}', kind,
+                    async_name.group(1) if async_name else '', re.sub(r'\{[^}]*\}', '', shape),
+                    tuple(map(tuple, groups)), op_name)
+        copy = 0  # two alike in one computation are two collectives
+        while identity + (copy,) in found and comp in held_in[identity + (copy,)]:
+            copy += 1
+        key, times = identity + (copy,), (runs or {}).get(comp, 1)
+        if key in found:  # another copy of a collective already counted
+            held_in[key].add(comp)
+            found[key] = dataclasses.replace(found[key], runs=min(found[key].runs, times))
+            continue
         coords = [np.unravel_index(np.asarray(g), tuple(mesh_shape)) for g in groups]
         axes = tuple(name for i, name in enumerate(axis_names)
                      if any(len(set(c[i].tolist())) > 1 for c in coords))
         dcn = any(len({slice_of[d] for d in g}) > 1 for g in groups)
-        op = re.search(r'op_name="([^"]*)"', line)
-        shape = m.group('shape')
-        if m.group('kind') == 'all-gather' and shape.startswith('('):
-            shape = shape.rsplit(', ', 1)[-1]  # an async start's (operand, result): the result
-        found[key] = Collective(kind=m.group('kind'), bytes=shape_bytes(shape),
+        found[key] = Collective(kind=kind, bytes=shape_bytes(shape),
                                 group_size=max(len(g) for g in groups), axes=axes, dcn=dcn,
-                                op_name=op.group(1) if op else '',
-                                runs=(runs or {}).get(comp, 1))
+                                op_name=op_name, runs=times)
+        held_in[key] = {comp}
     return list(found.values()) + _dcn_transfers(lines, mesh_shape, axis_names, slice_of,
                                                  runs or {})
 

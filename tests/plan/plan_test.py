@@ -21,6 +21,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jaxsim import sharding as sharding_lib
+from jaxsim.cli import plan as plan_cli
 from jaxsim.cli.plan import format_plan, run_plan
 from jaxsim.errors import ConfigError
 from jaxsim.models import dropout
@@ -96,26 +97,69 @@ def test_replica_groups_in_each_spelling(attributes, groups):
     assert hlo.replica_groups(attributes, 4) == groups
 
 
-SYNTHETIC = """
+SYNTHETIC = """HloModule m
+
+%fused_gather (p: f32[4,8]) -> f32[8,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  ROOT %all-gather.9 = f32[8,8]{1,0:T(8,128)S(1)} all-gather(%p), channel_id=7, replica_groups={{0,2},{1,3}}, dimensions={0}, metadata={op_name="jit(f)/gather_z"}
+}
+
+%updates (x: f32[4,8]) -> f32[8,8] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %all-gather.20 = f32[8,8]{1,0} all-gather(%x), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}, frontend_attributes={async_collective_name="all-gather-start.1"}, metadata={op_name="jit(f)/shard_map/all_gather"}
+  %all-gather.21 = f32[8,8]{1,0} all-gather(%x), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}, frontend_attributes={async_collective_name="all-gather-start.2"}, metadata={op_name="jit(f)/shard_map/all_gather"}
+  %all-gather.22 = bf16[8,4]{1,0} all-gather(%x), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}, metadata={op_name="jit(f)/shard_map/all_gather"}
+  ROOT %all-gather.23 = bf16[8,4]{1,0} all-gather(%x), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}, metadata={op_name="jit(f)/shard_map/all_gather"}
+}
+
+ENTRY %main (z: f32[4,8], g: f32[16], h: bf16[4,8]) -> f32[16] {
   %all-gather-start.1 = (f32[4,8]{1,0}, f32[8,8]{1,0}) all-gather-start(%z), channel_id=7, replica_groups={{0,2},{1,3}}, dimensions={0}, metadata={op_name="jit(f)/gather_z"}
-  %all-gather.9 = f32[8,8]{1,0} all-gather(%z), channel_id=7, replica_groups={{0,2},{1,3}}, dimensions={0}, metadata={op_name="jit(f)/gather_z"}
+  %fusion.1 = f32[8,8]{1,0} fusion(%z), kind=kCustom, calls=%fused_gather
   %all-reduce.3 = f32[16]{0} all-reduce(%g), channel_id=9, replica_groups=[1,4]<=[4], to_apply=%add
   %reduce-scatter.4 = bf16[2,8]{1,0} reduce-scatter(%h), channel_id=11, replica_groups={{0,1},{2,3}}, dimensions={0}, to_apply=%add
-  %add.5 = f32[16]{0} add(%all-reduce.3, %all-reduce.3)
+  %collective-permute-start.5 = (f32[16]{0}, f32[16]{0}, u32[], u32[]) collective-permute-start(%g), channel_id=12, source_target_pairs={{0,1},{1,0}}
+  %call.6 = f32[8,8]{1,0} call(%z), to_apply=%updates
+  ROOT %add.5 = f32[16]{0} add(%all-reduce.3, %all-reduce.3)
+}
 """  # noqa: E501
 
 
 def test_collectives_are_one_per_channel_with_mesh_axes_and_network():
-    """The copies an async collective leaves in several fusions count once; groups give the mesh
-    axes (device ids row-major over the mesh) and whether a group spans slices."""
-    found = hlo.collectives(SYNTHETIC, (2, 2), ("data", "fsdp"), slice_of=[0, 0, 1, 1])
+    """The copies an async collective leaves in several computations count once; groups give
+    the mesh axes (device ids row-major over the mesh) and whether a group spans slices."""
+    found = [c for c in hlo.collectives(SYNTHETIC, (2, 2), ("data", "fsdp"),
+                                        slice_of=[0, 0, 1, 1]) if "shard_map" not in c.op_name]
     assert [(c.kind, c.axes, c.dcn, c.group_size, c.bytes) for c in found] == [
         ("all-gather", ("data",), True, 2, 8 * 8 * 4),  # the gathered result, not the operand
         ("all-reduce", ("data", "fsdp"), True, 4, 16 * 4),
-        ("reduce-scatter", ("fsdp",), False, 2, 2 * 8 * 2)]
+        ("reduce-scatter", ("fsdp",), False, 2, 2 * 8 * 2),
+        ("collective-permute", ("fsdp",), False, 2, 16 * 4)]  # the start's result, once
     assert found[0].op_name == "jit(f)/gather_z"
     one_slice = hlo.collectives(SYNTHETIC, (2, 2), ("data", "fsdp"), slice_of=[0, 0, 0, 0])
     assert not any(c.dcn for c in one_slice)
+
+
+def test_collectives_sharing_a_channel_are_told_apart():
+    """`shard_map` gives every collective channel 1: gathers of other arrays, or of the same
+    shape in one computation, are each a collective (their copies in other computations
+    are not)."""
+    found = hlo.collectives(SYNTHETIC, (2, 2), ("data", "fsdp"), slice_of=[0, 0, 1, 1])
+    updates = [c for c in found if "shard_map" in c.op_name]
+    assert [(c.kind, c.bytes) for c in updates] == [("all-gather", 8 * 8 * 4)] * 2 + [
+        ("all-gather", 8 * 4 * 2)] * 2
+
+
+def test_a_collective_copied_into_a_loop_runs_as_often_as_its_fewest_copies():
+    found = hlo.collectives(SYNTHETIC, (2, 2), ("data", "fsdp"), slice_of=[0, 0, 1, 1],
+                            runs={"main": 1, "fused_gather": 5})
+    assert found[0].op_name == "jit(f)/gather_z" and found[0].runs == 1
+
+
+@pytest.mark.parametrize("shape,expected", [
+    ("f32[2,3]{1,0:T(8,128)}", 24), ("(bf16[4], f32[2])", 16), ("s4[8]", 4),
+    ("f8e4m3fnuz[10]", 10), ("c64[2]", 16), ("pred[]", 1), ("token[]", 0)])
+def test_shape_bytes(shape, expected):
+    assert hlo.shape_bytes(shape) == expected
 
 
 def test_cross_slice_transfers_are_dcn_collectives():
@@ -297,8 +341,13 @@ def test_shard_optimizer_state_splits_adams_moments_over_the_data_axis(data_para
     assert moments <= split.train.optimizer_state <= moments + 64  # + Adam's step counts
     # (the tiny model's 30522-row vocabulary, most of it, stays whole)
     assert split.train.optimizer_state < whole.optimizer_state
-    assert any(c.kind == "all-gather" and c.axes == ("data",)
-               for c in split.train.program.collectives)  # the updated slices
+    # Every split parameter's updated slices gathered back whole (float32), each its own
+    # collective though `shard_map` gives them all one channel.
+    gathered = [c for c in split.train.program.collectives
+                if c.kind == "all-gather" and "shard_map" in c.op_name]
+    assert all(c.axes == ("data",) for c in gathered)
+    assert sum(c.bytes for c in gathered) == sum(
+        4 * math.prod(x.shape) for k, x in params.items() if "data" in specs[k])
     assert split.to_json()["config"]["shard_optimizer_state"] is True
 
 
@@ -424,6 +473,14 @@ def test_plan_json_never_replaces_its_config(tmp_path):
     assert config.read_text() == TINY.read_text()
 
 
+def test_an_hlo_dir_that_is_a_file_is_refused_before_any_compile(tmp_path, monkeypatch):
+    taken = tmp_path / "hlo"
+    taken.write_text("a file")
+    monkeypatch.setattr(plan_cli, "make_plan", lambda *a, **k: pytest.fail("compiled"))
+    with pytest.raises(StorageError, match=f"^--hlo-dir {taken} is a file, not a folder"):
+        run_plan(str(TINY), [], "v5e:2x2", hlo_dir=str(taken))
+
+
 def test_train_py_plans_instead_of_training(tmp_path):
     run = subprocess.run([sys.executable, "train.py", "--config", str(TINY), "--plan", "v5e:2x2",
                           "--config.batch_size=32"],
@@ -467,6 +524,25 @@ def test_a_step_the_compiler_refuses_for_want_of_hbm_is_planned_as_not_fitting()
     assert record["hbm_gib"]["temporaries"] > 2 * record["hbm_gib"]["capacity"]
     assert record["mfu_ceiling"] is None and record["flops_per_chip"] is None
     assert "the compiler refused the step" in format_plan(record)
+
+
+@pytest.mark.parametrize("size,expected", [("18.00G", 18 * 2 ** 30), ("1.50T", 1.5 * 2 ** 40),
+                                           ("512.00M", 2 ** 29)])
+def test_the_refusals_figure_in_any_unit(size, expected):
+    message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+               f"HLO temporaries ({size}) exceeds available HBM (15.75G).")
+    assert fig.refusal_bytes(message) == int(expected)
+    assert fig.refusal_bytes("RESOURCE_EXHAUSTED: something else") is None
+
+
+def test_a_refused_program_counts_its_arguments_once():
+    """The refusal's figure already holds the arguments: two 9 GiB arguments need 18 GiB."""
+    mesh, sharding = _one_chip()
+    x = jax.ShapeDtypeStruct((9 * 2 ** 28,), jnp.float32, sharding=sharding)  # 9 GiB
+    program = fig.compile_program("big", jax.jit(lambda x, y: x.sum() + y.sum()), (x, x), mesh,
+                                  lambda m: None)
+    assert not program.compiled and program.argument_bytes == 18 * 2 ** 30
+    assert program.hbm_bytes == pytest.approx(18 * 2 ** 30, rel=0.01)
 
 
 # ---- loops: XLA's cost analysis counts a loop's body once ---------------------------------------
