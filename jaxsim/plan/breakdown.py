@@ -11,7 +11,9 @@ Instructions are grouped by their JAX operation path (HLO metadata `op_name`, `j
 dropped) with layer indices merged (`layer_N`): a 12-layer model shows one row per operation.
 Control-flow instructions (`conditional`, `while`, `call`) are left out: their operands are
 the whole state handed to a branch, not traffic; their bodies' instructions are counted, as
-often as the loop runs (`jaxsim.plan.loops`).
+often as the loop runs (`jaxsim.plan.loops`). Every branch of a conditional is counted,
+though one runs: an upper bound (the train step's one conditional, the update skipped on a
+non-finite gradient, has an empty other branch).
 """
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ _NOT_WORK = frozenset({
 _INSTRUCTION = re.compile(
     r'^\s+(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?) '
     r'(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)')
-# A fusion's inside (charged to the fusion) and a reduction's scalar combiner (`to_apply`).
+# A fusion's inside (charged to the fusion) and a reduction's scalar combiner (`to_apply`);
+# a `call`'s `to_apply` is a body of its own, counted.
 _INNER = re.compile(r'(?:calls|to_apply)=%([\w.\-]+)')
+_CALLED = re.compile(r' call\(.*?to_apply=%([\w.\-]+)')
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -60,7 +64,7 @@ def op_costs(hlo_text: str, runs: Optional[dict[str, int]] = None) -> list[OpCos
     comps = computations(hlo_text)
     if runs is None:
         runs, _, _ = loops(hlo_text)
-    inner = set(_INNER.findall(hlo_text))
+    inner = set(_INNER.findall(hlo_text)) - set(_CALLED.findall(hlo_text))
     shapes: dict[str, str] = {}
     rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for name, lines in comps.items():

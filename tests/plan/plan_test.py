@@ -248,6 +248,20 @@ def test_breakdown_groups_top_level_instructions_by_operation_with_layers_merged
     assert summary["operations"][0]["cycles_share"] == pytest.approx(220 / 300, abs=1e-4)
 
 
+def test_breakdown_counts_a_called_computations_instructions():
+    """A `call`'s body (`to_apply`) is a computation of its own, not a fusion's inside or a
+    reduction's combiner: its instructions are charged."""
+    text = BREAKDOWN_HLO.replace(
+        "  ROOT %r = f32[] reduce(",
+        "  %called = (f32[8,4]{1,0}) call(%st), to_apply=%branch_update\n"
+        "  ROOT %r = f32[] reduce(")
+    costs = {c.op: c for c in breakdown.op_costs(text)}
+    # Run from the conditional and from the call: twice.
+    assert (costs["cond/branch_1_fun/mul"].instructions, costs["cond/branch_1_fun/mul"].cycles) \
+        == (1, 100)
+    assert "combiner" not in costs and "inside_fusion" not in costs
+
+
 # ---- the real step, compiled for v5e:2x2 ------------------------------------------------------
 
 def test_data_parallel_step_gathers_once_each_way_and_reduces_every_gradient(data_parallel):
