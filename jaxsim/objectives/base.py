@@ -72,6 +72,8 @@ class Objective:
       init_params: `init_params(key, **hyperparameters) -> pytree` of the parameters the
         objective owns ({}: none for these hyperparameters), or None (it owns none). The loss
         gets them as `params=`.
+      min_batch: the fewest examples a loss's batch may hold (2 where the only negatives are
+        the batch's other examples: alone, an example's loss is exactly 0).
     """
 
     views: int
@@ -79,6 +81,7 @@ class Objective:
     from_single: bool = False
     name: str = ""
     init_params: Optional[Callable[..., Any]] = None
+    min_batch: int = 1
 
     def accepts(self, data_views: int) -> bool:
         """Whether examples of `data_views` sentences can feed this objective."""
@@ -89,8 +92,8 @@ OBJECTIVES: Registry[Objective] = Registry("objective", error=ObjectiveError)
 
 
 def register_objective(name: str, *, views: int, from_single: bool = False,
-                       replace: bool = False, init_params: Optional[Callable[..., Any]] = None
-                       ) -> Callable[[LossFn], LossFn]:
+                       replace: bool = False, init_params: Optional[Callable[..., Any]] = None,
+                       min_batch: int = 1) -> Callable[[LossFn], LossFn]:
     """Decorator registering `loss(z, **kwargs) -> (loss, aux)` as objective `name`.
 
     Args:
@@ -100,12 +103,16 @@ def register_objective(name: str, *, views: int, from_single: bool = False,
       replace: allow replacing an existing objective of that name.
       init_params: `init_params(key, **hyperparameters) -> pytree`: the parameters the
         objective owns (its loss then takes `params=`); see `jaxsim.objectives.owned`.
+      min_batch: the fewest examples a loss's batch may hold (training refuses fewer).
 
     Returns:
       The decorator; it returns the function unchanged.
     """
     if not isinstance(views, int) or views < 1:
         raise ObjectiveError(f"objective {name!r}: views must be a positive int, got {views!r}")
+    if not isinstance(min_batch, int) or isinstance(min_batch, bool) or min_batch < 1:
+        raise ObjectiveError(f"objective {name!r}: min_batch must be a positive int, got "
+                             f"{min_batch!r}")
     if init_params is not None and not callable(init_params):
         raise ObjectiveError(f"objective {name!r}: init_params must be a function, got "
                              f"{init_params!r}")
@@ -115,7 +122,7 @@ def register_objective(name: str, *, views: int, from_single: bool = False,
             raise ObjectiveError(f"objective {name!r} must be a function, got {loss!r}")
         OBJECTIVES.register(name, replace=replace)(
             Objective(views=views, loss=loss, from_single=from_single, name=name,
-                      init_params=init_params))
+                      init_params=init_params, min_batch=min_batch))
         return loss
 
     return add

@@ -199,7 +199,8 @@ def _temperature(temp, learn_temperature: bool, params) -> tuple:
     return learned, {'temp': jax.lax.stop_gradient(learned)}
 
 
-@register_objective('unsup', views=2, from_single=True, init_params=init_temperature)
+@register_objective('unsup', views=2, from_single=True, init_params=init_temperature,
+                    min_batch=2)
 def unsup(z: jax.Array, temp: float = 0.05, mask_duplicates: bool = False,
           learn_temperature: bool = False, *, ids=None, params=None):
     """Unsupervised SimCSE: z [B, 2, H], the two views of each sentence (two dropout masks),

@@ -202,6 +202,7 @@ def check_plannable(cfg: TrainConfig, devices: list):
         raise ConfigError('train config: pack_length cannot be planned: a packed step\'s shape '
                           'depends on the data (plan the padded step, pack_length=0)')
     mesh = _mesh(cfg, devices)
+    build.check_loss_batch(cfg, get_objective(cfg.objective))
     build.check_batch_split(cfg, mesh, build.architecture(cfg))
     return mesh
 

@@ -181,6 +181,19 @@ def batch_preparer(cfg: TrainConfig, objective: Objective, mesh) -> Callable[[di
                              shards=local_shards, agree=distributed.max_over_processes)
 
 
+def check_loss_batch(cfg: TrainConfig, objective: Objective) -> None:
+    """The examples each loss sees (the batch, or one of its grad_accum_steps pieces; cached
+    micro-batches see the whole batch) against the fewest the objective takes."""
+    rows = cfg.batch_size // cfg.grad_accum_steps
+    if rows < objective.min_batch:
+        pieces = f' in {cfg.grad_accum_steps} accumulated pieces' if cfg.grad_accum_steps > 1 \
+            else ''
+        raise ObjectiveError(f'objective {objective.name!r} needs at least '
+                             f'{objective.min_batch} examples a loss (its negatives are the '
+                             f'batch\'s other examples); global batch {cfg.batch_size}{pieces} '
+                             f'gives {rows}')
+
+
 def check_batch_split(cfg: TrainConfig, mesh, config: BertConfig) -> None:
     """The global batch splits evenly over the mesh's batch shards (and the accumulation steps
     and micro-batches), else a ConfigError that also names, where there is one, the mesh that

@@ -99,6 +99,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     # ---- 1. inputs, on the host -------------------------------------------------------------
     objective = get_objective(cfg.objective)
     objective_kwargs = check_kwargs(objective, cfg.objective_kwargs)
+    build.check_loss_batch(cfg, objective)
     source = build.open_source(cfg)
     build.check_views(source, objective)
     base = build.load_base(cfg)

@@ -316,3 +316,9 @@ def test_context_arguments_are_read_from_the_signature_once():
     assert with_context(wants_step)(z, ids=ids)[1]['step'] is None  # its default stands
     assert hyperparameters(OBJECTIVES.get('unsup')) == {'temp': 0.05, 'mask_duplicates': False,
                                                         'learn_temperature': False}
+
+
+def test_min_batch_is_a_positive_int():
+    with pytest.raises(ObjectiveError, match="min_batch must be a positive int, got 0"):
+        register_objective('test_min_batch', views=2, min_batch=0)
+    assert get_objective('unsup').min_batch == 2 and get_objective('sup').min_batch == 1
