@@ -274,6 +274,21 @@ FAULTS = (
           "'code': code_digests(objective, get_pooler(cfg.pooler))}", "'code': {}}",
           ('tests/train/train_smoke_test.py::'
            'test_an_edited_objective_is_not_resumed_as_the_finished_run',)),
+    # ---- the pod plan
+    Fault('collectives that share a channel merged', 'jaxsim/plan/hlo.py',
+          'while identity + (copy,) in found and comp in held_in[identity + (copy,)]:',
+          'while False:',
+          ('tests/plan/plan_test.py::test_collectives_sharing_a_channel_are_told_apart',)),
+    Fault('a loop body counted once', 'jaxsim/plan/loops.py',
+          'runs[callee] += runs[caller] * times', 'runs[callee] += runs[caller]',
+          ('tests/plan/plan_test.py::test_a_computation_called_from_two_places_runs_for_each',)),
+    Fault("a refusal's arguments counted twice", 'jaxsim/plan/figures.py',
+          'temp_bytes=max(0, needed - arguments)', 'temp_bytes=needed',
+          ('tests/plan/plan_test.py::test_a_refused_program_counts_its_arguments_once',)),
+    Fault('libtpu started on a host without a TPU', 'jaxsim/cli/environment.py',
+          '    if skips_absent_tpu():', '    if False:',
+          ('tests/cli/environment_test.py::'
+           'test_a_commands_error_is_one_line_where_libtpu_is_installed_without_a_tpu',)),
     # ---- the MLM term
     Fault('MLM term does not reach the encoder', 'jaxsim/objectives/mlm.py',
           'logits = mlm_logits(encoder, params, masked,',
