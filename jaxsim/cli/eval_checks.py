@@ -36,6 +36,10 @@ def inputs(args) -> list[tuple[str, object]]:
 
 def check_flag_effects(args, sts_tasks, transfer_tasks) -> None:
     """Refuses flags that would do nothing with the other flags given (each named)."""
+    models = list(args.model or ())
+    twice = next((m for i, m in enumerate(models) if m in models[:i]), None)
+    if twice is not None:  # the same rows again, not told apart in the table
+        raise UsageError(f'--model {twice} is given twice; name each model once')
     from_posts = [calibrate.parse_spec(p)[0] for p in (args.post or ['none'])]
     calibrating = [p for p, name in zip(args.post or [], from_posts) if name != 'none']
     runs_sts = bool(sts_tasks) or not transfer_tasks

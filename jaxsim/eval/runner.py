@@ -65,7 +65,10 @@ def _fit(post: str, fit_set: FitSet, table: EmbeddingTable, seed: int, options: 
     if noisy is not None:
         embed = lambda key: noisy(fit_set.sentences, key)  # noqa: E731
     opts = _fit_options(post, {**options, 'seed': seed, 'embed': embed})
-    return calibrate.fit(post, table.lookup(fit_set.sentences), **opts)
+    try:
+        return calibrate.fit(post, table.lookup(fit_set.sentences), **opts)
+    except calibrate.CalibrationError as e:  # say which fit set (a file of too few sentences)
+        raise calibrate.CalibrationError(f'fit on {fit_set.fit_on}: {e}') from None
 
 
 def _fit_label(fit_set: FitSet, tasks: Sequence[str], shared: bool) -> str:

@@ -108,6 +108,8 @@ def test_two_roots_sick_test_from_the_second(tmp_path, capsys):
      'error: {tmp}/none.txt: sentence file not found'),
     (['--tasks', 'stsb,subj'], 'error: SUBJ: no task folder found'),
     (['--tasks', 'stsb,sts99'], "error: unknown task 'sts99'"),
+    (['--model', 'bundled', '--model', 'bundled'],
+     'error: --model bundled is given twice; name each model once'),
 ])
 def test_bad_options_fail_before_any_work(tmp_path, monkeypatch, capsys, args, message):
     (tmp_path / 'file.txt').write_text('x\n')
@@ -120,6 +122,16 @@ def test_bad_options_fail_before_any_work(tmp_path, monkeypatch, capsys, args, m
     err = capsys.readouterr().err
     assert rc == 1
     assert err.startswith(message.format(tmp=tmp_path)) and err.count('\n') == 1, err
+
+
+def test_a_fit_file_too_small_names_the_file(tmp_path, capsys):
+    root = write_tiny_senteval(tmp_path / 'data')
+    one = tmp_path / 'one.txt'
+    one.write_text('a single sentence\n')
+    assert eval_cli.main(['--data', str(root), '--tasks', 'stsb', '--post', 'whitening',
+                          '--fit-on', str(one)]) == 1
+    assert capsys.readouterr().err == (f'error: fit on {one}: whitening: need at least 2 '
+                                       f'sentences, got 1\n')
 
 
 def test_empty_model_is_an_error_not_the_bundled_model(tmp_path, capsys):
