@@ -86,9 +86,11 @@ def search_parser() -> argparse.ArgumentParser:
     parser.add_argument("--queries", default=None,
                         help="a file of queries, one a line (blank lines skipped); - reads "
                              "standard input")
-    parser.add_argument("--top-k", type=int, default=5, help="at most this many per query")
+    # The defaults of SimCSE's tool (`SimCSE.search`), whose meaning these flags keep.
+    parser.add_argument("--top-k", type=int, default=5,
+                        help="at most this many per query (default: %(default)s)")
     parser.add_argument("--threshold", type=float, default=0.6,
-                        help="keep cosines >= this (-1 keeps all)")
+                        help="keep cosines >= this (default: %(default)s; -1 keeps all)")
     parser.add_argument("--model", default=None,
                         help="model to encode queries with (default: the index's; checked)")
     parser.add_argument("--batch-size", type=int, default=64)
