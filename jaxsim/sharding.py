@@ -103,8 +103,13 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
                             f'{fsdp} x mesh_tensor={tensor}')
         data = per_slice // (fsdp * tensor)
     if data * fsdp * tensor * slices != len(devices):
+        need = data * fsdp * tensor * slices
+        # A CPU mesh is tried out on one host: XLA splits the CPU into that many devices.
+        hint = (f' (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={need} gives '
+                f'{need})' if need > len(devices) and all(d.platform == 'cpu' for d in devices)
+                else '')
         raise MeshError(f'mesh data={data} x fsdp={fsdp} x tensor={tensor} (x {slices} slices) '
-                        f'needs {data * fsdp * tensor * slices} devices, have {len(devices)}')
+                        f'needs {need} devices, have {len(devices)}{hint}')
     shape = (data, fsdp, tensor)
     if slices > 1:
         grid = mesh_utils.create_hybrid_device_mesh(shape, dcn, devices,
