@@ -179,7 +179,8 @@ def replica_groups(attributes: str, num_devices: int) -> list[list[int]]:
 def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[str],
                 slice_of: Sequence[int], runs: Optional[dict[str, int]] = None
                 ) -> list[Collective]:
-    """Every collective of an optimized HLO module, one per channel.
+    """Every collective of an optimized HLO module, once however many copies the compiler made
+    (see the module docstring for what makes two instructions one collective).
 
     Args:
       hlo_text: `compiled.as_text()`.
