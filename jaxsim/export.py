@@ -172,7 +172,8 @@ def describe_calibration(calibration: calibrate.Calibration) -> dict:
     """The record's description of a calibration (never its parameters)."""
     if is_flow(type(calibration)):
         return {"kind": "flow", "spec": calibration.spec, "describe": calibration.describe(),
-                "dim_in": calibration.dim, "dim_out": calibration.dim}
+                "dim_in": calibration.dim, "dim_out": calibration.dim,
+                "note": getattr(calibration, "note", "")}
     mu, w = affine_of(calibration)
     # The spec's name, not parse_spec: a saved calibration of a kind not registered here
     # (calibrate.load's affine fallback) is exported all the same.

@@ -104,10 +104,13 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
         data = per_slice // (fsdp * tensor)
     if data * fsdp * tensor * slices != len(devices):
         need = data * fsdp * tensor * slices
-        # A CPU mesh is tried out on one host: XLA splits the CPU into that many devices.
-        hint = (f' (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={need} gives '
-                f'{need})' if need > len(devices) and all(d.platform == 'cpu' for d in devices)
-                else '')
+        # A CPU mesh is tried out on one host: XLA splits each process's CPU into devices.
+        processes = len({d.process_index for d in devices})
+        hint = ''
+        if need > len(devices) and all(d.platform == 'cpu' for d in devices):
+            each = -(-need // processes)
+            hint = (f' (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={each} gives '
+                    + (f'{each}' if processes == 1 else f'{each} a process') + ')')
         raise MeshError(f'mesh data={data} x fsdp={fsdp} x tensor={tensor} (x {slices} slices) '
                         f'needs {need} devices, have {len(devices)}{hint}')
     shape = (data, fsdp, tensor)

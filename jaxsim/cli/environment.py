@@ -23,6 +23,7 @@ import glob
 import importlib.metadata
 import importlib.util
 import os
+import pkgutil
 
 import jax
 
@@ -54,8 +55,12 @@ def _libtpu_installed() -> bool:
 
 
 def _backend_plugins() -> bool:
-    """Whether a JAX backend plugin (a GPU's) is installed."""
-    return bool(importlib.metadata.entry_points(group='jax_plugins'))
+    """Whether a JAX backend plugin (a GPU's) is installed: an entry point, or a module of the
+    `jax_plugins` namespace package (JAX looks in both)."""
+    if importlib.metadata.entry_points(group='jax_plugins'):
+        return True
+    spec = importlib.util.find_spec('jax_plugins')
+    return spec is not None and any(pkgutil.iter_modules(spec.submodule_search_locations or []))
 
 
 def _tpu_attached() -> bool:

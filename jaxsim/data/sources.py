@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -241,8 +242,13 @@ class TfdsSource:
                        else tfds.builder(name, data_dir=data_dir))
             self.source = builder.as_data_source(split=split)
         except Exception as e:
-            # An unknown name's message goes on to list every dataset TFDS knows: cut there.
-            reason = ' '.join(str(e).split()).split(' Available datasets:')[0]
+            # An unknown name's message goes on to list every dataset TFDS knows: cut there,
+            # keeping its suggestion.
+            text = ' '.join(str(e).split())
+            reason = text.split(' Available datasets:')[0]
+            suggestion = re.search(r'Did you mean:? [^?]*\?', text)
+            if suggestion and suggestion.group(0) not in reason:
+                reason += ' ' + suggestion.group(0)
             raise DataError(f'TFDS {name!r} split {split!r} (data_dir={data_dir}): cannot open: '
                             f'{type(e).__name__}: {reason[:300]}') from None
         files = sorted(p for p in Path(str(builder.data_path)).iterdir() if p.is_file())

@@ -5,9 +5,12 @@ done), each holding a copy of the instruction under the same `channel_id`; count
 would count the copies (a data-parallel BERT-base step shows 116 all-gather lines for 3
 all-gathers). The channel alone does not name a collective: every collective `shard_map`
 emits shares `channel_id=1`. A collective here is one (channel, kind, result shape without
-layout, device groups, JAX operation, async name) found in any number of computations, a copy
-in each; two in one computation are two collectives. Each has its kind, its bytes, the device
-groups it runs over, and from those the mesh axes it spans and whether it crosses slices (DCN).
+layout, device groups, JAX operation, async chain or name) found in any number of
+computations, a copy in each; two in one computation are two collectives. Without an async
+chain or name to tie its copies together, a collective also belongs to the computation that
+runs it (the entry, a loop body, a branch: the fusions it calls are its own), so the same
+`psum` in two loops is two collectives. Each has its kind, its bytes, the device groups it
+runs over, and from those the mesh axes it spans and whether it crosses slices (DCN).
 
 Compiled for several slices, a collective over slices is split: the in-slice part stays an
 HLO collective (groups within a slice), the cross-slice part becomes host-transfer
@@ -32,6 +35,7 @@ _DCN_SEND = re.compile(
     r'%[\w.\-]+ = \((?P<shape>[a-z0-9]+\[[\d,]*\]).*? send\('
     r'.*_xla_host_transfer_rendezvous="(?P<name>[^"]+)"'
     r'.*_xla_megascale_transfer_type="(?P<kind>[A-Z_]+)"')
+_INNER_CALL = re.compile(r'\bcalls=%([\w.\-]+)')  # a fusion's or async op's computation
 _COMPUTATION = re.compile(r'^(?:ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$')
 _INSTRUCTION = re.compile(
     r'%[\w.\-]+ = (?P<shape>.*?) (?P<kind>' + '|'.join(KINDS) + r')(?P<start>-start)?\('
@@ -196,6 +200,8 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
     unnumbered = itertools.count()
     num_devices = int(np.prod(mesh_shape))
     lines = list(_lines(hlo_text))  # the text split once, for both kinds of collective
+    callers = {callee: comp for comp, line in reversed(lines)
+               for callee in _INNER_CALL.findall(line)}  # a fusion -> the computation using it
     for comp, line in lines:
         m = _INSTRUCTION.search(line)
         if not m:
@@ -204,11 +210,11 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
         shape = _result_shape(m.group('shape'), kind, bool(m.group('start')))
         groups = replica_groups(m.group('rest'), num_devices)
         channel = re.search(r'channel_id=(\d+)', line)
-        async_name = re.search(r'async_collective_name="([^"]*)"', line)
+        chain = tuple(re.findall(r'(?:async_collective_name|chain_id)="[^"]*"', line))
         op = re.search(r'op_name="([^"]*)"', line)
         op_name = op.group(1) if op else ''
         identity = (channel.group(1) if channel else f'local-{next(unnumbered)}', kind,
-                    async_name.group(1) if async_name else '', re.sub(r'\{[^}]*\}', '', shape),
+                    chain or _runner(comp, callers), re.sub(r'\{[^}]*\}', '', shape),
                     tuple(map(tuple, groups)), op_name)
         copy = 0  # two alike in one computation are two collectives
         while identity + (copy,) in found and comp in held_in[identity + (copy,)]:
@@ -228,6 +234,16 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
         held_in[key] = {comp}
     return list(found.values()) + _dcn_transfers(lines, mesh_shape, axis_names, slice_of,
                                                  runs or {})
+
+
+def _runner(comp: str, callers: dict[str, str]) -> str:
+    """The computation that runs `comp`: itself, or for a fusion (or an async wrapper) the
+    entry, loop body or branch it is called from."""
+    seen = {comp}
+    while comp in callers and callers[comp] not in seen:
+        comp = callers[comp]
+        seen.add(comp)
+    return comp
 
 
 def _lines(hlo_text: str):

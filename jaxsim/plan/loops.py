@@ -8,9 +8,10 @@ batch 32,768 in micro-batches of 4,096 (8 runs of each loop) counts 66 TFLOP a v
 the model alone does 360 (docs/pod.md).
 
 JAX's loops count from 0 to a constant: the condition is `counter < N`. Each computation's
-`runs` is the product of the trip counts of the loops around it. The program's cost counts
-each loop body `runs` times, from XLA's own cost analysis of the body alone (the body made the
-module's entry): per loop body, what it costs beyond the loops nested in it. The analysis runs
+`runs` is, summed over the call paths that reach it, the product of the trip counts of the
+loops around it; XLA's totals count it once a call path. The program's cost counts each loop
+body `runs` times, from XLA's own cost analysis of the body alone (the body made the module's
+entry): per loop body, what it costs beyond the loops nested in it. The analysis runs
 on this process's CPU client, which counts FLOPs exactly as the TPU compiler does but bytes by
 logical sizes (no TPU tile padding, no memory-space copies), so the TPU figures are scaled by
 the ratio the CPU analysis gives (counted / counted once): the TPU's own totals, with the loop
@@ -40,6 +41,7 @@ class Loop:
     body: str
     trips: Optional[int]  # None: the condition is not `counter < constant` (counted once)
     runs: int  # how many times the body runs in one run of the program
+    paths: int = 1  # how many times XLA's totals count it: once a call path reaching it
 
 
 def trip_count(condition: list[str]) -> Optional[int]:
@@ -86,12 +88,18 @@ def loops(hlo_text: str) -> tuple[dict[str, int], list[Loop], dict[str, str]]:
         order.append(name)
 
     visit(entry.group(1), '')
-    runs = dict.fromkeys(order, 0)
-    runs[entry.group(1)] = 1
-    for caller in reversed(order):  # every caller's runs are final before its callees'
-        for callee, times in calls[caller]:
-            runs[callee] += runs[caller] * times
-    found = [Loop(body=b, trips=t, runs=runs[b]) for b, t in trips.items()]
+
+    def propagate(loop_factor) -> dict[str, int]:
+        counts = dict.fromkeys(order, 0)
+        counts[entry.group(1)] = 1
+        for caller in reversed(order):  # every caller's count is final before its callees'
+            for callee, times in calls[caller]:
+                counts[callee] += counts[caller] * loop_factor(times)
+        return counts
+
+    runs = propagate(lambda times: times)
+    paths = propagate(lambda times: 1)  # each loop taken once: as XLA's totals count
+    found = [Loop(body=b, trips=t, runs=runs[b], paths=paths[b]) for b, t in trips.items()]
     return runs, found, parent
 
 
@@ -130,15 +138,15 @@ def loop_scale(hlo_text: str, found: list[Loop], parent: dict[str, str],
         client = jax.devices('cpu')[0].client
     once = _cost(hlo_text, client)
     inclusive = {x.body: _cost(_as_entry(hlo_text, x.body), client) for x in found}
-    runs = {x.body: x.runs for x in found}
-    # Counted once, the whole holds each body once; each run past the first adds the body's
-    # own part (its cost less the bodies nested in it, which add their own).
+    extra = {x.body: x.runs - x.paths for x in found}
+    # Counted once, the whole holds each body once a call path; each further run adds the
+    # body's own part (its cost less the bodies nested in it, which add their own).
     counted = list(once)
     for body, (flops, moved) in inclusive.items():
         nested = [b for b, p in parent.items() if p == body]
         own = (flops - sum(inclusive[b][0] for b in nested),
                moved - sum(inclusive[b][1] for b in nested))
-        counted[0] += (runs[body] - 1) * own[0]
-        counted[1] += (runs[body] - 1) * own[1]
+        counted[0] += extra[body] * own[0]
+        counted[1] += extra[body] * own[1]
     return LoopScale(flops=counted[0] / once[0] if once[0] else 1.0,
                      bytes=counted[1] / once[1] if once[1] else 1.0, loops=tuple(found))

@@ -189,9 +189,8 @@ def check_loss_batch(cfg: TrainConfig, objective: Objective) -> None:
         pieces = f' in {cfg.grad_accum_steps} accumulated pieces' if cfg.grad_accum_steps > 1 \
             else ''
         raise ObjectiveError(f'objective {objective.name!r} needs at least '
-                             f'{objective.min_batch} examples a loss (its negatives are the '
-                             f'batch\'s other examples); global batch {cfg.batch_size}{pieces} '
-                             f'gives {rows}')
+                             f'{objective.min_batch} examples a loss; global batch '
+                             f'{cfg.batch_size}{pieces} gives {rows}')
 
 
 def check_batch_split(cfg: TrainConfig, mesh, config: BertConfig) -> None:

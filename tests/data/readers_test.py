@@ -167,3 +167,5 @@ def test_an_unknown_tfds_name_is_one_short_line(tmp_path):
     assert message.startswith("TFDS 'no_such_dataset_here' split 'train'")
     assert 'DatasetNotFoundError' in message and 'not found' in message
     assert len(message) < 400 and 'mnist' not in message
+    with pytest.raises(DataError, match=r'not found\. Did you mean: mnistt -> mnist \?$'):
+        sources.TfdsSource('mnistt', data_dir=str(tmp_path))  # its suggestion kept

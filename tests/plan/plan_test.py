@@ -155,6 +155,106 @@ def test_a_collective_copied_into_a_loop_runs_as_often_as_its_fewest_copies():
     assert found[0].op_name == "jit(f)/gather_z" and found[0].runs == 1
 
 
+_SHARED_LOOP = """HloModule shared_loop
+
+%cond (p: (s32[], f32[64,64])) -> pred[] {
+  %p = (s32[], f32[64,64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], f32[64,64])) -> (s32[], f32[64,64]) {
+  %p = (s32[], f32[64,64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[64,64] get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  %y = f32[64,64] dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[], f32[64,64]) tuple(%j, %y)
+}
+
+%twice (x: f32[64,64]) -> f32[64,64] {
+  %x = f32[64,64] parameter(0)
+  %zero = s32[] constant(0)
+  %s = (s32[], f32[64,64]) tuple(%zero, %x)
+  %w = (s32[], f32[64,64]) while(%s), condition=%cond, body=%body
+  ROOT %r = f32[64,64] get-tuple-element(%w), index=1
+}
+
+ENTRY %main (x: f32[64,64]) -> f32[64,64] {
+  %x = f32[64,64] parameter(0)
+  %a = f32[64,64] call(%x), to_apply=%twice
+  ROOT %b = f32[64,64] call(%a), to_apply=%twice
+}
+"""
+
+
+def test_a_loop_in_a_computation_called_twice_costs_each_run_once():
+    """XLA's totals count the loop body once a call site (2 here); the 10 runs add 8 more."""
+    runs, found, parent = fig.loops.loops(_SHARED_LOOP)
+    assert [(x.runs, x.paths) for x in found] == [(10, 2)]
+    once = fig.loops._cost(_SHARED_LOOP, jax.devices("cpu")[0].client)[0]
+    scale = fig.loops.loop_scale(_SHARED_LOOP, found, parent)
+    assert once == pytest.approx(2 * 2 * 64 ** 3, rel=0.01)
+    assert once * scale.flops == pytest.approx(10 * 2 * 64 ** 3, rel=0.01)
+
+
+# The same shard_map psum in two loops (7 and 3 trips): channel 1 both, no async chain. An
+# all-gather whose async chain starts in the entry and continues in the first loop's body.
+_TWO_LOOPS = """HloModule two_loops
+
+%cond7 (p: (s32[], f32[2,128])) -> pred[] {
+  %p = (s32[], f32[2,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(7)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%cond3 (p: (s32[], f32[2,128])) -> pred[] {
+  %p = (s32[], f32[2,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%gather_more (p: f32[4,8]) -> f32[8,8] {
+  %p = f32[4,8]{1,0} parameter(0)
+  ROOT %all-gather.5 = f32[8,8]{1,0:S(1)} all-gather(%p), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}, frontend_attributes={chain_id="0"}, metadata={op_name="jit(f)/shard_map/all_gather"}
+}
+
+%body7 (p: (s32[], f32[2,128])) -> (s32[], f32[2,128]) {
+  %p = (s32[], f32[2,128]) parameter(0)
+  %x = f32[2,128]{1,0} get-tuple-element(%p), index=1
+  %psum.15 = f32[2,128]{1,0} all-reduce(%x), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add, metadata={op_name="jit(f)/shard_map/while/body/psum"}
+  %more = f32[8,8]{1,0} fusion(%x), kind=kCustom, calls=%gather_more
+  ROOT %t = (s32[], f32[2,128]) tuple(%p)
+}
+
+%body3 (p: (s32[], f32[2,128])) -> (s32[], f32[2,128]) {
+  %p = (s32[], f32[2,128]) parameter(0)
+  %x = f32[2,128]{1,0} get-tuple-element(%p), index=1
+  %psum.16 = f32[2,128]{1,0} all-reduce(%x), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add, metadata={op_name="jit(f)/shard_map/while/body/psum"}
+  ROOT %t = (s32[], f32[2,128]) tuple(%p)
+}
+
+ENTRY %main (s: (s32[], f32[2,128]), z: f32[4,8]) -> (s32[], f32[2,128]) {
+  %s = (s32[], f32[2,128]) parameter(0)
+  %z = f32[4,8]{1,0} parameter(1)
+  %all-gather.4 = f32[8,8]{1,0} all-gather(%z), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}, frontend_attributes={chain_id="0"}, metadata={op_name="jit(f)/shard_map/all_gather"}
+  %a = (s32[], f32[2,128]) while(%s), condition=%cond7, body=%body7
+  ROOT %b = (s32[], f32[2,128]) while(%a), condition=%cond3, body=%body3
+}
+"""  # noqa: E501
+
+
+def test_the_same_psum_in_two_loops_is_two_collectives():
+    runs, _, _ = fig.loops.loops(_TWO_LOOPS)
+    found = hlo.collectives(_TWO_LOOPS, (4,), ("data",), slice_of=[0] * 4, runs=runs)
+    assert sorted((c.kind, c.runs) for c in found) == [
+        ("all-gather", 1), ("all-reduce", 3), ("all-reduce", 7)]
+
+
 @pytest.mark.parametrize("shape,expected", [
     ("f32[2,3]{1,0:T(8,128)}", 24), ("(bf16[4], f32[2])", 16), ("s4[8]", 4),
     ("f8e4m3fnuz[10]", 10), ("c64[2]", 16), ("pred[]", 1), ("token[]", 0)])
@@ -631,7 +731,7 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 def test_a_computation_called_from_two_places_runs_for_each():
     runs, found, parent = fig.loops.loops(_TWO_CALL_SITES)
     assert runs["main"] == 1 and runs["twice"] == 2 and runs["body"] == 10
-    assert found == [fig.loops.Loop(body="body", trips=5, runs=10)]
+    assert found == [fig.loops.Loop(body="body", trips=5, runs=10, paths=2)]
     assert parent == {"body": ""}
 
 

@@ -218,6 +218,16 @@ def test_mesh_from_topology_on_one_slice():
         sharding.make_mesh(more)
 
 
+def test_the_cpu_hint_counts_devices_a_process():
+    """XLA's device-count flag splits each process's CPU: 2 processes of 4 need 8 each."""
+    from types import SimpleNamespace
+    devices = [SimpleNamespace(platform='cpu', process_index=i // 4) for i in range(8)]
+    with pytest.raises(sharding.MeshError, match=r'needs 16 devices, have 8 \(on a CPU, '
+                                                 r'XLA_FLAGS=--xla_force_host_platform_device_'
+                                                 r'count=8 gives 8 a process\)$'):
+        sharding.make_mesh(16, devices=devices)
+
+
 def test_slices_across_the_network_must_match_the_processes():
     # CPU devices have no slice_index: each process is a slice.
     with pytest.raises(sharding.MeshError, match='mesh_dcn_data x mesh_dcn_fsdp x mesh_dcn_tensor'

@@ -64,9 +64,8 @@ def test_cli_prints_the_summary_and_no_start_up_noise(data, tmp_path):
     (['--config.learning_rate=-1'], 'train config: learning_rate must be a finite number >= 0'),
     (['--config.objective=nope'], "unknown objective 'nope'; choose one of"),
     # Alone, an example has no in-batch negative: its loss is exactly 0, nothing trains.
-    (['--config.batch_size=1'], "objective 'unsup' needs at least 2 examples a loss (its "
-                                "negatives are the batch's other examples); global batch 1 "
-                                "gives 1"),
+    (['--config.batch_size=1'], "objective 'unsup' needs at least 2 examples a loss; global "
+                                "batch 1 gives 1"),
     (['--config.batch_size=4', '--config.grad_accum_steps=4'],
      "global batch 4 in 4 accumulated pieces gives 1"),
     (['--config.train_file=/nonexistent/x.txt'], '/nonexistent/x.txt: sentence file not found'),
