@@ -170,17 +170,15 @@ def hf_tensors(model: SentenceModel) -> dict[str, np.ndarray]:
 
 def describe_calibration(calibration: calibrate.Calibration) -> dict:
     """The record's description of a calibration (never its parameters)."""
+    common = {"spec": calibration.spec, "describe": calibration.describe(),
+              "note": calibration.note}
     if is_flow(type(calibration)):
-        return {"kind": "flow", "spec": calibration.spec, "describe": calibration.describe(),
-                "dim_in": calibration.dim, "dim_out": calibration.dim,
-                "note": getattr(calibration, "note", "")}
+        return {"kind": "flow", **common, "dim_in": calibration.dim, "dim_out": calibration.dim}
     mu, w = affine_of(calibration)
     # The spec's name, not parse_spec: a saved calibration of a kind not registered here
     # (calibrate.load's affine fallback) is exported all the same.
     kind = calibration.spec.partition(":")[0] if calibration.spec else type(calibration).__name__
-    return {"kind": kind, "spec": calibration.spec, "describe": calibration.describe(),
-            "dim_in": int(w.shape[0]), "dim_out": int(w.shape[1]),
-            "note": getattr(calibration, "note", "")}
+    return {"kind": kind, **common, "dim_in": int(w.shape[0]), "dim_out": int(w.shape[1])}
 
 
 def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str = "hf", *,
@@ -386,7 +384,7 @@ def export_source(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
             has_normalize_module(Path(model.path))
     if post is not None:
         loaded = fit_calibration(model, post, fit_data, batch_size, max_length)
-        if getattr(loaded, "note", ""):  # e.g. a singular fit: fewer output dims than asked
+        if loaded.note:  # e.g. a singular fit: fewer output dims than asked
             print(f"note: --fit-data {fit_data}: {loaded.note}", file=sys.stderr)
     return export_model(model, out, format, calibration=loaded, normalize=normalize,
                         max_length=max_length, overwrite=overwrite, source=str(source),
