@@ -30,6 +30,15 @@ def available_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def setup_process() -> None:
+    """The commands' process set-up (`jaxsim.cli.environment.setup`, without the compilation
+    cache): library noise off, and the CPU asked for where libtpu is installed but no TPU is
+    attached. Call it before JAX starts a backend."""
+    from jaxsim.cli import environment
+
+    environment.setup(compilation_cache=False)
+
+
 def set_threads(n: int) -> None:
     """Gives XLA:CPU and torch the same `n` cores; call before either starts its thread pool.
 

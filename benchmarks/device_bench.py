@@ -42,7 +42,7 @@ from jaxsim import sharding
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch_reference  # noqa: E402
-from common import alternating, ratio_stats, write_json, xla_flops  # noqa: E402
+from common import alternating, ratio_stats, setup_process, write_json, xla_flops  # noqa: E402
 from peak import describe, fraction_of_peak, measure_peaks  # noqa: E402
 from train_speed import build_step  # noqa: E402
 
@@ -214,6 +214,7 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="tiny model and batches (CPU test)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    setup_process()
     settings = [s for s in args.settings.split(",") if s]
     for s in settings:
         if s not in SETTINGS:

@@ -31,7 +31,14 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_profile as sp  # noqa: E402
-from common import available_cpus, load_average, set_threads, write_json, xla_flops  # noqa: E402
+from common import (  # noqa: E402
+    available_cpus,
+    load_average,
+    set_threads,
+    setup_process,
+    write_json,
+    xla_flops,
+)
 from encode_speed import batches_by_shape, long_texts, stsb_test_sentences  # noqa: E402
 
 SETS = ("stsb_test", "long_64_128")
@@ -123,6 +130,7 @@ def main(argv=None):
                         help="cores for XLA (the process is pinned to them)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
+    setup_process()
     if args.limit < 0 or args.batch_size < 1:
         parser.error("--limit must be >= 0 and --batch-size >= 1")
     set_threads(args.threads)  # before XLA starts its thread pool

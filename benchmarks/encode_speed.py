@@ -47,6 +47,7 @@ from common import (  # noqa: E402
     ratio_stats,
     seconds,
     set_threads,
+    setup_process,
     write_json,
     xla_flops,
 )
@@ -161,6 +162,7 @@ def main():
     parser.add_argument("--compare-forms", action="store_true",
                         help="also run jaxsim with the layers' plain (TPU/GPU) form")
     args = parser.parse_args()
+    setup_process()
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be positive")
     args.sets = [name for name in args.sets.split(",") if name]

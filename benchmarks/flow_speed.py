@@ -19,7 +19,7 @@ from pathlib import Path
 
 os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json  # noqa: E402
+from common import setup_process, write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--json', type=Path, default=None, help='write the figures here')
     args = p.parse_args(argv)
+    setup_process()
 
     import jax
 

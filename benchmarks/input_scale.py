@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument('--repeats', type=int, default=2, help='training runs per corpus')
     ap.add_argument('--keep', action='store_true', help='keep the temporary folder')
     args = ap.parse_args(argv)
+    common.setup_process()
     if args.steps < 2:
         raise SystemExit('error: --steps must be >= 2')
     sizes = [int(s) for s in args.sizes.split(',')]

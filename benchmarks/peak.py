@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import available_cpus, load_average, set_threads, write_json  # noqa: E402
+from common import (  # noqa: E402
+    available_cpus,
+    load_average,
+    set_threads,
+    setup_process,
+    write_json,
+)
 
 # Like jax and torch, jaxsim (which imports jax) is imported inside the functions that use it:
 # importing this module for its arithmetic (`fraction_of_peak`, `describe`) or timing PyTorch
@@ -162,6 +168,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
+    setup_process()
     if args.size < 1 or args.repeats < 1:
         parser.error("--size and --repeats must be positive")
     set_threads(args.threads)  # before JAX's backend and torch's pool start

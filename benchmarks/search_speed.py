@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import setup_process  # noqa: E402
 from peak import describe, fraction_of_peak, measure_peaks  # noqa: E402
 
 
@@ -235,6 +236,7 @@ def main():
     parser.add_argument("--ef-construction", type=int, default=None, help="hnsw build beam")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
+    setup_process()
 
     # Idle OpenMP threads sleep instead of spinning: with spinning, faiss with several threads
     # ran up to 7x slower than with one on a shared machine. Read when faiss loads OpenMP.

@@ -47,7 +47,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import load_average, write_json  # noqa: E402
+from benchmarks.common import load_average, setup_process, write_json  # noqa: E402
 from jaxsim.storage.paths import SENTEVAL_ROOT  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -288,6 +288,7 @@ def main() -> None:
     parser.add_argument("--max-query-words", type=int, default=None,
                         help="send only queries of at most this many words (default: all)")
     args = parser.parse_args()
+    setup_process()
     if (args.clients < 1 or args.rounds < 1 or args.duration <= 0 or args.warmup < 0
             or (args.max_query_words is not None and args.max_query_words < 1)):
         parser.error("--clients, --rounds and --max-query-words must be positive, "

@@ -41,7 +41,14 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import available_cpus, cost_analysis, load_average, set_threads, write_json  # noqa: E402
+from common import (  # noqa: E402
+    available_cpus,
+    cost_analysis,
+    load_average,
+    set_threads,
+    setup_process,
+    write_json,
+)
 from train_speed import build_step, tokenized  # noqa: E402
 
 DENSE_FWD, DENSE_BWD = "dense products, forward", "dense products, backward"
@@ -368,6 +375,7 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true",
                         help=f"a tiny random BERT ({TINY}) instead of all-MiniLM-L6-v2 (tests)")
     args = parser.parse_args(argv)
+    setup_process()
     for flag, value in (("--batch", args.batch), ("--max-len", args.max_len),
                         ("--steps", args.steps)):
         if value < 1:

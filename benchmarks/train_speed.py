@@ -76,6 +76,7 @@ from common import (  # noqa: E402
     ratio_stats,
     serve_contender,
     set_threads,
+    setup_process,
     status_mb,
     write_json,
     xla_flops,
@@ -323,6 +324,7 @@ def main():
     # Each side in its own process: in one process PyTorch's allocations slowed jaxsim's later
     # rounds (docs/performance.md).
     args = parser.parse_args()
+    setup_process()
     if args.pack_length is None:
         args.pack_length = args.max_len
     rows = parse_rows(args.rows)

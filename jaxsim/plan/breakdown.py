@@ -22,7 +22,7 @@ import re
 from collections import defaultdict
 from typing import Optional
 
-from jaxsim.plan.hlo import computations, shape_bytes
+from jaxsim.plan.hlo import call_graph, computations, shape_bytes
 from jaxsim.plan.loops import loops
 
 # Bookkeeping and control flow: no data moved by the instruction itself.
@@ -34,10 +34,6 @@ _NOT_WORK = frozenset({
 _INSTRUCTION = re.compile(
     r'^\s+(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?) '
     r'(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)')
-# A fusion's inside (charged to the fusion) and a reduction's scalar combiner (`to_apply`);
-# a `call`'s `to_apply` is a body of its own, counted.
-_INNER = re.compile(r'(?:calls|to_apply)=%([\w.\-]+)')
-_CALLED = re.compile(r' call\(.*?to_apply=%([\w.\-]+)')
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -64,7 +60,11 @@ def op_costs(hlo_text: str, runs: Optional[dict[str, int]] = None) -> list[OpCos
     comps = computations(hlo_text)
     if runs is None:
         runs, _, _ = loops(hlo_text)
-    inner = set(_INNER.findall(hlo_text)) - set(_CALLED.findall(hlo_text))
+    # A fusion's inside and a reduction's combiner are charged to the instruction that calls
+    # them; a `call`'s computation is a body of its own, counted.
+    graph = call_graph(comps).values()
+    inner = ({c.callee for calls in graph for c in calls if c.kind in ('inner', 'combiner')}
+             - {c.callee for calls in graph for c in calls if c.kind == 'call'})
     shapes: dict[str, str] = {}
     rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for name, lines in comps.items():

@@ -35,7 +35,10 @@ _DCN_SEND = re.compile(
     r'%[\w.\-]+ = \((?P<shape>[a-z0-9]+\[[\d,]*\]).*? send\('
     r'.*_xla_host_transfer_rendezvous="(?P<name>[^"]+)"'
     r'.*_xla_megascale_transfer_type="(?P<kind>[A-Z_]+)"')
-_INNER_CALL = re.compile(r'\bcalls=%([\w.\-]+)')  # a fusion's or async op's computation
+_CALLED = re.compile(
+    r'\b(?P<attr>calls|to_apply|true_computation|false_computation|condition|body)'
+    r'=%(?P<callee>[\w.\-]+)')
+_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _COMPUTATION = re.compile(r'^(?:ENTRY )?%?(?P<name>[\w.\-]+) .*\{\s*$')
 _INSTRUCTION = re.compile(
     r'%[\w.\-]+ = (?P<shape>.*?) (?P<kind>' + '|'.join(KINDS) + r')(?P<start>-start)?\('
@@ -130,6 +133,45 @@ def computations(hlo_text: str) -> dict[str, list[str]]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One computation called from an instruction of another.
+
+    kind: 'inner' (a fusion's or an async operation's computation: part of the instruction
+      that calls it), 'combiner' (a reduction's, sort's or scatter's scalar function: part of
+      its instruction too), 'call' (a `call`: runs once a run of its caller), 'branch' (one
+      of a conditional's distinct branches: at most one runs) or 'loop' (a `while`'s body,
+      with its `condition`).
+    """
+
+    kind: str
+    callee: str
+    condition: str = ''
+
+
+def call_graph(comps: dict[str, list[str]]) -> dict[str, list[Call]]:
+    """Every computation's calls, in the order of its instructions (`comps`: `computations`).
+    Each computation of the module has an entry; one that calls nothing has none."""
+    graph: dict[str, list[Call]] = {}
+    for name, lines in comps.items():
+        graph[name] = []
+        for line in lines:
+            attrs = {m.group('attr'): m.group('callee') for m in _CALLED.finditer(line)}
+            if 'body' in attrs:
+                graph[name].append(Call('loop', attrs['body'], attrs.get('condition', '')))
+            if 'calls' in attrs:
+                graph[name].append(Call('inner', attrs['calls']))
+            if 'to_apply' in attrs:
+                kind = 'call' if re.search(r' call\(', line) else 'combiner'
+                graph[name].append(Call(kind, attrs['to_apply']))
+            branches = [attrs[a] for a in ('true_computation', 'false_computation') if a in attrs]
+            listed = _BRANCHES.search(line)
+            if listed:
+                branches += re.findall(r'%([\w.\-]+)', listed.group(1))
+            graph[name] += [Call('branch', b) for b in dict.fromkeys(branches)]
+    return graph
+
+
 def _balanced(text: str, start: int, open_: str, close: str) -> str:
     """The text of the bracketed group opening at `start`, brackets included."""
     depth = 0
@@ -199,9 +241,13 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
     held_in: dict[tuple, set[str]] = {}  # the computations holding a copy of each collective
     unnumbered = itertools.count()
     num_devices = int(np.prod(mesh_shape))
-    lines = list(_lines(hlo_text))  # the text split once, for both kinds of collective
-    callers = {callee: comp for comp, line in reversed(lines)
-               for callee in _INNER_CALL.findall(line)}  # a fusion -> the computation using it
+    comps = _computations_or_fragment(hlo_text)  # the text split once, for both kinds
+    lines = [(comp, line) for comp, body in comps.items() for line in body]
+    callers: dict[str, str] = {}  # a fusion -> the computation using it (the first in the text)
+    for comp, calls in call_graph(comps).items():
+        for call in calls:
+            if call.kind == 'inner':
+                callers.setdefault(call.callee, comp)
     for comp, line in lines:
         m = _INSTRUCTION.search(line)
         if not m:
@@ -246,13 +292,10 @@ def _runner(comp: str, callers: dict[str, str]) -> str:
     return comp
 
 
-def _lines(hlo_text: str):
-    """(computation, instruction line) of every instruction; a bare list of instructions
-    (no computation around them) is one unnamed computation."""
-    comps = computations(hlo_text) or {'': hlo_text.splitlines()}
-    for comp, lines in comps.items():
-        for line in lines:
-            yield comp, line
+def _computations_or_fragment(hlo_text: str) -> dict[str, list[str]]:
+    """`computations`, or for a bare list of instructions (no computation around them) one
+    unnamed computation."""
+    return computations(hlo_text) or {'': hlo_text.splitlines()}
 
 
 def _dcn_transfers(lines: list[tuple[str, str]], mesh_shape: Sequence[int],
@@ -260,7 +303,7 @@ def _dcn_transfers(lines: list[tuple[str, str]], mesh_shape: Sequence[int],
                    runs: dict[str, int]) -> list[Collective]:
     """The cross-slice parts of collectives: one per rendezvous of the multislice runtime's
     sends, sized by the array each slice sends, over the mesh axes that change slice.
-    `lines`: (computation, instruction line) pairs, as `_lines` gives them."""
+    `lines`: (computation, instruction line) pairs, as `collectives` splits the text."""
     slices = np.asarray(slice_of).reshape(tuple(mesh_shape))
     axes = tuple(name for i, name in enumerate(axis_names)
                  if np.any(np.diff(slices, axis=i) != 0))

@@ -23,13 +23,9 @@ import dataclasses
 import re
 from typing import Optional
 
-from jaxsim.plan.hlo import computations
+from jaxsim.plan.hlo import call_graph, computations
 
 _HEADER = re.compile(r'^HloModule [^\n]*\n')
-_BODY = re.compile(r'condition=%([\w.\-]+), body=%([\w.\-]+)')
-# Calls that run a computation once per run of the caller (fusions hold no loops).
-_CALLS = re.compile(r'(?:to_apply|calls|true_computation|false_computation)=%([\w.\-]+)')
-_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRIP_CONSTANT = re.compile(r'= s32\[\]\S* constant\((\d+)\)')
 _LESS_THAN = re.compile(r'compare\(.*direction=LT')
 
@@ -62,6 +58,7 @@ def loops(hlo_text: str) -> tuple[dict[str, int], list[Loop], dict[str, str]]:
     entry = re.search(r'^ENTRY %?([\w.\-]+)', hlo_text, re.M)
     if not entry:  # a fragment of a module: no loops to see
         return {}, [], {}
+    graph = call_graph(comps)
     calls: dict[str, list[tuple[str, int]]] = {}  # caller -> (callee, runs per caller run)
     trips: dict[str, Optional[int]] = {}  # loop body -> trip count, in program order
     parent: dict[str, str] = {}
@@ -69,19 +66,14 @@ def loops(hlo_text: str) -> tuple[dict[str, int], list[Loop], dict[str, str]]:
 
     def visit(name: str, owner: str) -> None:
         calls[name] = []
-        for line in comps.get(name, ()):
-            loop = _BODY.search(line)
-            if loop:
-                cond, body = loop.groups()
-                trips.setdefault(body, trip_count(comps.get(cond, [])))
-                parent.setdefault(body, owner)
-                calls[name] += [(cond, trips[body] or 1), (body, trips[body] or 1)]
-            callees = _CALLS.findall(line)
-            branches = _BRANCHES.search(line)
-            if branches:
-                callees += re.findall(r'%([\w.\-]+)', branches.group(1))
-            # Once each: a conditional runs one of its branches, even where two are the same.
-            calls[name] += [(callee, 1) for callee in dict.fromkeys(callees)]
+        for call in graph.get(name, ()):
+            if call.kind == 'loop':
+                trips.setdefault(call.callee, trip_count(comps.get(call.condition, [])))
+                parent.setdefault(call.callee, owner)
+                times = trips[call.callee] or 1
+                calls[name] += [(call.condition, times), (call.callee, times)]
+            else:  # once a run of the caller (a conditional runs one branch of its distinct ones)
+                calls[name].append((call.callee, 1))
         for callee, _ in calls[name]:
             if callee not in calls:
                 visit(callee, callee if callee in trips else owner)

@@ -88,3 +88,20 @@ def test_refuses_a_non_positive_size(capsys):
     with pytest.raises(SystemExit):
         peak.main(["--size", "0"])
     assert "--size and --repeats must be positive" in capsys.readouterr().err
+
+
+
+def test_a_benchmark_prints_no_libtpu_start_up_lines_without_a_tpu(tmp_path, monkeypatch):
+    """Benchmarks apply the commands' process set-up: in the test venv (libtpu installed for
+    the plan) on a TPU-less host they printed libtpu's start-up errors before their figures."""
+    from jaxsim.cli import environment
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    if not environment.skips_absent_tpu():  # a TPU or GPU host, or no libtpu: not this case
+        pytest.skip("this host has a TPU, a GPU plugin or no libtpu")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "peak.py"), "--size", "32", "--repeats", "1",
+         "--threads", "1", "--json", str(tmp_path / "p.json")],
+        cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == "", proc.stderr[-3000:]

@@ -348,6 +348,27 @@ def test_breakdown_groups_top_level_instructions_by_operation_with_layers_merged
     assert summary["operations"][0]["cycles_share"] == pytest.approx(220 / 300, abs=1e-4)
 
 
+def test_the_call_graph_names_each_kind_of_call():
+    """One reader of HLO call edges serves the loop counts, the collectives' runners and the
+    breakdown: a conditional's branch once however often it is listed, a reduction's
+    combiner apart from a `call`'s body, a loop with its condition."""
+    text = BREAKDOWN_HLO.replace(
+        "  ROOT %r = f32[] reduce(",
+        "  %called = (f32[8,4]{1,0}) call(%st), to_apply=%branch_update\n"
+        "  ROOT %r = f32[] reduce(")
+    graph = hlo.call_graph(hlo.computations(text))
+    assert graph["main"] == [
+        hlo.Call("inner", "fused_add"), hlo.Call("inner", "fused_add"),
+        hlo.Call("branch", "branch_update"), hlo.Call("call", "branch_update"),
+        hlo.Call("combiner", "add_scalars")]
+    assert graph["fused_add"] == [] and graph["branch_update"] == []
+    loops_graph = hlo.call_graph(hlo.computations(_TWO_LOOPS))
+    assert loops_graph["main"] == [hlo.Call("loop", "body7", "cond7"),
+                                   hlo.Call("loop", "body3", "cond3")]
+    assert loops_graph["body7"] == [hlo.Call("combiner", "add"),
+                                    hlo.Call("inner", "gather_more")]
+
+
 def test_breakdown_counts_a_called_computations_instructions():
     """A `call`'s body (`to_apply`) is a computation of its own, not a fusion's inside or a
     reduction's combiner: its instructions are charged."""
