@@ -232,6 +232,10 @@ FAULTS = (
           'while size > probe and seconds * (size / probe) ** 3 > SLOW_PRODUCT_S:',
           'while size > probe and seconds * (size / probe) ** 3 > 1e9:',
           ('tests/benchmarks/peak_test.py::test_a_slow_product_is_timed_at_a_smaller_size',)),
+    Fault("a benchmark started without the commands' set-up", 'benchmarks/peak.py',
+          '    setup_process()\n', '\n',
+          ('tests/benchmarks/peak_test.py::'
+           'test_a_benchmark_prints_no_libtpu_start_up_lines_without_a_tpu',)),
     # ---- input that would be accepted and then fail or mislead
     Fault('a lone surrogate query joins a served batch', 'jaxsim/search/vectors.py',
           's.encode("utf-8")', 's.encode("utf-8", "surrogatepass")',
@@ -283,6 +287,11 @@ FAULTS = (
           'counts[callee] += counts[caller] * loop_factor(times)',
           'counts[callee] += counts[caller]',
           ('tests/plan/plan_test.py::test_a_computation_called_from_two_places_runs_for_each',)),
+    Fault("a `call`'s body taken for a reduction's combiner", 'jaxsim/plan/hlo.py',
+          "kind = 'call' if re.search(r' call\\(', line) else 'combiner'",
+          "kind = 'combiner'",
+          ('tests/plan/plan_test.py::test_breakdown_counts_a_called_computations_instructions',
+           'tests/plan/plan_test.py::test_the_call_graph_names_each_kind_of_call')),
     Fault("a refusal's arguments counted twice", 'jaxsim/plan/figures.py',
           'temp_bytes=max(0, needed - arguments)', 'temp_bytes=needed',
           ('tests/plan/plan_test.py::test_a_refused_program_counts_its_arguments_once',)),
