@@ -1,7 +1,8 @@
 """Config files are Python modules defining `get_config()`: train configs and flow configs alike.
 
-One loader runs them, so both kinds report a missing file, a syntax error (with its line) or a
-missing `get_config` the same way, each through its own error class.
+One loader runs them, so both kinds report a missing file, a syntax error (with its file and
+line: a module the config imports may hold it) or a missing `get_config` the same way, each
+through its own error class.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from jaxsim.errors import JaxsimError
+from jaxsim.errors import JaxsimError, shown_path
 
 
 def run_get_config(path: Path, error: type[JaxsimError], what: str, arg: str = '') -> Any:
@@ -23,7 +24,8 @@ def run_get_config(path: Path, error: type[JaxsimError], what: str, arg: str = '
       arg: the argument of `get_config`, if any.
 
     Raises:
-      error: no such file, a syntax error (file:line), or no `get_config` defined.
+      error: no such file, a syntax error (file:line, in the config or a module it imports), or
+        no `get_config` defined.
     """
     path = Path(path)
     if not path.is_file():
@@ -36,7 +38,7 @@ def run_get_config(path: Path, error: type[JaxsimError], what: str, arg: str = '
     try:
         module_spec.loader.exec_module(module)
     except SyntaxError as e:
-        raise error(f'{path}:{e.lineno}: syntax error: {e.msg}') from None
+        raise error(_syntax_error(path, e)) from None
     except Exception as e:  # the file's own code failed (a typo'd name, a bad import)
         raise error(_failure(path, e)) from None
     get_config = getattr(module, 'get_config', None)
@@ -54,3 +56,12 @@ def _failure(path: Path, e: Exception) -> str:
              if Path(f.filename).resolve() == path.resolve()]
     where = f'{path}:{lines[-1]}' if lines else str(path)
     return f'{where}: {type(e).__name__}: {e}'
+
+
+def _syntax_error(path: Path, e: SyntaxError) -> str:
+    """'path:line: syntax error: msg'; the error's own file:line after the config's name when
+    it is in a module the config imports."""
+    line = f':{e.lineno}' if e.lineno else ''
+    if not e.filename or Path(e.filename).resolve() == path.resolve():
+        return f'{path}{line}: syntax error: {e.msg}'
+    return f'{path}: {shown_path(e.filename)}{line}: syntax error: {e.msg}'

@@ -4,7 +4,12 @@ Each module defines its own error types as subclasses of `JaxsimError`, with mes
 the file (and line), tensor or option at fault. Subclassing ValueError keeps `except ValueError`
 callers working.
 """
+import functools
 import signal
+import site
+import sysconfig
+import traceback
+from pathlib import Path
 from typing import Optional
 
 
@@ -14,6 +19,63 @@ class JaxsimError(ValueError):
 
 class ConfigError(JaxsimError):
     """A bad train or model configuration: unknown key, wrong type or out-of-range value."""
+
+
+class UserCodeError(JaxsimError):
+    """A user's objective, pooler or parameter initializer raised, or returned what its
+    contract does not allow; the message names the function and the user's line."""
+
+
+def shown_path(filename: str) -> str:
+    """A file as messages name it: relative to the current folder when inside it."""
+    path = Path(filename).resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[Path, ...]:
+    """Folders whose code is not the user's: jaxsim's own and Python's installed libraries."""
+    paths = sysconfig.get_paths()
+    dirs = [Path(__file__).parent] + [Path(paths[k]) for k in ('stdlib', 'platstdlib',
+                                                               'purelib', 'platlib')]
+    dirs += [Path(d) for d in site.getsitepackages() + [site.getusersitepackages()]]
+    return tuple(d.resolve() for d in dirs)
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def user_frame(error: BaseException, own: Optional[Path] = None
+               ) -> Optional[traceback.FrameSummary]:
+    """The deepest frame of `error`'s traceback in the user's code: `own` (a file, or a
+    package's folder), or any file outside jaxsim and the installed libraries; None if none."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if not Path(frame.filename).is_file():  # <string>, frozen modules
+            continue
+        path = Path(frame.filename).resolve()
+        if (own is not None and _within(path, own.resolve())) or not any(
+                _within(path, d) for d in _library_dirs()):
+            return frame
+    return None
+
+
+def user_line(error: BaseException, own: Optional[Path] = None) -> str:
+    """'FILE:LINE' of `user_frame` ('' when there is none)."""
+    frame = user_frame(error, own)
+    return f'{shown_path(frame.filename)}:{frame.lineno}' if frame is not None else ''
+
+
+def user_code_error(what: str, error: BaseException) -> UserCodeError:
+    """The one-line error for `what` (e.g. "loss 'margin_loss'") having raised `error`."""
+    where = user_line(error)
+    message = ' '.join(str(error).split())
+    return UserCodeError(f"{what} raised {type(error).__name__}"
+                         f"{': ' + message[:300] if message else ''}"
+                         f"{f' ({where})' if where else ''}")
 
 
 # Command lines print these as `error: <message>` and exit with USER_ERROR_EXIT; anything else

@@ -3,11 +3,14 @@
 Poolers, objectives, calibrations and flow layers each have one registry, kept in the module
 that owns the concept. Code outside jaxsim registers into them with the same decorator the
 package uses for its own entries, so a new idea is one decorated definition in one file.
+An entry of the wrong sort (a plain function registered as a calibration) is refused where it
+is registered, naming that module and line, rather than failing later where it is used.
 """
 from __future__ import annotations
 
+import inspect
 import sys
-from typing import Callable, Generic, Iterator, Optional, TypeVar
+from typing import Any, Callable, Generic, Iterator, Optional, TypeVar
 
 from jaxsim.errors import JaxsimError
 
@@ -20,15 +23,42 @@ IMPORT_HINT = ("a name registered in your own module needs that module imported 
                "entry point")
 
 
-def _registering_module() -> Optional[str]:
-    """The module whose body is running the registration (the decorated definition's
+def _registering_site() -> tuple[Optional[str], Optional[int]]:
+    """(module, line) whose body is running the registration (the decorated definition's
     module; jaxsim.plugins gives a .py file its stem as name), for error messages."""
     frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name == "<module>":
-            return frame.f_globals.get("__name__")
+            return frame.f_globals.get("__name__"), frame.f_lineno
         frame = frame.f_back
-    return None
+    return None, None
+
+
+def binds(fn: Any, *args, **kwargs) -> bool:
+    """Whether `fn(*args, **kwargs)` binds to its signature (True when it has none to read):
+    for an owner's check of what its entries will be called with."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def describe(entry: Any) -> str:
+    """An entry for a message: 'the class X', 'the function f' or its repr."""
+    if inspect.isclass(entry):
+        return f"the class {entry.__qualname__}"
+    if inspect.isfunction(entry):
+        return f"the function {entry.__qualname__}"
+    return repr(entry)
+
+
+# An owner's check of an entry: what is wrong with it (None: nothing).
+Check = Callable[[Any], Optional[str]]
 
 
 class RegistryError(JaxsimError):
@@ -42,11 +72,15 @@ class Registry(Generic[T]):
       kind: what the entries are (used in error messages, e.g. 'pooler').
       error: the exception class raised for an unknown or doubly registered name (the
         owning module's error, so callers catch one class for everything about the concept).
+      check: the owner's check of an entry at registration (only what its use certainly
+        needs), or None.
     """
 
-    def __init__(self, kind: str, error: type[JaxsimError] = RegistryError):
+    def __init__(self, kind: str, error: type[JaxsimError] = RegistryError,
+                 check: Optional[Check] = None):
         self.kind = kind
         self.error = error
+        self.check = check
         self._entries: dict[str, T] = {}
         self._origins: dict[str, Optional[str]] = {}
 
@@ -63,7 +97,11 @@ class Registry(Generic[T]):
                              f", got {name!r}")
 
         def add(entry: T) -> T:
-            origin = _registering_module()
+            origin, line = _registering_site()
+            problem = self.check(entry) if self.check is not None else None
+            if problem is not None:
+                where = f"{origin or '?'}, line {line}" if line is not None else origin or "?"
+                raise self.error(f"{self.kind} {name!r} (in {where}) {problem}")
             if name in self._entries and not replace:
                 raise self.error(f"{self.kind} {name!r} (in {origin or '?'}) is already "
                                  f"registered by {self._origins.get(name) or '?'}; choose "

@@ -154,3 +154,25 @@ def test_the_package_exports_the_functional_layer():
     assert jaxsim.functional is F
     for name in F.__all__:
         assert hasattr(F, name), name
+
+
+def test_the_api_pages_python_blocks_run_in_page_order(tmp_path, monkeypatch):
+    """docs/api.md is read top to bottom: each block runs with what the blocks above it made
+    (a block once used names that only a later block defined)."""
+    from tests.conftest import write_snli_corpus
+    from tests.docs_test import code_blocks
+
+    write_snli_corpus(tmp_path / 'corpus.txt', 64)
+    (tmp_path / 'configs').symlink_to(REPO / 'configs')
+    monkeypatch.chdir(tmp_path)  # the page's relative paths: configs/ and corpus.txt
+    blocks = [body for lang, body in code_blocks((REPO / 'docs' / 'api.md').read_text())
+              if lang == 'python']
+    assert len(blocks) >= 10
+    namespace: dict = {}
+    for i, body in enumerate(blocks):
+        try:
+            exec(compile(body, f'docs/api.md python block {i + 1}', 'exec'), namespace)
+        except Exception as e:
+            raise AssertionError(f'docs/api.md python block {i + 1}:\n{body}') from e
+    assert namespace['grads']['objective']['log_temp'].shape == ()
+    assert np.isfinite(float(namespace['metrics']['loss']))

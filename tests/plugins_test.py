@@ -284,7 +284,8 @@ def test_a_module_that_fails_is_one_line_naming_it(tmp_path):
     broken.write_text("import numpy\nraise RuntimeError('the config server\\nis down')\n")
     with pytest.raises(PluginError) as e:
         plugins.load_module(str(broken))
-    assert str(e.value) == f"--import {broken}: RuntimeError: the config server is down"
+    assert str(e.value) == (f"--import {broken}: {broken.resolve()}:2: RuntimeError: the config "
+                            "server is down")
     assert "broken_plugin" not in sys.modules  # a later fixed copy can load
     with pytest.raises(PluginError, match=r"^--import no_such_module_xyz: ModuleNotFoundError: "
                                           r"No module named 'no_such_module_xyz'$"):
@@ -294,7 +295,8 @@ def test_a_module_that_fails_is_one_line_naming_it(tmp_path):
     # Through a command: one line, exit 1, before any training.
     line = one_error_line(run("train.py", "--config", "configs/tiny_unsup_simcse.py",
                               "--workdir", tmp_path / "w", "--import", broken, ok=False))
-    assert f"--import {broken}: RuntimeError: the config server is down" in line
+    assert line == (f"error: --import {broken}: {broken.resolve()}:2: RuntimeError: the config "
+                    "server is down")  # the module is at fault: no "(see train.py --help)"
     assert not (tmp_path / "w").exists()
 
 
@@ -306,7 +308,8 @@ def test_a_clashing_or_unknown_name_is_one_line_naming_module_and_name(plugin, t
     with pytest.raises(PluginError) as e:
         plugins.load_module(str(clash))
     msg = str(e.value)
-    assert "\n" not in msg and msg.startswith(f"--import {clash}: PoolerError: pooler 'avg' ")
+    assert "\n" not in msg and msg.startswith(f"--import {clash}: {clash.resolve()}:2: "
+                                               "PoolerError: pooler 'avg' ")
     assert "(in clash_plugin)" in msg and "registered by jaxsim.models.poolers" in msg
 
     twice = tmp_path / "twice_plugin.py"
@@ -322,10 +325,96 @@ def test_a_clashing_or_unknown_name_is_one_line_naming_module_and_name(plugin, t
                        "BASE = get_objective('infonce_of_my_colleague')\n")
     with pytest.raises(PluginError) as e:
         plugins.load_module(str(unknown))
-    assert str(e.value).startswith(f"--import {unknown}: ObjectiveError: unknown objective "
-                                   "'infonce_of_my_colleague'")
+    assert str(e.value).startswith(f"--import {unknown}: {unknown.resolve()}:2: ObjectiveError: "
+                                   "unknown objective 'infonce_of_my_colleague'")
     with pytest.raises(calibrate.CalibrationError, match="unknown calibration 'shrinkx'.*--import"):
         calibrate.parse_spec("shrinkx:0.3")
+
+
+def test_a_failure_names_the_file_and_line_of_the_users_code(tmp_path, monkeypatch):
+    """The deepest frame in the user's own files: not jaxsim's, not a library's."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "wrong_call_plugin.py").write_text(
+        "from jaxsim.objectives import register_objective\n\n\n"
+        "def loss(z):\n    return z.sum(), {}\n"
+        "register_objective()(loss)\n")  # line 6; raised inside jaxsim
+    with pytest.raises(PluginError) as e:
+        plugins.load_module("wrong_call_plugin.py")
+    assert str(e.value).startswith("--import wrong_call_plugin.py: wrong_call_plugin.py:6: "
+                                   "TypeError: register_objective() missing 1 required ")
+
+    (tmp_path / "library_plugin.py").write_text("import json\nCONFIG = json.loads('{')\n")
+    with pytest.raises(PluginError) as e:
+        plugins.load_module("library_plugin.py")  # raised inside the json module
+    assert str(e.value).startswith("--import library_plugin.py: library_plugin.py:2: "
+                                   "JSONDecodeError: ")
+
+    # A module the user's module imports: that module's file and line.
+    (tmp_path / "nested_helper_plugin.py").write_text("X = 1\n\nraise ValueError('no data')\n")
+    (tmp_path / "nested_top_plugin.py").write_text("import nested_helper_plugin  # noqa\n")
+    with pytest.raises(PluginError) as e:
+        plugins.load_module("nested_top_plugin.py")
+    assert str(e.value) == ("--import nested_top_plugin.py: nested_helper_plugin.py:3: "
+                            "ValueError: no data")
+    (tmp_path / "nested_syntax_plugin.py").write_text("import numpy\n\n\ndef f(x):\n"
+                                                      "    return x +\n")
+    (tmp_path / "syntax_top_plugin.py").write_text("import nested_syntax_plugin  # noqa\n")
+    with pytest.raises(PluginError) as e:
+        plugins.load_module("syntax_top_plugin")
+    assert str(e.value) == ("--import syntax_top_plugin: nested_syntax_plugin.py:5: SyntaxError: "
+                            "invalid syntax")
+
+
+def test_a_package_folder_imports_by_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    package = tmp_path / "path_pkg_plugin"
+    package.mkdir()
+    (package / "__init__.py").write_text("from . import part\nVALUE = part.HALF * 2\n")
+    (package / "part.py").write_text("HALF = 21\n")
+    module = plugins.load_module("./path_pkg_plugin/")
+    assert module.VALUE == 42 and sys.modules["path_pkg_plugin"] is module
+    assert plugins.load_module(str(package)) is module  # one module, however it is named
+
+    (tmp_path / "plain_folder").mkdir()
+    with pytest.raises(PluginError) as e:
+        plugins.load_module("./plain_folder")
+    assert str(e.value) == ("--import ./plain_folder: a folder without __init__.py; a module "
+                            "is a .py file, a package folder (holding __init__.py) or a dotted "
+                            "module name")
+
+
+def test_a_spec_that_is_no_module_says_what_a_module_is(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("x\n")
+    for spec in ("notes.txt", "./notes.txt"):
+        with pytest.raises(PluginError) as e:
+            plugins.load_module(spec)
+        assert str(e.value) == (f"--import {spec}: not a .py file; a module is a .py file, a "
+                                "package folder (holding __init__.py) or a dotted module name")
+    with pytest.raises(PluginError) as e:
+        plugins.load_module("my-plugin")
+    assert str(e.value) == ("--import my-plugin: not a module name; a module is a .py file, a "
+                            "package folder (holding __init__.py) or a dotted module name")
+
+
+def test_a_failing_module_is_no_usage_error(tmp_path, capsys):
+    """No "(see PROG --help)": the command line is right, the module is not."""
+    import argparse
+
+    bad = tmp_path / "usage_plugin.py"
+    bad.write_text("raise RuntimeError('boom')\n")
+    want = f"--import {bad}: {bad.resolve()}:1: RuntimeError: boom"
+    # `python -m jaxsim` commands: raised, for run_command's one line.
+    parser = cli_io.add_import_flag(argparse.ArgumentParser(prog="python -m jaxsim x"))
+    with cli_io.usage_errors_as_exceptions(), pytest.raises(PluginError) as e:
+        parser.parse_args(["--import", str(bad)])
+    assert str(e.value) == want
+    # train.py and eval.py: printed, exit 1.
+    parser = cli_io.add_import_flag(cli_io.ArgumentParser(prog="train.py"))
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--import", str(bad)])
+    assert e.value.code == 1 and capsys.readouterr().err == f"error: {want}\n"
 
 
 def test_environment_and_entry_points(tmp_path, monkeypatch):
@@ -334,10 +423,11 @@ def test_environment_and_entry_points(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     mods = plugins.load_plugins(environ={"JAXSIM_PLUGINS": "env_plugin_a, "}, entry_points=False)
     assert [m.LOADED for m in mods] == ["a"]
-    with pytest.raises(PluginError,
-                       match="^JAXSIM_PLUGINS env_plugin_b: ImportError: needs faiss$"):
+    with pytest.raises(PluginError) as e:
         plugins.load_plugins(environ={"JAXSIM_PLUGINS": "env_plugin_a,env_plugin_b"},
                              entry_points=False)
+    where = f"{(tmp_path / 'env_plugin_b.py').resolve()}:1"
+    assert str(e.value) == f"JAXSIM_PLUGINS env_plugin_b: {where}: ImportError: needs faiss"
 
     # An installed distribution declaring a `jaxsim.plugins` entry point.
     (tmp_path / "ep_plugin.py").write_text(

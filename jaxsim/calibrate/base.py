@@ -35,7 +35,7 @@ import numpy as np
 import safetensors.numpy
 
 from jaxsim.errors import JaxsimError
-from jaxsim.registry import IMPORT_HINT, Registry
+from jaxsim.registry import IMPORT_HINT, Registry, describe
 
 FORMAT = 'jaxsim.calibration/1'
 META_FILE = 'calibration.json'
@@ -47,7 +47,20 @@ class CalibrationError(JaxsimError):
     """A calibration that cannot be parsed, fitted, applied, saved or loaded as asked."""
 
 
-CALIBRATIONS: Registry = Registry('calibration', error=CalibrationError)
+
+
+def _check_calibration(entry: Any) -> Optional[str]:
+    """A registered calibration: a Calibration class whose `arg` mode parse_spec knows."""
+    if not (inspect.isclass(entry) and issubclass(entry, Calibration)):
+        return f"must be a subclass of jaxsim.calibrate.Calibration, got {describe(entry)}"
+    if entry.arg not in ARG_MODES:  # parse_spec refuses every spec of it otherwise
+        return (f"has arg={entry.arg!r}; it must be one of {', '.join(map(repr, ARG_MODES))} "
+                f"(whether the spec takes ':arg')")
+    return None
+
+
+CALIBRATIONS: Registry = Registry('calibration', error=CalibrationError,
+                                  check=_check_calibration)
 
 
 class Calibration:

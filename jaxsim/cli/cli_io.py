@@ -73,11 +73,13 @@ class ArgumentParser(argparse.ArgumentParser):
 def add_import_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Declares `--import MODULE` on a command's parser. Parsing then loads the plugins
     (`plugins.load_plugins`) before the rest of the command line is read, whatever the flags'
-    order; a failure is the parser's one error line."""
+    order. A module that fails is a PluginError: this module's ArgumentParser prints it as the
+    one error line and exits 1, any other parser raises it (to `run_command`)."""
     parser.add_argument(plugins.FLAG, dest="imports", action="append", default=[],
                         metavar="MODULE",
                         help="a module of your own that registers objectives, poolers, "
-                             "calibrations or flow layers: a dotted name or a .py file; "
+                             "calibrations or flow layers: a dotted name, a .py file or a "
+                             "package folder; "
                              f"repeatable (also ${plugins.ENV_VAR}, comma-separated)")
     parse = parser.parse_known_args
 
@@ -88,7 +90,10 @@ def add_import_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             # An abbreviated flag (`--imp M`) escapes the scan above; loaded now, once.
             plugins.load_plugins(parsed[0].imports, environ={}, entry_points=False)
         except plugins.PluginError as e:
-            parser.error(str(e))
+            # The user's module is at fault, not the command line: no "(see --help)" usage hint.
+            if isinstance(parser, ArgumentParser):  # parsed outside run_command (train.py)
+                sys.exit(report_error(e))
+            raise
         return parsed
 
     parser.parse_known_args = parse_known_args

@@ -16,8 +16,9 @@ adds a bijector with `@FLOW_LAYERS.register('name')` and names it in a flow conf
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
-from typing import Iterator
+from typing import Iterator, Optional
 
 import flax.linen as nn
 import flax.struct
@@ -25,9 +26,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsim.registry import Registry
+from jaxsim.registry import Registry, binds, describe
 
-FLOW_LAYERS: Registry = Registry('flow layer')
+
+def _check_flow_layer(entry) -> Optional[str]:
+    """A registered flow layer: a linen bijector built as `cls(features=dim, **options)`."""
+    if not (inspect.isclass(entry) and issubclass(entry, nn.Module)):
+        return f"must be a flax.linen Module class, got {describe(entry)}"
+    missing = [m for m in ("forward", "inverse") if not callable(getattr(entry, m, None))]
+    if missing:
+        return (f"must define {' and '.join(f'{m}()' for m in missing)} (forward(x) -> "
+                f"FlowOutput(z, logdet), inverse(z) -> x); {entry.__qualname__} does not")
+    if not binds(entry, features=1):
+        return f"must take a `features` field (the channels); {entry.__qualname__} does not"
+    return None
+
+
+FLOW_LAYERS: Registry = Registry('flow layer', check=_check_flow_layer)
 
 # Data-dependent actnorm init standardizes only channels whose batch std exceeds this fraction of
 # the median channel std. A channel below it is (near-)constant in the batch: it is centered but

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from jaxsim.errors import JaxsimError, user_code_error
 from jaxsim.models.bert import BertConfig, BertModel
 from jaxsim.models.mlm import MlmHead
 from jaxsim.models.poolers import PoolerError, get_pooler
@@ -68,14 +69,26 @@ class SentenceEncoder(nn.Module):
         """
         bert = BertModel(self.config, dtype=self.dtype, add_pooler=False, remat=self.remat,
                          kernels=self.kernels, name="bert")
-        pooling = get_pooler(self.pooler).build(self.config, self.dtype, "pooler")
+        pooler = get_pooler(self.pooler)
+        pooling = pooler.build(self.config, self.dtype, "pooler")
         output = bert(input_ids, attention_mask, token_type_ids, deterministic=not train,
                       packing=packing)
         if self.mlm and self.is_initializing():
             word_embeddings = bert.variables["params"]["embeddings"]["word_embeddings"]
             MlmHead(self.config, self.dtype, name="mlm_head")(output.hidden_states[-1],
                                                              word_embeddings["embedding"])
-        return pooling(output, attention_mask, use_head=train or not self.mlp_only_train)
+        try:
+            vectors = pooling(output, attention_mask, use_head=train or not self.mlp_only_train)
+        except JaxsimError:
+            raise
+        except Exception as e:  # a user's pooler: one line naming it and its line
+            if pooler.is_jaxsims:
+                raise
+            raise user_code_error(f'pooler {self.pooler!r}', e) from e
+        if vectors.ndim != 2 or vectors.shape[0] != input_ids.shape[0]:
+            raise PoolerError(f"pooler {self.pooler!r} must return one vector a sentence, "
+                              f"[{input_ids.shape[0]}, hidden], got shape {vectors.shape}")
+        return vectors
 
 
 def mlm_logits(encoder: SentenceEncoder, params: Mapping, input_ids, attention_mask,

@@ -27,7 +27,7 @@ from jaxsim.errors import JaxsimError
 # The rules build sentence-transformers module descriptions; the leaf module imports no jaxsim.
 from jaxsim.formats.st_modules import TANH, StModule, st_dense, st_layer_average, st_pooling
 from jaxsim.models.bert import BertConfig, BertOutput
-from jaxsim.registry import Registry
+from jaxsim.registry import Registry, binds, describe
 
 
 class PoolerError(JaxsimError):
@@ -58,8 +58,30 @@ class Pooler:
     hf_pooler: bool = False
     source: Any = None
 
+    @property
+    def is_jaxsims(self) -> bool:
+        """One of jaxsim's own poolers (an error in it is a bug, not a user's code)."""
+        return (getattr(self.source, '__module__', None) or '').startswith('jaxsim.')
 
-POOLERS: Registry[Pooler] = Registry("pooler", error=PoolerError)
+
+def _check_pooler(entry: Any) -> Optional[str]:
+    """A registered pooler: made by `register_pooler`, buildable and callable as a model uses
+    it."""
+    if not isinstance(entry, Pooler):
+        return f"must be registered with @register_pooler, got {describe(entry)}"
+    source = entry.source
+    if inspect.isclass(source):
+        if not issubclass(source, nn.Module):
+            return f"must be a flax.linen Module class or a function, got {describe(source)}"
+        if not binds(source, config=None, dtype=None, name=None):  # how a model builds it
+            return (f"must be a Module with fields `config` and `dtype` (and no other field "
+                    f"without a default); {source.__qualname__} is not")
+    elif not binds(source, None, None):  # a function pooler is called fn(output, mask)
+        return f"must be a function fn(output, attention_mask), got {describe(source)}"
+    return None
+
+
+POOLERS: Registry[Pooler] = Registry("pooler", error=PoolerError, check=_check_pooler)
 
 
 class FunctionPooler(nn.Module):
@@ -68,7 +90,11 @@ class FunctionPooler(nn.Module):
     fn: Callable
 
     def __call__(self, output: BertOutput, attention_mask, use_head: bool = True):
-        return self.fn(output, attention_mask).astype(jnp.float32)
+        vectors = self.fn(output, attention_mask)
+        if not hasattr(vectors, 'astype'):
+            raise PoolerError(f"pooler function {getattr(self.fn, '__name__', self.fn)!r} must "
+                              f"return an array [batch, hidden], got {type(vectors).__name__}")
+        return vectors.astype(jnp.float32)
 
 
 def register_pooler(name: str, *, export: Optional[ExportRule] = None, hf_pooler: bool = False,

@@ -42,9 +42,9 @@ import functools
 import inspect
 from typing import Any, Callable, Mapping, Optional
 
-from jaxsim.errors import JaxsimError
+from jaxsim.errors import JaxsimError, UserCodeError, user_code_error
 from jaxsim.objectives.owned import init_owned
-from jaxsim.registry import Registry
+from jaxsim.registry import Registry, describe
 
 # loss(z [batch, views, hidden], **kwargs) -> (scalar loss, {name: scalar})
 LossFn = Callable[..., tuple[Any, Mapping[str, Any]]]
@@ -88,7 +88,14 @@ class Objective:
         return data_views == self.views or (self.from_single and data_views == 1)
 
 
-OBJECTIVES: Registry[Objective] = Registry("objective", error=ObjectiveError)
+def _check_objective(entry: Any) -> Optional[str]:
+    if not isinstance(entry, Objective):
+        return f"must be registered with @register_objective, got {describe(entry)}"
+    return None
+
+
+OBJECTIVES: Registry[Objective] = Registry("objective", error=ObjectiveError,
+                                           check=_check_objective)
 
 
 def register_objective(name: str, *, views: int, from_single: bool = False,
@@ -120,12 +127,28 @@ def register_objective(name: str, *, views: int, from_single: bool = False,
     def add(loss: LossFn) -> LossFn:
         if not callable(loss):
             raise ObjectiveError(f"objective {name!r} must be a function, got {loss!r}")
+        _check_params_argument(name, loss, init_params)
         OBJECTIVES.register(name, replace=replace)(
             Objective(views=views, loss=loss, from_single=from_single, name=name,
                       init_params=init_params, min_batch=min_batch))
         return loss
 
     return add
+
+
+def _check_params_argument(name: str, loss: LossFn, init_params) -> None:
+    """A loss gets `params=` exactly when the objective owns parameters (`init_params`)."""
+    try:
+        declared = inspect.signature(loss).parameters.get('params')
+    except (TypeError, ValueError):  # no readable signature: nothing to hold it to
+        return
+    if init_params is not None and declared is None:
+        raise ObjectiveError(f"objective {name!r}: init_params is given, but its loss takes no "
+                             f"params= argument to receive those parameters")
+    if init_params is None and declared is not None and declared.default is declared.empty:
+        raise ObjectiveError(f"objective {name!r}: its loss needs params= but no init_params "
+                             f"is registered to create them (register_objective(..., "
+                             f"init_params=fn))")
 
 
 def get_objective(name: str) -> Objective:
@@ -152,15 +175,72 @@ def with_context(loss: LossFn) -> Callable[..., tuple[Any, Mapping[str, Any]]]:
     of its own (1 is the masked-LM term's).
     """
     wanted = context_args(loss)
+    required = _required_args(loss)
+    name = loss_name(loss)
+    own_code = _is_jaxsims(loss)
 
     def call(z, *, ids=None, step=None, key=None, params=None):
         if key is not None and 'key' in wanted:
             import jax  # noqa: PLC0415  (the registry itself imports no JAX)
             key = jax.random.fold_in(key, 2)
         given = {'ids': ids, 'step': step, 'key': key, 'params': params}
-        return loss(z, **{n: given[n] for n in wanted if given[n] is not None})
+        absent = [n for n in wanted if n in required and given[n] is None]
+        if absent:
+            raise ObjectiveError(f"loss {name} needs {', '.join(n + '=' for n in absent)}: "
+                                 f"pass it to the loss function (e.g. loss_fn(params, batch, "
+                                 f"key, step=...))")
+        try:
+            out = loss(z, **{n: given[n] for n in wanted if given[n] is not None})
+        except JaxsimError:
+            raise
+        except Exception as e:  # the user's loss: one line naming it and its line, not JAX's
+            if own_code:
+                raise
+            raise user_code_error(f'loss {name}', e) from e
+        return _checked_output(out, name)
 
     return call
+
+
+def loss_name(loss: LossFn) -> str:
+    """A loss's name for messages: its function's, through functools.partial."""
+    fn = loss.func if isinstance(loss, functools.partial) else loss
+    return repr(getattr(fn, '__qualname__', None) or getattr(fn, '__name__', None) or fn)
+
+
+def _is_jaxsims(loss: LossFn) -> bool:
+    fn = loss.func if isinstance(loss, functools.partial) else loss
+    return (getattr(fn, '__module__', None) or '').startswith('jaxsim.')
+
+
+def _required_args(loss: LossFn) -> set[str]:
+    try:
+        params = inspect.signature(loss).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in params if p.default is p.empty}
+
+
+def _checked_output(out: Any, name: str) -> tuple[Any, Mapping[str, Any]]:
+    """The loss's `(scalar loss, {name: scalar})`, or an error saying what came back instead:
+    a wrong shape would otherwise fail inside the gradient with a message naming no loss."""
+    import numpy as np
+
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], Mapping)):
+        got = (f'a tuple of {len(out)}' if isinstance(out, (tuple, list))
+               else f'{type(out).__name__} of shape {np.shape(out)}'
+               if hasattr(out, 'shape') else type(out).__name__)
+        raise UserCodeError(f"loss {name} must return (scalar loss, dict of scalar "
+                            f"diagnostics), got {got}")
+    value, aux = out
+    if np.ndim(value) != 0:
+        raise UserCodeError(f"loss {name} must return a scalar loss, got shape "
+                            f"{np.shape(value)}")
+    for key, v in aux.items():
+        if np.ndim(v) != 0:
+            raise UserCodeError(f"loss {name}: diagnostic {key!r} must be a scalar, got shape "
+                                f"{np.shape(v)}")
+    return value, aux
 
 
 def hyperparameters(objective: Objective) -> dict[str, Any]:
@@ -223,7 +303,9 @@ def _probe(objective: Objective, kwargs: Mapping[str, Any]) -> None:
         jax.eval_shape(lambda z, ids, owned: loss(z, ids=ids, step=jnp.zeros((), jnp.int32),
                                                   key=jax.random.key(0), params=owned or None),
                        z, ids, owned)
+    except UserCodeError:  # a loss tied to real shapes: the run's own trace reports it
+        pass
     except JaxsimError as e:
         raise ObjectiveError(f'objective {objective.name!r}: {e}') from None
-    except Exception:  # a loss tied to real shapes: the run's own trace reports it
+    except Exception:  # the same, raised by jaxsim's own code for these shapes
         pass

@@ -16,6 +16,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Mapping
 
+from jaxsim.errors import JaxsimError, UserCodeError, user_code_error
+
 KEY = 'objective'
 
 
@@ -30,7 +32,35 @@ def init_owned(objective: Any, kwargs: Mapping[str, Any], key: Any) -> dict:
     if not any(p.kind == p.VAR_KEYWORD for p in params):
         named = {p.name for p in params}
         kwargs = {k: v for k, v in kwargs.items() if k in named}
-    return dict(init(key, **kwargs) or {})
+    name = f"init_params of objective {getattr(objective, 'name', '')!r}"
+    try:
+        made = init(key, **kwargs)
+    except JaxsimError:
+        raise
+    except Exception as e:  # the user's function: one line naming it and its line
+        raise user_code_error(name, e) from e
+    if made is None:
+        return {}
+    if not isinstance(made, Mapping):
+        raise UserCodeError(f'{name} must return a dict of arrays, got {type(made).__name__}')
+    _check_trainable(name, made)
+    return dict(made)
+
+
+def _check_trainable(name: str, tree: Mapping[str, Any]) -> None:
+    """The optimizer differentiates every leaf: each must be a floating-point array."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = getattr(leaf, 'dtype', None)
+        if dtype is None:
+            dtype = np.asarray(leaf).dtype if isinstance(leaf, (int, float)) else None
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):  # bfloat16 too
+            raise UserCodeError(f'{name}: {jax.tree_util.keystr(path)} must be a floating-point '
+                                f'array (it is trained), got '
+                                f'{dtype if dtype is not None else type(leaf).__name__}')
 
 
 def split(params: Mapping[str, Any]) -> tuple[dict, dict]:

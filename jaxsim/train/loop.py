@@ -181,9 +181,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
         parts = _RunParts(train_step=program.train_step, batches=it,
                           prepare=build.batch_preparer(cfg, objective, mesh), mesh=mesh,
                           checkpointer=ckpt, log=log, evaluator=evaluator, say=say,
-                          show_bar=progress and main)
+                          show_bar=progress and main, started=start.started)
         loop = _Loop(cfg=cfg, parts=parts, state=state, step=step, total=total)
-        start.started()
         try:
             loop.run()
             test_at_best = loop.final_test()
@@ -216,6 +215,8 @@ class _RunParts:
       evaluator: STS-B dev / test, or None.
       say: prints a status line (a no-op unless progress is on in the main process).
       show_bar: draw a progress bar.
+      started: called after each step is dispatched: once the first is (traced and compiled,
+        the objective and pooler run), a failure no longer takes back what a new run wrote.
     """
 
     train_step: Callable
@@ -227,6 +228,7 @@ class _RunParts:
     evaluator: Optional[StsbEvaluator]
     say: Callable[[str], Any]
     show_bar: bool
+    started: Callable[[], None] = lambda: None
 
 
 class _Loop:
@@ -329,6 +331,7 @@ class _Loop:
                     batch = sharding_lib.assemble_batch(parts.prepare(next(parts.batches)),
                                                         parts.mesh)
                     self.state, metrics = parts.train_step(self.state, batch)
+                    parts.started()  # the step traced and compiled: the run has begun
                     self.step += 1
                     pending.append((self.step, metrics))
                     is_eval = self._is_eval(self.step)

@@ -72,6 +72,31 @@ def test_unknown_keys_are_one_line_with_a_suggestion(tmp_path):
         load_config_file(str(bad))
 
 
+def test_a_syntax_error_in_an_imported_module_names_that_module(tmp_path, monkeypatch):
+    """Its own file and line, not the config's name with the other file's line."""
+    from jaxsim.flows import FlowError
+    from jaxsim.flows.config import load_config_file as load_flow_config_file
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / 'broken_helper_cfg.py').write_text('import numpy\n\n\ndef f(x):\n'
+                                                   '    return x +\n')
+    (tmp_path / 'imports_broken.py').write_text('import broken_helper_cfg  # noqa\n\n\n\n\n'
+                                                'def get_config():\n    return {}\n')
+    with pytest.raises(ConfigError) as e:
+        load_config_file('imports_broken.py')
+    assert str(e.value) == 'imports_broken.py: broken_helper_cfg.py:5: syntax error: invalid syntax'
+    # Flow configs (`--post flow:CONFIG`) go through the same loader.
+    with pytest.raises(FlowError) as e:
+        load_flow_config_file('imports_broken.py')
+    assert str(e.value) == 'imports_broken.py: broken_helper_cfg.py:5: syntax error: invalid syntax'
+    # The config's own syntax error is still its own line.
+    (tmp_path / 'self_broken.py').write_text('\n\ndef get_config(:\n')
+    with pytest.raises(ConfigError) as e:
+        load_config_file('self_broken.py')
+    assert str(e.value) == 'self_broken.py:3: syntax error: invalid syntax'
+
+
 def test_overrides_parse_by_field_type():
     base = base_config()
     out = apply_overrides(base, [
