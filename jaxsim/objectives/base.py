@@ -228,8 +228,8 @@ def _checked_output(out: Any, name: str) -> tuple[Any, Mapping[str, Any]]:
 
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], Mapping)):
         got = (f'a tuple of {len(out)}' if isinstance(out, (tuple, list))
-               else f'{type(out).__name__} of shape {np.shape(out)}'
-               if hasattr(out, 'shape') else type(out).__name__)
+               else f'an array of shape {np.shape(out)}' if hasattr(out, 'shape')
+               else type(out).__name__)
         raise UserCodeError(f"loss {name} must return (scalar loss, dict of scalar "
                             f"diagnostics), got {got}")
     value, aux = out

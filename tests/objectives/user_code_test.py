@@ -43,7 +43,7 @@ def test_a_raising_loss_is_one_line_naming_it_and_its_line():
 
 @pytest.mark.parametrize('returned,message', [
     (lambda z: jnp.sum(z), " must return (scalar loss, dict of scalar diagnostics), got "
-                           "ArrayImpl of shape ()"),
+                           "an array of shape ()"),
     (lambda z: (jnp.sum(z, axis=(1, 2)), {}), ' must return a scalar loss, got shape (4,)'),
     (lambda z: (jnp.sum(z), {'rows': z[:, 0, 0]}), ": diagnostic 'rows' must be a scalar, got "
                                                     "shape (4,)"),
