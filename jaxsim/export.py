@@ -6,22 +6,27 @@ the module folders), st_flow.py (a flow's PyTorch form).
 
 `hf` writes `config.json`, `model.safetensors` (PyTorch `BertModel`/`RobertaModel` names and
 layouts) and the tokenizer, so `transformers.AutoModel.from_pretrained(DIR)` gives jaxsim's
-hidden states. BERT's pooler layer is written only for a pooler whose parameters ARE that
-layer (`Pooler.hf_pooler`, e.g. 'cls': a SimCSE head becomes `pooler.dense`, so
-`pooler_output` is jaxsim's 'cls' vector and the SimCSE tool's `pooler="cls"` reads it).
+hidden states. BERT's pooler layer is written for a pooler whose parameters ARE that layer
+(`Pooler.hf_pooler`, e.g. 'cls': a SimCSE head becomes `pooler.dense`, so `pooler_output` is
+jaxsim's 'cls' vector and the SimCSE tool's `pooler="cls"` reads it), and whenever the model
+carries the layer unused (the source checkpoint's, under 'avg'): it is part of the checkpoint,
+and transformers would report it missing on every load. A pooler with parameters of its own
+(a user's, not `hf_pooler`) has no place in a Hugging Face folder: `hf` refuses it.
 
 `sentence-transformers` adds, after the Transformer module, the modules the pooler's export
 rule returns (`jaxsim.models.poolers`: stock modules only, each exact), then an optional Dense
 carrying an affine calibration z = (x - mu) W (weight W^T, bias -mu W, identity activation)
 or a flow as a PyTorch module file in the folder (`jaxsim.formats.st_flow`, loaded with
 `trust_remote_code=True`), and an optional Normalize, so `SentenceTransformer(DIR).encode`
-returns jaxsim's vectors.
+returns jaxsim's vectors. A pooler's own parameters also go, as jaxsim names them, into
+`jaxsim_pooler.safetensors` (a rule has no inverse), which `jaxsim.load_pretrained` reads back.
 
-Every export records its choices in `jaxsim_export.json` (pooler, mlp_only_train, calibration,
-normalize) and where it came from (`provenance`: source, workdir step, selection metric and
-value), which `jaxsim.load_pretrained` reads back. The folder is built next to its final place
-and swapped in (`jaxsim.storage.store.replace_dir`), so a failure or an interrupt never leaves
-half an export; folders get mode 0777 and files 0666 less the umask, like any file the user writes.
+Every export records its choices in `jaxsim_export.json` (pooler, mlp_only_train, the pooler's
+parameters file, calibration, normalize) and where it came from (`provenance`: source, workdir
+step, selection metric and value), which `jaxsim.load_pretrained` reads back. The folder is
+built next to its final place and swapped in (`jaxsim.storage.store.replace_dir`), so a
+failure or an interrupt never leaves half an export; folders get mode 0777 and files 0666 less
+the umask, like any file the user writes.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
+import flax.traverse_util
 import numpy as np
 
 from jaxsim import calibrate
@@ -43,6 +49,7 @@ from jaxsim.formats import st_flow
 from jaxsim.formats.hf import encoder_params_to_hf
 from jaxsim.formats.pretrained import describe_provenance, load_pretrained, provenance
 from jaxsim.formats.st_folder import (
+    POOLER_FILE,
     RECORD_FILE,
     ends_with_normalize,
     has_normalize_module,
@@ -54,6 +61,7 @@ from jaxsim.formats.st_modules import IDENTITY, StModule, st_dense, st_normalize
 from jaxsim.formats.workdir import is_train_workdir
 from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
+from jaxsim.models.encoder import param_shapes
 from jaxsim.models.poolers import get_pooler
 from jaxsim.models.st_head import HeadError
 from jaxsim.storage import store
@@ -111,13 +119,37 @@ def is_flow(calibration_class: type) -> bool:
     return isinstance(calibration_class, type) and issubclass(calibration_class, FlowCalibration)
 
 
+def own_pooler_params(model: SentenceModel) -> Optional[dict]:
+    """The parameters of the model's pooler other than BERT's pooler layer (a user pooler's,
+    e.g. a scale and shift), flat by '/' path; None for a pooler without any, or an
+    `hf_pooler` one ('cls'), whose parameters are BERT's pooler layer in model.safetensors."""
+    if get_pooler(model.pooler).hf_pooler or "pooler" not in param_shapes(model.encoder):
+        return None
+    return flax.traverse_util.flatten_dict(dict(model.params["pooler"]), sep="/")
+
+
+def _hf_refusal(model: SentenceModel, own: Mapping) -> str:
+    """Why --format hf cannot carry a pooler's own parameters, and what can."""
+    names = ", ".join(f"pooler/{k}" for k in sorted(own))
+    carrier = ("export it with --format sentence-transformers, whose export rule writes them"
+               if get_pooler(model.pooler).export is not None else
+               "give the pooler a sentence-transformers export rule (register_pooler(..., "
+               "export=rule)) and export it with --format sentence-transformers")
+    where = f"{model.path}: " if model.path else ""
+    return (f"{where}pooler {model.pooler!r} has parameters of its own ({names}), which a "
+            f"Hugging Face model folder has no place for (it holds BERT's pooler layer only): "
+            f"{carrier}")
+
+
 def pooler_modules(model: SentenceModel) -> list[StModule]:
     """The sentence-transformers modules reproducing the model's pooler, by its export rule."""
     pooler = get_pooler(model.pooler)
     if pooler.export is None:
+        # --format hf refuses a pooler's own parameters too: do not send the user there.
+        other = ("export --format hf, or choose a pooler that has one"
+                 if own_pooler_params(model) is None else "or choose another pooler")
         raise ExportError(f"pooler {model.pooler!r} has no sentence-transformers export rule "
-                          f"(register it with register_pooler(..., export=rule)); export "
-                          f"--format hf, or choose a pooler that has one")
+                          f"(register it with register_pooler(..., export=rule)); {other}")
     use_head = not model.encoder.mlp_only_train
     return list(pooler.export(model.params.get("pooler"), model.config, use_head))
 
@@ -162,10 +194,21 @@ def st_modules(model: SentenceModel, calibration: Any = None,
 
 
 # ---------------------------------------------------------------------------- the export
+def _is_bert_pooler_layer(params: Mapping, hidden: int) -> bool:
+    flat = flax.traverse_util.flatten_dict(dict(params.get("pooler") or {}))
+    return {k: tuple(np.shape(v)) for k, v in flat.items()} == {
+        ("dense", "kernel"): (hidden, hidden), ("dense", "bias"): (hidden,)}
+
+
 def hf_tensors(model: SentenceModel) -> dict[str, np.ndarray]:
-    """The model's PyTorch state dict; BERT's pooler layer only for an `hf_pooler` pooler."""
-    return encoder_params_to_hf(model.params, model.config,
-                                include_pooler=get_pooler(model.pooler).hf_pooler)
+    """The model's PyTorch state dict, with BERT's pooler layer for an `hf_pooler` pooler and
+    whenever the model carries one (the source checkpoint's, unused by e.g. 'avg'): it is part
+    of the Hugging Face model, and without it transformers reports it missing and initializes
+    it at random on every load. A pooler's own parameters are not that layer."""
+    include = get_pooler(model.pooler).hf_pooler or (
+        own_pooler_params(model) is None and _is_bert_pooler_layer(model.params,
+                                                                   model.hidden_size))
+    return encoder_params_to_hf(model.params, model.config, include_pooler=include)
 
 
 def describe_calibration(calibration: calibrate.Calibration) -> dict:
@@ -212,6 +255,9 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
     if format == "hf" and (calibration is not None or normalize):
         raise ExportError("a calibration or normalize needs --format sentence-transformers "
                           "(a Hugging Face model folder has no place for them)")
+    own = own_pooler_params(model)
+    if format == "hf" and own is not None:
+        raise ExportError(_hf_refusal(model, own))
     sources = [model.path] if model.path and Path(model.path).exists() else []
     out = check_out(out, overwrite, sources)
     max_length = model.max_length() if max_length is None else int(max_length)
@@ -232,11 +278,15 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
               # The modules after the pooler's own (head, calibration, Normalize), for loading.
               "head_modules": len(modules) - len(pooler_modules(model)) if modules else 0}
 
+    if own is not None:  # jaxsim's copy: the rule's modules cannot be read back as parameters
+        record["pooler_params"] = POOLER_FILE
     if provenance:
         record["provenance"] = dict(provenance)
     with store.replace_dir(out, overwrite, "--out", keep=_is_previous_export) as tmp:
         store.write_json(tmp / "config.json", hf_config, indent=2)
         save_tensors(tmp / "model.safetensors", tensors)
+        if own is not None:
+            save_tensors(tmp / POOLER_FILE, own)
         model.tokenizer.save_pretrained(os.fspath(tmp))
         if modules:
             record["modules"] = write_modules(tmp, modules, max_length, _version())

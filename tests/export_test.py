@@ -109,8 +109,9 @@ def test_bundled_hf_export_matches_automodel_and_round_trips(bundled, tmp_path, 
         p.name for p in out.iterdir()}
     assert not list(tmp_path.glob(".hf.*"))  # no temporary folder left behind
     assert_modes(out)
-    # 'avg' does not use BERT's pooler layer: the export does not carry it.
-    assert not any(k.startswith("pooler.") for k in load_file(str(out / "model.safetensors")))
+    # 'avg' does not use BERT's pooler layer, but it is the checkpoint's: the export keeps it.
+    assert_source_pooler_kept(out)
+    assert load_report(out, "transformers.AutoModel.from_pretrained") == ""
     assert_hidden_parity(bundled, out)
     again = jaxsim.load_pretrained(out)
     assert again.pooler == "avg"
@@ -127,6 +128,39 @@ def test_bundled_sentence_transformers_export(bundled, tmp_path):
     assert config["__version__"]["jaxsim"] == record["jaxsim_version"]  # the format's key
     want = jaxsim.encode(bundled, SENTENCES, normalize=True)
     np.testing.assert_allclose(st_encode(out), want, atol=1e-4)
+    # BERT's pooler layer goes along, so sentence-transformers loads it without a report.
+    assert_source_pooler_kept(out)
+    assert load_report(out, "sentence_transformers.SentenceTransformer") == ""
+
+
+def assert_source_pooler_kept(out):
+    """The export's model.safetensors holds the bundled checkpoint's pooler.dense, bit for bit."""
+    source = load_file(str(bundled_model_path() / "model.safetensors"))
+    exported = load_file(str(out / "model.safetensors"))
+    for name in ("pooler.dense.weight", "pooler.dense.bias"):
+        assert name in exported, name
+        np.testing.assert_array_equal(exported[name], source[name], err_msg=name)
+
+
+_LOADERS = {
+    "transformers.AutoModel.from_pretrained":
+        "import sys, transformers; transformers.AutoModel.from_pretrained(sys.argv[1])",
+    "sentence_transformers.SentenceTransformer":
+        "import sys, sentence_transformers as st; st.SentenceTransformer(sys.argv[1], "
+        "device='cpu')",
+}
+
+
+def load_report(folder, loader: str) -> str:
+    """The LOAD REPORT lines transformers prints when `loader(folder)` runs in a new process
+    (as a user's script would; the report is a warning of a logger that does not propagate)."""
+    proc = subprocess.run([sys.executable, "-c", _LOADERS[loader], str(folder)],
+                          capture_output=True,
+                          text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr
+    # The report starts with '<model class> LOAD REPORT' and lists keys with their status.
+    return "\n".join(line for line in proc.stderr.splitlines()
+                     if "LOAD REPORT" in line or "MISSING" in line or "UNEXPECTED" in line)
 
 
 # ---------------------------------------------------------------------------- tiny models

@@ -1,7 +1,8 @@
 """jaxsim's plug points used from outside the package, end to end: a new objective, a pooler
 with parameters and its export rule, a calibration and a flow layer, each registered here
 without touching jaxsim/. Train 3 steps with the objective and pooler, evaluate with the
-calibration, fit a flow with the layer, export, and reload with sentence-transformers."""
+calibration, fit a flow with the layer, export, and reload with sentence-transformers and with
+jaxsim (the pooler's parameters included; `--format hf` refuses them)."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 import jaxsim
 from jaxsim import calibrate
@@ -145,3 +147,90 @@ def test_export_reloads_in_sentence_transformers(trained):
     theirs = st.encode(lines[:10], convert_to_numpy=True)
     ours = jaxsim.encode(model, lines[:10])
     np.testing.assert_allclose(theirs, ours, atol=1e-4)
+
+
+def _with_distinct_pooler(model):
+    """The trained model with a scale and shift far from the identity (3 steps barely move
+    them), so a reload that dropped or misread them gives visibly other vectors."""
+    rng = np.random.default_rng(0)
+    h = model.hidden_size
+    pooler = {"scale": rng.uniform(0.5, 2.0, h).astype(np.float32),
+              "shift": rng.normal(0.0, 1.0, h).astype(np.float32)}
+    return model.with_params({**model.params, "pooler": pooler})
+
+
+def test_export_of_a_pooler_with_parameters_loads_back(trained):
+    """The sentence-transformers export of a user pooler with parameters loads back in jaxsim
+    as that pooler, its parameters bit for bit, with sentence-transformers' vectors (1e-5);
+    its modules changed after the export, or its parameters file missing, are one-line
+    errors naming the file."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    from jaxsim.formats.hf_folder import ModelLoadError
+    from jaxsim.models.st_head import HeadError
+
+    tmp, _, lines = trained
+    model = _with_distinct_pooler(jaxsim.load_pretrained(tmp / "run"))
+    out = export_model(model, tmp / "export-pooler", format="sentence-transformers")
+    theirs = SentenceTransformer(str(out), device="cpu").encode(lines[:10])
+    ours = jaxsim.encode(model, lines[:10])
+    np.testing.assert_allclose(theirs, ours, atol=1e-4)  # the export rule, as before
+
+    loaded = jaxsim.load_pretrained(out)
+    assert loaded.pooler == "test_ext_scaled_mean" and loaded.head == ()
+    for name in ("scale", "shift"):
+        np.testing.assert_array_equal(np.asarray(loaded.params["pooler"][name]),
+                                      model.params["pooler"][name])
+    again = jaxsim.encode(loaded, lines[:10])
+    np.testing.assert_allclose(again, theirs, atol=1e-5)
+    np.testing.assert_allclose(again, ours, atol=1e-6)
+    # The scale and shift matter: the plain mean is far from these vectors.
+    assert np.abs(jaxsim.encode(model.with_pooler("avg"), lines[:10]) - ours).max() > 0.1
+
+    # A Dense changed after the export (sentence-transformers fine-tuned and re-saved it):
+    # jaxsim would apply the parameters file instead, so it refuses.
+    stale = shutil.copytree(out, tmp / "export-stale")
+    dense = stale / "2_Dense" / "model.safetensors"
+    tensors = load_file(str(dense))
+    tensors["linear.bias"] = tensors["linear.bias"] + 1e-3
+    save_file(tensors, str(dense))
+    with pytest.raises(HeadError, match=f"^{dense}: linear.bias is not what pooler "
+                                        f"'test_ext_scaled_mean' makes of"):
+        jaxsim.load_pretrained(stale)
+    missing = shutil.copytree(out, tmp / "export-missing")
+    (missing / "jaxsim_pooler.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=f"^{missing}/jaxsim_pooler.safetensors: not found"):
+        jaxsim.load_pretrained(missing)
+    # Saved by sentence-transformers elsewhere (no jaxsim record): read by modules.json alone,
+    # the mean and the rule's Dense; the same vectors.
+    SentenceTransformer(str(out), device="cpu").save(str(tmp / "resaved"))
+    resaved = jaxsim.load_pretrained(tmp / "resaved")
+    assert resaved.pooler == "avg" and [type(m).__name__ for m in resaved.head] == ["Dense"]
+    np.testing.assert_allclose(jaxsim.encode(resaved, lines[:10]), theirs, atol=1e-5)
+
+
+def test_hf_export_refuses_a_pooler_with_parameters(trained, tmp_path, capsys):
+    """A Hugging Face folder has no place for a user pooler's parameters: refused in one line
+    naming the pooler and the format that carries it, before anything is written. The same
+    weights under 'avg' export (the scale and shift are not BERT's pooler layer)."""
+    from jaxsim.cli.main import main as cli_main
+    from jaxsim.export import ExportError
+
+    tmp, _, _ = trained
+    model = jaxsim.load_pretrained(tmp / "run")
+    with pytest.raises(ExportError, match=r"pooler 'test_ext_scaled_mean' has parameters of its "
+                                          r"own \(pooler/scale, pooler/shift\).*export it with "
+                                          r"--format sentence-transformers"):
+        export_model(model, tmp_path / "hf", format="hf")
+    assert not list(tmp_path.iterdir())
+    capsys.readouterr()
+    assert cli_main(["export", "--checkpoint", str(tmp / "run"), "--out", str(tmp_path / "hf"),
+                     "--format", "hf"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp / 'run'}: pooler 'test_ext_scaled_mean'") and \
+        err.count("\n") == 1, err
+    assert not (tmp_path / "hf").exists()
+    avg = export_model(model.with_pooler("avg"), tmp_path / "avg", format="hf")
+    assert not any(k.startswith("pooler.") for k in load_file(str(avg / "model.safetensors")))

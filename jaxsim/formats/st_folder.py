@@ -31,6 +31,9 @@ from jaxsim.storage import store
 
 MODULES_FILE = "modules.json"
 RECORD_FILE = "jaxsim_export.json"  # a jaxsim export's record
+# A pooler's own parameters (a user pooler's, not BERT's pooler layer), as jaxsim names them:
+# its export rule writes them into modules jaxsim cannot read back (a rule has no inverse).
+POOLER_FILE = "jaxsim_pooler.safetensors"
 _PREFIX = "sentence_transformers.models."
 
 
@@ -147,6 +150,31 @@ def head_of(folder: Path, read_state_dict: Callable,
                             f"is not supported by jaxsim (it reproduces Dense, Normalize and its "
                             f"own flow module)")
     return tuple(head)
+
+
+def check_pooler_modules(folder: Path, record: dict, modules: Sequence[StModule],
+                         read_state_dict: Callable) -> None:
+    """Refuses an export whose pooler modules no longer hold what the pooler's export rule
+    makes of its POOLER_FILE parameters (`modules`), e.g. a Dense fine-tuned and re-saved by
+    sentence-transformers: jaxsim applies the parameters, so it would give other vectors."""
+    entries = read_modules(folder) or []
+    own = entries[1:1 + len(modules)]
+    redo = (f"export it again with jaxsim, or delete {RECORD_FILE} and {POOLER_FILE} to load "
+            f"the folder by {MODULES_FILE} alone")
+    if [_kind(e) for e in own] != [m.short_name for m in modules]:
+        raise HeadError(f"{folder / MODULES_FILE}: the modules after the Transformer are not "
+                        f"the {len(modules)} pooler {record.get('pooler')!r} exports; {redo}")
+    for entry, module in zip(own, modules):
+        if not module.tensors:
+            continue
+        tensors, source = read_state_dict(folder / entry.get("path", ""))
+        for name, want in module.tensors.items():
+            got = tensors.get(name)
+            if got is None or not np.array_equal(np.asarray(got, np.float32),
+                                                 np.asarray(want, np.float32)):
+                raise HeadError(f"{source}: {name} is not what pooler {record.get('pooler')!r} "
+                                f"makes of {folder / POOLER_FILE} (changed after the export); "
+                                f"{redo}")
 
 
 # ------------------------------------------------------------------------------ writing
