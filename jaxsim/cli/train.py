@@ -116,7 +116,8 @@ def run(args, overrides) -> int:
                 if result.already_finished:
                     print(f'{args.workdir}: this run already finished ({result.steps} steps); '
                           f'nothing to do', file=sys.stderr)
-                print(result.summary())
+                if not result.stopped:  # a stop is the error line below
+                    print(result.summary())
             stopped = [result.stopped] if result.stopped else []
     except Interrupted as e:
         name = signal.Signals(e.signum).name

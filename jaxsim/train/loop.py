@@ -141,11 +141,15 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     # One run at a time writes a workdir; process 0 holds its lock for all processes.
     with hold_workdir(workdir, main, say), records.undone_if_it_fails_to_start(
             workdir, main and not decision.resume) as start:
-        if main:
-            workdir.mkdir(parents=True, exist_ok=True)
-            records.remove([workdir / records.RESULT_FILE])
-            store.write_json(workdir / records.CONFIG_FILE, decision.record)
-            write_model(workdir, model, base_model=cfg.model)
+        def write_run_files() -> None:
+            if main:
+                workdir.mkdir(parents=True, exist_ok=True)
+                records.remove([workdir / records.RESULT_FILE])
+                store.write_json(workdir / records.CONFIG_FILE, decision.record)
+                write_model(workdir, model, base_model=cfg.model)
+
+        if latest is None:
+            write_run_files()
         program = build.train_program(
             cfg, encoder, objective, objective_kwargs, mesh, total,
             mlm=build.mlm_settings(cfg, base.config, base.tokenizer) if encoder.mlm else None,
@@ -160,6 +164,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             restored = ckpt.restore('latest', abstract_state(program.state_shape, shardings))
             state, step = restored.state, restored.step
             it.set_state(restored.data['iterator'])
+            # Only a run that restores is recorded as resumed (with the changes it allowed).
+            write_run_files()
             say(f'resuming {workdir} from step {step} of {total}')
         else:
             params = init_params(
@@ -296,7 +302,7 @@ class _Loop:
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             if not (math.isfinite(m['loss']) and math.isfinite(m['grad_norm'])):
                 self.stopped = (f'non-finite loss or gradient at step {s} (loss {m["loss"]}, '
-                                f'grad_norm {m["grad_norm"]}); the state of step {s - 1} is kept')
+                                f'grad_norm {m["grad_norm"]})')
                 self.step = s - 1  # steps dispatched after it are discarded with it
                 pending.clear()
                 return None
@@ -362,8 +368,10 @@ class _Loop:
         finally:
             if bar is not None:
                 bar.close()
-        if self.stopped:
-            parts.say(f'stopped: {self.stopped}')
+        if self.stopped:  # what of the run is left: its last checkpoint, if it saved one
+            saved = parts.checkpointer.latest_step() if self._saves() else None
+            self.stopped += (f'; the last checkpoint, step {saved}, is kept' if saved is not None
+                             else '; no checkpoint was saved before it')
 
     def final_test(self) -> Optional[float]:
         """STS-B test with the best-on-dev parameters (None when not configured/possible)."""

@@ -356,12 +356,13 @@ class _Start:
 def undone_if_it_fails_to_start(workdir: store.Path, new_run: bool) -> Iterator[_Start]:
     """For a new run (`new_run`: the workdir held none, see `check_own_files`): what it wrote
     before training starts (its record, model, tokenizer, an empty checkpoint folder) is
-    removed again when it fails on the way, e.g. a sharding the mesh cannot take. The corrected
+    removed again when it fails or is stopped on the way, e.g. a sharding the mesh cannot take,
+    an objective that fails at its first step, Ctrl-C while the run loads. The corrected
     command is then a new run too, not refused as 'a run with other settings'."""
     start = _Start()
     try:
         yield start
-    except USER_ERRORS:
+    except (*USER_ERRORS, KeyboardInterrupt):  # KeyboardInterrupt: also a stop before the start
         if new_run and not start.training:
             workdir = store.as_path(workdir)
             remove([workdir / CONFIG_FILE, workdir / MODEL_FILE, workdir / METRICS_FILE])

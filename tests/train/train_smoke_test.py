@@ -169,6 +169,7 @@ def test_non_finite_loss_stops_with_the_last_good_checkpoint(corpus, tmp_path, m
     w = tmp_path / 'w'
     r = loop.train_and_evaluate(_cfg(corpus), w, progress=False)
     assert r.stopped is not None and 'step 3' in r.stopped and r.steps == 2
+    assert r.stopped.endswith('; the last checkpoint, step 2, is kept')  # said only when true
     assert r.final_loss is not None and np.isfinite(r.final_loss)
     with Checkpointer(w / 'checkpoints', read_only=True) as ck:
         assert ck.all_steps() == [2]
@@ -249,3 +250,54 @@ def test_summary_line():
     assert r.summary() == 'best STS-B dev 86.55 @ step 2, test 84.12'
     assert TrainResult(2, 2, None, None, None, None, [], 1.0).summary() == (
         'trained 2 steps, final loss n/a (no STS-B dev evaluation)')
+
+
+def test_a_stop_without_a_checkpoint_says_nothing_was_saved(corpus, tmp_path, monkeypatch):
+    real = step_lib.make_train_step
+
+    def poisoned(*args, **kwargs):
+        step = real(*args, **kwargs)
+        return lambda state, batch: (lambda new, m: (new, {**m, 'loss': jnp.float32(np.nan)}))(
+            *step(state, batch))
+
+    monkeypatch.setattr(step_lib, 'make_train_step', poisoned)
+    r = loop.train_and_evaluate(_cfg(corpus, checkpoint_every=0), tmp_path / 'w',
+                                progress=False)
+    assert r.stopped.startswith('non-finite loss or gradient at step 1 (loss nan')
+    assert r.stopped.endswith('; no checkpoint was saved before it')
+
+
+def test_a_resume_that_cannot_restore_leaves_the_run_record_as_it_was(corpus, tmp_path):
+    """An allowed change that the checkpoint cannot take (no gradient clipping: another
+    optimizer state) fails at the restore; the record must not claim the change."""
+    w = tmp_path / 'w'
+    loop.train_and_evaluate(_cfg(corpus, max_steps=2), w, progress=False)
+    before = {k: v for k, v in _files(w).items() if k != '.lock'}  # the lock was taken
+    with pytest.raises(Exception, match='cannot restore'):
+        loop.train_and_evaluate(_cfg(corpus, max_steps=4, max_grad_norm=0.0), w,
+                                progress=False, allow_changes=('max_steps', 'max_grad_norm'))
+    assert {k: v for k, v in _files(w).items() if k != '.lock'} == before
+    r = loop.train_and_evaluate(_cfg(corpus, max_steps=4), w, progress=False,
+                                allow_changes=('max_steps',))
+    assert r.steps == 4
+
+
+def test_a_new_run_stopped_before_its_first_step_takes_back_what_it_wrote(corpus, tmp_path,
+                                                                         monkeypatch):
+    """Ctrl-C while the run loads (here: as the step is built) leaves no record behind, so
+    the rerun with other settings is a new run, not refused."""
+    from jaxsim.errors import Interrupted
+    from jaxsim.train import build
+
+    def interrupted(*args, **kwargs):
+        raise Interrupted(2)
+
+    monkeypatch.setattr(build, 'train_program', interrupted)
+    w = tmp_path / 'w'
+    with pytest.raises(Interrupted):
+        loop.train_and_evaluate(_cfg(corpus), w, progress=False)
+    assert {p.name for p in w.iterdir()} <= {'.lock'}
+    monkeypatch.undo()
+    r = loop.train_and_evaluate(_cfg(corpus, learning_rate=5e-4, max_steps=1), w,
+                                progress=False)
+    assert r.steps == 1
