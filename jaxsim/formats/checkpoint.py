@@ -22,7 +22,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import jax
 import numpy as np
@@ -367,11 +367,35 @@ class Checkpointer:
         Returns:
           `Restored(step, state, data, config)`.
         """
-        step = self.resolve_step(step)
-        try:
-            return self._restore(step, target)
-        except CheckpointError as e:
-            raise self._damaged(step, e, lambda older: self._restore(older, target)) from e
+        return self._read(step, lambda at: self._restore(at, target))
+
+    # A training run's retention may delete the checkpoint a reader (export, eval) is reading:
+    # 'latest' / 'best' are then read again, up to this many times, from the folder as it is.
+    _REREADS = 3
+
+    def _read(self, which: Union[str, int, None], read: Callable[[int], Any]) -> Any:
+        """`read(step)` of the step `which` names; a damaged checkpoint is reported with what
+        to do (`_damaged`), one removed while it was read is read again as it now stands."""
+        rereads = 0
+        while True:
+            step = self.resolve_step(which)
+            try:
+                return read(step)
+            except CheckpointError as e:
+                if (self.directory / str(step)).exists():
+                    raise self._damaged(step, e, read) from e
+                if which not in (None, "latest", "best") or rereads == self._REREADS:
+                    raise CheckpointError(
+                        f"{self.directory / str(step)}: removed while it was read (a run "
+                        f"still training here keeps only its newest checkpoints); read it "
+                        f"again, or a step it keeps (have {self._reload()})") from e
+                rereads += 1
+                self._reload()
+
+    def _reload(self) -> list[int]:
+        """The steps the folder holds now (the manager caches them)."""
+        self._manager.reload()
+        return self.all_steps()
 
     def _restore(self, step: int, target: Any) -> Restored:
         if target is None:
@@ -418,12 +442,7 @@ class Checkpointer:
         Returns:
           The parameter tree as nested dicts of jax.Arrays.
         """
-        step = self.resolve_step(step)
-        try:
-            return self._restore_params(step, sharding)
-        except CheckpointError as e:
-            raise self._damaged(step, e, lambda older: self._restore_params(older, sharding)) \
-                from e
+        return self._read(step, lambda at: self._restore_params(at, sharding))
 
     def _restore_params(self, step: int, sharding: Any) -> Any:
         tree = self.abstract_state_from_metadata(step, sharding)

@@ -110,6 +110,40 @@ def test_keeps_last_k_and_best(tmp_path):
         assert ckpt.best_step() == 2
 
 
+@pytest.mark.parametrize("read", ["restore", "restore_params"])
+def test_a_checkpoint_a_running_train_removes_while_it_is_read_is_read_again(tmp_path, read):
+    """Export / eval of a workdir that is still training: the run's retention (here: keep 1)
+    removes the latest checkpoint while a reader reads it. 'latest' is read again as the folder
+    now stands (it read as 'corrupt or incomplete'); an explicit step says it was removed."""
+    folder = tmp_path / "ckpt"
+    with Checkpointer(folder, CheckpointOptions(max_to_keep=1)) as writer:
+        writer.save(1, _state(seed=1, step=1))
+        writer.wait_until_finished()
+        with Checkpointer(folder, read_only=True) as reader:
+            real = getattr(reader, f"_{read}")
+            races = [1]  # how many reads the run races with
+
+            def racing(step, *args):
+                if races[0] and step == writer.latest_step():
+                    races[0] -= 1
+                    # The run saves the next step; its retention drops this one meanwhile.
+                    writer.save(step + 1, _state(seed=step + 1, step=step + 1))
+                    writer.wait_until_finished()
+                    assert not (folder / str(step)).exists()
+                return real(step, *args)
+
+            setattr(reader, f"_{read}", racing)
+            got = reader.restore_params() if read == "restore_params" else \
+                reader.restore().state["params"]
+            _assert_tree_equal(got, _state(seed=2, step=2).params)
+            races[0] = 1
+            with pytest.raises(CheckpointError, match=(
+                    r"/2: removed while it was read \(a run still training here keeps only "
+                    r"its newest checkpoints\); read it again, or a step it keeps "
+                    r"\(have \[3\]\)")):
+                getattr(reader, read)(2)
+
+
 def test_errors_are_clear(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint folder"):
         Checkpointer(tmp_path / "nope", read_only=True)
