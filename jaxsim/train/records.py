@@ -296,8 +296,13 @@ class MetricsLog:
             raise ValueError(f'metrics row for step {step} after step {self.rows[-1]["step"]}')
         self.rows.append(row)
         if self._file is not None:
-            self._file.write(_row_text(row))
-            self._file.flush()
+            try:
+                self._file.write(_row_text(row))
+                self._file.flush()
+            except OSError as e:  # a full disk: name the log (a resume rewrites its rows)
+                raise store.StorageError(f'{self.path}: cannot append the row of step {step}: '
+                                         f'{e.strerror or e}; the checkpoints are kept: free '
+                                         f'space and rerun to resume') from None
         elif self.enabled:
             self._rewrite()
         if self._tb is not None:

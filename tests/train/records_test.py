@@ -322,3 +322,24 @@ def test_a_pooler_class_is_hashed_with_the_helpers_its_methods_use(tmp_path):
     assert source_digest(_load_pooler(tmp_path, _CLASS_POOLER_MODULE).source) == first
     edited = _CLASS_POOLER_MODULE.replace('jnp.tanh(x)', 'jnp.tanh(2 * x)')  # the helper only
     assert source_digest(_load_pooler(tmp_path, edited).source) != first
+
+
+def test_a_metrics_row_the_disk_cannot_take_names_the_log(tmp_path):
+    """A full disk mid-run printed a bare '[Errno 28] No space left on device'."""
+    log = records.MetricsLog(tmp_path, keep_upto=None)
+    log.write(1, {'loss': 1.0})
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(28, 'No space left on device')
+
+        def close(self):
+            pass
+
+    log._file = FullDisk()
+    with pytest.raises(store.StorageError) as e:
+        log.write(2, {'loss': 0.5})
+    assert str(e.value) == (f'{tmp_path / "metrics.jsonl"}: cannot append the row of step 2: '
+                            f'No space left on device; the checkpoints are kept: free space '
+                            f'and rerun to resume')
+    log.close()
