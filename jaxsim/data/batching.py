@@ -1,13 +1,14 @@
 """Training batches: fixed-length tokenization, the global batch order.
 
 Examples are tokenized through the one tokenize/pad path (`jaxsim.data.tokenize`) into
-fixed-length int32 arrays [examples, sentences per example, max_len]. Which examples form each
-global batch is a pure function of (seed, epoch, step) (`EpochOrder`): an iterator's position is
-two integers that a checkpoint saves for an exact resume. In a multi-process run every process
-computes the same order and feeds only its own rows of each global batch (`process_rows`, the
-block its devices own in the mesh); `jaxsim.sharding.assemble_batch` makes them one global
-array. The training input streams from random-access sources (`jaxsim.data.pipeline`);
-`BatchIterator` serves arrays already in memory.
+fixed-length int32 arrays [examples, sentences per example, max_len]. Which example comes at
+each position of an epoch is a pure function of (seed, epoch, position) (`EpochOrder`), whatever
+the batch size: an iterator's position is the epoch and the examples of it already taken, which
+a checkpoint saves for an exact resume, with the same or another batch size. In a multi-process
+run every process computes the same order and feeds only its own rows of each global batch
+(`process_rows`, the block its devices own in the mesh); `jaxsim.sharding.assemble_batch` makes
+them one global array. The training input streams from random-access sources
+(`jaxsim.data.pipeline`); `BatchIterator` serves arrays already in memory.
 """
 from __future__ import annotations
 
@@ -69,10 +70,16 @@ def tokenize_examples(tokenizer, rows: Sequence[Sequence[str]] | Sequence[str], 
 
 @dataclasses.dataclass
 class IteratorState:
-    """Position of an iterator: the next batch is batch `step` of epoch `epoch`."""
+    """Position of an iterator: the next batch starts at position `example` of epoch `epoch`'s
+    order, after `step` batches of that epoch.
+
+    `example`, not `step`, says where to go on: a batch index means other examples under
+    another batch size (`--allow-change=batch_size`), an example position does not.
+    """
 
     epoch: int = 0
     step: int = 0
+    example: int = 0
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -120,6 +127,7 @@ class EpochOrder:
             raise DataError(f'{num_examples} examples: the shuffle addresses at most 2**32')
         self.num_examples, self.global_batch = num_examples, global_batch
         self.seed, self.shuffle = seed, shuffle
+        self.keep_last, self.granularity = last_batch == 'keep', granularity
         self.full_batches = num_examples // global_batch
         rest = num_examples - self.full_batches * global_batch
         self.last_size = (rest // granularity) * granularity if last_batch == 'keep' else 0
@@ -140,9 +148,28 @@ class EpochOrder:
         """Examples in global batch `step` (0 <= step < steps_per_epoch) of an epoch."""
         return self.global_batch if step < self.full_batches else self.last_size
 
+    def size_at(self, start: int) -> int:
+        """Examples in the global batch that starts at position `start` of an epoch: a full
+        batch, else what is left (rounded to the granularity) when the last batch is kept,
+        else 0 (the epoch is over). `start` need not be a multiple of the batch: a run resumed
+        with another batch size goes on from the position it stopped at."""
+        left = max(self.num_examples - start, 0)
+        if left >= self.global_batch:
+            return self.global_batch
+        return (left // self.granularity) * self.granularity if self.keep_last else 0
+
+    def batches_from(self, start: int) -> int:
+        """Global batches of an epoch from position `start` to its end."""
+        full = max(self.num_examples - start, 0) // self.global_batch
+        return full + (1 if self.size_at(start + full * self.global_batch) else 0)
+
     def examples(self, epoch: int, step: int, rows: np.ndarray) -> np.ndarray:
         """The example indices at `rows` of global batch `step` of `epoch`."""
-        positions = step * self.global_batch + np.asarray(rows, np.int64)
+        return self.examples_at(epoch, step * self.global_batch, rows)
+
+    def examples_at(self, epoch: int, start: int, rows: np.ndarray) -> np.ndarray:
+        """The example indices at `rows` of the global batch at position `start` of `epoch`."""
+        positions = start + np.asarray(rows, np.int64)
         if not self.shuffle:
             return positions
         # grain (~30 MB resident) is imported by the first shuffled order, not by every process
@@ -157,8 +184,8 @@ class OrderedIterator:
     """This process's rows of each global batch, in `EpochOrder`, and its position.
 
     The one implementation of what every training input shares: the order, the rows a process
-    feeds, the position (epoch, step) a checkpoint saves, and the wrap into the next epoch.
-    A subclass says how the examples at given indices are read (`read`).
+    feeds, the position (epoch, examples taken) a checkpoint saves, and the wrap into the next
+    epoch. A subclass says how the examples at given indices are read (`read`).
 
     Args:
       num_examples: examples in the data.
@@ -202,19 +229,45 @@ class OrderedIterator:
 
     def batch(self, epoch: int, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch `step` of `epoch`."""
-        rows = self.rows_fn(self.order.batch_size(step))
-        return self.read(self.order.examples(epoch, step, rows))
+        return self.batch_at(epoch, step * self.order.global_batch)
+
+    def batch_at(self, epoch: int, start: int) -> dict[str, np.ndarray]:
+        """This process's rows of the global batch at position `start` of `epoch`."""
+        rows = self.rows_fn(self.order.size_at(start))
+        return self.read(self.order.examples_at(epoch, start, rows))
+
+    def locate(self, state: IteratorState, k: int) -> tuple[int, int]:
+        """(epoch, start position) of the k-th batch from position `state` (one with a batch
+        left in its epoch): on in its epoch, then whole epochs from their start."""
+        left = self.order.batches_from(state.example)
+        if k < left:
+            return state.epoch, state.example + k * self.order.global_batch
+        epochs, step = divmod(k - left, self.steps_per_epoch)
+        return state.epoch + 1 + epochs, step * self.order.global_batch
+
+    def _wrapped(self) -> IteratorState:
+        """The position, moved to the next epoch's start when its epoch has no batch left."""
+        if self.order.size_at(self.state.example) == 0:
+            self.state = IteratorState(self.state.epoch + 1, 0, 0)
+        return self.state
 
     def _next_batch(self) -> dict[str, np.ndarray]:
         """The batch at the current position (a subclass may have prepared it ahead)."""
-        return self.batch(self.state.epoch, self.state.step)
+        return self.batch_at(self.state.epoch, self.state.example)
 
     def get_state(self) -> dict[str, int]:
         return dataclasses.asdict(self.state)
 
     def set_state(self, state: Mapping[str, Any]) -> None:
+        """Goes to a saved position. A state without `example` (saved before positions were
+        kept in examples) holds a batch index: read with this iterator's batch size, exact
+        when the batch size is the one it was saved with."""
         self.close()
-        self.state = IteratorState(epoch=int(state['epoch']), step=int(state['step']))
+        epoch, step = int(state['epoch']), int(state['step'])
+        example = int(state['example']) if 'example' in state else step * self.order.global_batch
+        if min(epoch, step, example) < 0:
+            raise ValueError(f'bad iterator state {dict(state)}')
+        self.state = IteratorState(epoch, step, example)
 
     def close(self) -> None:
         """Releases what reads ahead (nothing here)."""
@@ -223,10 +276,10 @@ class OrderedIterator:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        if self.state.step >= self.steps_per_epoch:
-            self.state = IteratorState(self.state.epoch + 1, 0)
+        at = self._wrapped()
         out = self._next_batch()
-        self.state = IteratorState(self.state.epoch, self.state.step + 1)
+        self.state = IteratorState(at.epoch, at.step + 1,
+                                   at.example + self.order.size_at(at.example))
         return out
 
 

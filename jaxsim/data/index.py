@@ -10,6 +10,12 @@ The index lives beside the file (`NAME.<kind>-index.npy` + `.json`), or under th
 folder ($JAXSIM_INDEX_DIR, else ~/.cache/jaxsim/index) when the file's folder is not
 writable. It is reused while the file's size, modification time and a hash of its first and
 last 64 KiB are unchanged, and rebuilt otherwise.
+
+The file must stay the one indexed while it is read: offsets into another file's bytes read
+other text. Every read (`LineIndex.read_lines`) therefore checks, after reading, that the file
+still has its indexed size and modification time (and, locally, that the path still names the
+file being read), and that each record read is still a whole line; otherwise it raises
+`DataChangedError`, naming the file.
 """
 from __future__ import annotations
 
@@ -73,14 +79,36 @@ class FileKey:
         return cls(size, mtime_ns, h.hexdigest()[:32])
 
 
+class DataChangedError(DataError):
+    """A file changed while a run read it through its index."""
+
+
+def changed_error(path: PathLike, how: str) -> DataChangedError:
+    return DataChangedError(f'{path} changed during the run ({how}); restore it, or start a '
+                            f'new run on it')
+
+
+# The fields of an fsspec `info` that change when a remote object is rewritten.
+_REMOTE_VERSION = ('size', 'generation', 'etag', 'ETag', 'mtime', 'updated', 'LastModified')
+
+
 class ByteReader:
     """Reads byte ranges of one file from any thread: `os.pread` on a local file; on a remote
     one (gs://, s3://) ranged reads through its fsspec file system, all ranges of a call at
-    once (one round trip for a batch rather than one per line)."""
+    once (one round trip for a batch rather than one per line).
 
-    def __init__(self, path: PathLike):
+    Given the `FileKey` of the version that was indexed, `check()` raises DataChangedError
+    once the file is another version.
+    """
+
+    def __init__(self, path: PathLike, key: Optional[FileKey] = None):
+        self.name, self._key = str(path), key
         if store.is_remote(path):
             self._fs, self._path = fsspec.core.url_to_fs(str(path))
+            self._version = self._remote_version() if key is not None else None
+            if self._version is not None and self._version.get('size') != key.size:
+                raise changed_error(self.name, f'size {key.size} -> {self._version["size"]} '
+                                               f'bytes')
         else:
             self._fs, fd = None, os.open(path, os.O_RDONLY)
             self._fd = fd
@@ -92,6 +120,50 @@ class ByteReader:
         if self._fs is None:
             return [os.pread(self._fd, e - s, s) for s, e in zip(starts, ends)]
         return self._fs.cat_ranges([self._path] * len(starts), starts, ends, on_error='raise')
+
+    def check(self) -> None:
+        """Raises DataChangedError when the file is no longer the indexed version (nothing is
+        checked without a key). One or two `stat` calls locally; one metadata request remote."""
+        key = self._key
+        if key is None:
+            return
+        if self._fs is not None:
+            now = self._remote_version()
+            if now is None:
+                raise changed_error(self.name, 'removed')
+            if now != self._version:
+                raise changed_error(self.name, _size_change(key.size, now.get('size'))
+                                    or 'rewritten: new version, same size')
+            return
+        try:
+            st = os.stat(self.name)
+        except FileNotFoundError:
+            raise changed_error(self.name, 'removed') from None
+        except OSError as e:
+            raise DataError(f'{self.name}: cannot read file: {e.strerror or e}') from None
+        size = _size_change(key.size, st.st_size)
+        if size:
+            raise changed_error(self.name, size)
+        if st.st_mtime_ns != key.mtime_ns:
+            raise changed_error(self.name, 'rewritten: modification time changed, same size')
+        # An in-place rewrite changes the file read; a rename over the path leaves the reader
+        # on the old file, which the path (and the run's record) no longer names.
+        fst = os.fstat(self._fd)
+        if (st.st_dev, st.st_ino) != (fst.st_dev, fst.st_ino):
+            raise changed_error(self.name, 'replaced by another file')
+
+    def _remote_version(self) -> Optional[dict]:
+        try:
+            self._fs.invalidate_cache(self._path)  # a listing may hold the old metadata
+            info = self._fs.info(self._path)
+        except FileNotFoundError:
+            return None
+        return {k: str(info[k]) if k != 'size' else int(info[k])
+                for k in _REMOTE_VERSION if info.get(k) is not None}
+
+
+def _size_change(before: int, now) -> str:
+    return '' if now == before else f'size {before} -> {now} bytes'
 
 
 class DiskArray:
@@ -144,6 +216,7 @@ class LineIndex:
       size: the file's size in bytes.
       lines: physical lines in the file.
       build_s: seconds spent building the index now (0.0 when a cached one was reused).
+      key: the version of the file indexed (its readers refuse another); None: not checked.
     """
 
     path: Path
@@ -152,14 +225,47 @@ class LineIndex:
     size: int
     lines: int
     build_s: float = 0.0
+    key: Optional[FileKey] = None
 
     def __len__(self) -> int:
         return len(self.offsets)
 
+    def reader(self) -> ByteReader:
+        """A reader of the file that refuses any version but the one indexed."""
+        return ByteReader(self.path, self.key)
+
     def read_lines(self, reader: ByteReader, records: Sequence[int]) -> list[str]:
-        """The lines of `records` as text (not stripped), read with `reader`."""
+        """The lines of `records` as text (not stripped), read with `reader`.
+
+        Raises:
+          DataChangedError: the file is not the version indexed (its size, modification time
+            or identity changed, or a record read is no longer a whole line).
+        """
         spans = np.asarray(self.offsets[np.asarray(records, np.int64)]).reshape(-1, 2)
-        return [b.decode('utf-8') for b in reader.read(spans)]
+        starts, ends = spans[:, 0].astype(np.int64), spans[:, 1].astype(np.int64)
+        # One byte more on each side: a record still where the index has it lies between
+        # line breaks (a rewrite within one mtime tick, or with its mtime restored, shows).
+        lo, hi = np.maximum(starts - 1, 0), np.minimum(ends + 1, self.size)
+        try:
+            blobs = reader.read(np.stack([lo, hi], 1))
+        except Exception:
+            reader.check()  # a read that failed because the file shrank says so
+            raise
+        reader.check()  # after the read: a change before or during it shows here
+        out = []
+        for blob, s, e, first in zip(blobs, starts.tolist(), ends.tolist(), lo.tolist()):
+            a, b = s - first, s - first + e - s
+            line = blob[a:b]
+            if (len(line) != e - s or b'\n' in line
+                    or blob[b:] != (b'\n' if e < self.size else b'')
+                    or a and blob[:a] != b'\n' and not (s == len(_BOM) and blob[:a] == _BOM[-1:])):
+                raise changed_error(self.path, f'bytes {s}-{e} are no longer the line indexed '
+                                               f'there')
+            try:
+                out.append(line.decode('utf-8'))
+            except UnicodeDecodeError:
+                raise changed_error(self.path, f'bytes {s}-{e} are no longer UTF-8') from None
+        return out
 
     def line_number(self, i: int) -> int:
         """Record i's 1-based line in the file (counts line breaks: meant for messages)."""
@@ -196,7 +302,7 @@ def load_or_build(path: PathLike, kind: str = 'text', check: Optional[Check] = N
 
     offsets, meta, build_s = cached(cache_stems(path, f'{kind}-index'),
                                     {'kind': kind, **dataclasses.asdict(key)}, build)
-    return LineIndex(path, offsets, meta['sha256'], key.size, meta['lines'], build_s)
+    return LineIndex(path, offsets, meta['sha256'], key.size, meta['lines'], build_s, key)
 
 
 def file_key(path: Path, what: str = 'file') -> FileKey:

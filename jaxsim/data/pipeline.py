@@ -4,9 +4,10 @@ Each process reads and tokenizes only the examples of its own rows of each globa
 (`batching.EpochOrder` decides the global batches; `batching.process_rows` the rows), in
 background threads that work a few batches ahead (grain's `MapDataset` over batch positions,
 prefetched by `to_iter_dataset`). Memory and start-up do not grow with the corpus: nothing is
-read or tokenized before it is needed. The position (epoch, step) is what a checkpoint saves;
-resuming rebuilds the pipeline at that position, so a resumed run sees exactly the batches of
-an uninterrupted one.
+read or tokenized before it is needed. The position (epoch, examples taken) is what a
+checkpoint saves; resuming rebuilds the pipeline at that position, so a resumed run sees
+exactly the batches of an uninterrupted one (and, with another batch size, goes on from the
+same example).
 """
 from __future__ import annotations
 
@@ -73,14 +74,12 @@ class StreamIterator(OrderedIterator):
         return self.tokenize(getitems(indices) if getitems else
                              [self.source[i] for i in indices])
 
-    def _batch_at(self, position: int) -> dict[str, np.ndarray]:
-        return self.batch(*divmod(position, self.steps_per_epoch))
-
     def _next_batch(self) -> dict[str, np.ndarray]:
         if self._it is None:
             import grain  # by the first batch: ~0.2 s of the start-up of commands that read none
-            start = self.state.epoch * self.steps_per_epoch + self.state.step
-            batches = grain.MapDataset.range(start, _NO_END).map(self._batch_at)
+            start = self.state  # batch k is the k-th from here (`__next__` wrapped the epoch)
+            batches = grain.MapDataset.range(0, _NO_END).map(
+                lambda k: self.batch_at(*self.locate(start, k)))
             self._it = iter(batches.to_iter_dataset(grain.ReadOptions(
                 num_threads=self.workers, prefetch_buffer_size=self.prefetch)))
         return next(self._it)

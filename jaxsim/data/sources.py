@@ -45,7 +45,7 @@ class _FileSource:
         self.path, self.index, self._skip = idx.path, idx, skip
         self.name = str(path)
         self.build_s = idx.build_s
-        self._reader = index_lib.ByteReader(path)
+        self._reader = idx.reader()  # refuses another version of the file
 
     def __len__(self) -> int:
         return len(self.index) - self._skip
@@ -156,7 +156,7 @@ class SnliSource:
             table, _, built = index_lib.cached(
                 index_lib.cache_stems(files[0], 'snli-triplets'), key,
                 lambda files=files: (_snli_table(files), {}))
-            readers = [index_lib.ByteReader(f) for f in files[:2]]
+            readers = [x.reader() for x in idx[:2]]
             self.parts.append((table, idx[:2], readers))
             self.build_s += sum(x.build_s for x in idx) + built
             digests.append(key)

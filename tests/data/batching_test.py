@@ -56,7 +56,7 @@ def test_iterator_is_deterministic_and_covers_each_epoch():
         np.testing.assert_array_equal(got, next(b)['x'][:, 0])
     assert len(set(np.concatenate(epoch0).tolist())) == 48  # no repeats; remainder dropped
     nxt = next(a)['x'][:, 0]  # epoch 1 is another permutation
-    assert a.get_state() == {'epoch': 1, 'step': 1}
+    assert a.get_state() == {'epoch': 1, 'step': 1, 'example': 8}
     assert not np.array_equal(nxt, epoch0[0])
     c = batching.BatchIterator(_arrays(), 8, seed=4)
     assert not np.array_equal(next(c)['x'], epoch0[0])
@@ -72,7 +72,7 @@ def test_keep_last_batch_rounds_to_the_granularity_and_covers_the_rest():
         sizes.append(len(x))
         seen += x.tolist()
     assert sizes == [8] * 6 + [2] and sorted(seen) == list(range(50))
-    assert len(next(it)['x']) == 8 and it.get_state() == {'epoch': 1, 'step': 1}
+    assert len(next(it)['x']) == 8 and it.get_state() == {'epoch': 1, 'step': 1, 'example': 8}
     it4 = batching.BatchIterator(_arrays(), 8, last_batch='keep', granularity=4)
     assert (it4.steps_per_epoch, it4.dropped_per_epoch) == (6, 2)
     # Fewer examples than one batch: the kept partial batch is the only one.
@@ -120,3 +120,44 @@ def test_assemble_batch_makes_batch_sharded_arrays():
     assert all(isinstance(v, jax.Array) and v.shape == (4, 2, 3) for v in out.values())
     assert all(v.sharding == sharding.batch_sharding(mesh, 3) for v in out.values())
     np.testing.assert_array_equal(np.asarray(out['input_ids']), local['input_ids'])
+
+
+@pytest.mark.parametrize('before, after, last_batch', [
+    (16, 8, 'drop'), (8, 16, 'drop'), (16, 8, 'keep'), (8, 12, 'keep')])
+def test_a_resume_with_another_batch_size_goes_on_from_the_same_example(before, after,
+                                                                        last_batch):
+    # --allow-change=batch_size mid-epoch: the saved position is in examples, and the order of
+    # examples does not depend on the batch size, so the epoch goes on where it stopped.
+    kwargs = {'seed': 7, 'last_batch': last_batch, 'granularity': 4}
+    a = batching.BatchIterator(_arrays(100), before, **kwargs)
+    taken = [next(a)['x'][:, 0] for _ in range(3)]
+    state = a.get_state()
+    assert state == {'epoch': 0, 'step': 3, 'example': 3 * before}
+    b = batching.BatchIterator(_arrays(100), after, **kwargs)
+    b.set_state(state)
+    while True:
+        x = next(b)['x'][:, 0]
+        if b.get_state()['epoch'] != 0:
+            break
+        taken.append(x)
+    seen = np.concatenate(taken)
+    assert len(set(seen.tolist())) == len(seen)  # nothing repeated ...
+    whole = batching.EpochOrder(100, 100, seed=7).examples(0, 0, np.arange(100))
+    np.testing.assert_array_equal(seen, whole[:len(seen)])  # ... nor skipped
+    rest = 100 - len(seen)  # only what no batch of the new size can hold is left out
+    assert rest < (after if last_batch == 'drop' else 4)
+    # The next epoch is the new batch size's own, from its start.
+    fresh = batching.BatchIterator(_arrays(100), after, **kwargs)
+    np.testing.assert_array_equal(x, fresh.batch(1, 0)['x'][:, 0])
+    assert b.get_state() == {'epoch': 1, 'step': 1, 'example': after}
+
+
+def test_a_state_saved_as_a_batch_index_still_resumes():
+    # Checkpoints written before positions were kept in examples hold {'epoch', 'step'}.
+    a = batching.BatchIterator(_arrays(), 8, seed=2)
+    want = [next(a)['x'] for _ in range(9)][4:]
+    b = batching.BatchIterator(_arrays(), 8, seed=2)
+    b.set_state({'epoch': 0, 'step': 4})
+    for w in want:
+        np.testing.assert_array_equal(next(b)['x'], w)
+    assert b.get_state() == a.get_state()

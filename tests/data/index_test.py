@@ -3,6 +3,7 @@ once and reused while the file is unchanged, rebuilt when it changes, bad lines 
 file:line."""
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -195,3 +196,93 @@ def test_snli_source_errors_as_the_reader(tmp_path):
                                          'entailed\ncontradiction\nneutral\n')
     with pytest.raises(DataError, match=r"labels\.dev:5: label 'entailed' is not one of"):
         sources.SnliSource(tmp_path, ['dev'])
+
+
+def _same_times(path: Path, st: os.stat_result) -> None:
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _rewrite(path: Path, content: bytes, mtime_ns=None) -> None:
+    """Rewrites the file in place (the reader's open file sees it), then sets its mtime."""
+    st = path.stat()
+    with path.open('r+b') as f:
+        f.truncate(0)
+        f.write(content)
+    if mtime_ns is not None:
+        os.utime(path, ns=(st.st_atime_ns, mtime_ns(st)))
+
+
+def _replace(path: Path, content: bytes) -> None:
+    """Another file renamed over the path, with the old one's size and mtime."""
+    st = path.stat()
+    other = path.with_name('other.txt')
+    other.write_bytes(content)
+    _same_times(other, st)
+    os.replace(other, path)
+
+
+ORIGINAL = b'one\ntwo\nthree\nfour\n'
+CHANGES = {  # how the file changes -> what the error says
+    'prefix': (lambda p: _rewrite(p, b'PREFIX LINE\n' + ORIGINAL),
+               r'\(size 19 -> 31 bytes\)'),
+    'truncated': (lambda p: _rewrite(p, b''), r'\(size 19 -> 0 bytes\)'),
+    'same size, new mtime': (
+        lambda p: _rewrite(p, ORIGINAL.upper(), lambda st: st.st_mtime_ns + 10**9),
+        r'\(rewritten: modification time changed, same size\)'),
+    # Same size and mtime (within one mtime tick, or restored): the lines no longer sit at
+    # their offsets.
+    'lines moved, same size and mtime': (
+        lambda p: _rewrite(p, b'on\netwo\nthree\nfour\n', lambda st: st.st_mtime_ns),
+        r'\(bytes 4-7 are no longer the line indexed there\)'),
+    'replaced': (lambda p: _replace(p, ORIGINAL), r'\(replaced by another file\)'),
+    'removed': (lambda p: p.unlink(), r'\(removed\)'),
+}
+
+
+@pytest.mark.parametrize('change', list(CHANGES))
+def test_a_file_changed_under_its_reader_is_one_line_naming_it(tmp_path, change):
+    path = tmp_path / 'corpus.txt'
+    path.write_bytes(ORIGINAL)
+    src = sources.TextSource(path)
+    assert src.getitems([0, 1, 3]) == [('one',), ('two',), ('four',)]
+    do, how = CHANGES[change]
+    do(path)
+    with pytest.raises(index.DataChangedError, match=(
+            rf'^{re.escape(str(path))} changed during the run {how}; restore it, or start a new '
+            r'run on it$')):
+        src.getitems([1])
+    with pytest.raises(index.DataChangedError):
+        src[0]  # every read refuses, not only the first
+
+
+def test_an_unchanged_file_reads_the_edge_records(tmp_path):
+    # The line-boundary check at the edges: a byte-order mark, a last line without a line
+    # break, CRLF lines, blank lines between.
+    path = tmp_path / 'corpus.txt'
+    path.write_bytes(b'\xef\xbb\xbffirst\r\n\n  \nsecond\nlast')
+    src = sources.TextSource(path)
+    assert src.getitems([2, 0, 1]) == [('last',), ('first',), ('second',)]
+    lines = index.load_or_build(path, 'lines')
+    assert lines.read_lines(lines.reader(), [0, 1, 2, 4]) == ['first\r', '', '  ', 'last']
+
+
+def test_csv_and_snli_sources_refuse_a_changed_file(tmp_path):
+    path = tmp_path / 'nli.csv'
+    path.write_text('sent0,sent1,hard_neg\na,b,c\nd,e,f\n')
+    src = sources.CsvSource(path)
+    assert src[1] == ('d', 'e', 'f')
+    _rewrite(path, b'sent0,sent1,hard_neg\nd,e,f\n')
+    with pytest.raises(index.DataChangedError, match=rf'^{re.escape(str(path))} changed during '
+                                                     r'the run \(size 33 -> 27 bytes\)'):
+        src[1]
+    for split in ('dev',):
+        for name in ('s1', 's2', 'labels'):
+            f = f'{name}.{split}'
+            (tmp_path / f).write_bytes((SENTEVAL_ROOT / 'SNLI' / f).read_bytes())
+    snli = sources.SnliSource(tmp_path, ['dev'])
+    first = snli[0]
+    s2 = tmp_path / 's2.dev'
+    _rewrite(s2, b'PREFIX LINE\n' + (SENTEVAL_ROOT / 'SNLI' / 's2.dev').read_bytes())
+    with pytest.raises(index.DataChangedError, match=rf'^{re.escape(str(s2))} changed during '):
+        snli[0]
+    assert first == readers.build_snli_triplets(SENTEVAL_ROOT / 'SNLI', ['dev'])[0]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxsim import bundled_model_path
-from jaxsim.data import batching, pipeline, readers, sources
+from jaxsim.data import batching, index, pipeline, readers, sources
 from jaxsim.data.readers import DataError
 from jaxsim.formats.hf_folder import load_tokenizer
 from jaxsim.storage.paths import SENTEVAL_ROOT
@@ -107,7 +107,7 @@ def test_resume_from_a_saved_position_sees_the_same_batches(corpus, tokenizer):
     for _ in range(17):  # past the epoch boundary (12 batches an epoch), with batches prefetched
         next(it)
     state = it.get_state()
-    assert state == {'epoch': 1, 'step': 5}
+    assert state == {'epoch': 1, 'step': 5, 'example': 40}
     resumed = _stream(corpus, tokenizer)
     resumed.set_state(state)
     for want, got in zip(straight[17:], _take(resumed, 13)):
@@ -115,6 +115,51 @@ def test_resume_from_a_saved_position_sees_the_same_batches(corpus, tokenizer):
     it.set_state({'epoch': 0, 'step': 3})  # rewinding drops the prefetched batches
     np.testing.assert_array_equal(next(it)['input_ids'], straight[3]['input_ids'])
     it.close()
+
+
+def test_a_resume_with_another_batch_size_reads_on_from_the_same_example(corpus, tokenizer):
+    # The streamed path places its batches from the saved example position, as the in-memory
+    # one: 5 batches of 8 taken, then batches of 16 from example 40 (not a multiple of 16),
+    # across the end of the epoch (101 = 40 + 3 x 16 + 13, the 13 dropped).
+    it = _stream(corpus, tokenizer)
+    _take(it, 5)
+    state = it.get_state()
+    assert state == {'epoch': 0, 'step': 5, 'example': 40}
+    arrays = batching.tokenize_examples(tokenizer, readers.read_sentences(corpus), MAX_LEN)
+    ref = batching.BatchIterator(arrays, 16, seed=5)
+    ref.set_state(state)
+    resumed = pipeline.StreamIterator(sources.TextSource(corpus), tokenizer, MAX_LEN, 16, seed=5)
+    resumed.set_state(state)
+    for got in _take(resumed, 3 + 2 * ref.steps_per_epoch):
+        np.testing.assert_array_equal(got['input_ids'], next(ref)['input_ids'])
+    assert resumed.get_state() == ref.get_state() == {'epoch': 2, 'step': 6, 'example': 96}
+
+
+def test_a_corpus_rewritten_mid_run_stops_the_stream_and_resumes_once_restored(corpus,
+                                                                               tokenizer):
+    # The file rewritten in place between two reads of the iterator: reading it through the
+    # old offsets would train on other text; every read after the rewrite refuses, naming it.
+    straight = _take(_stream(corpus, tokenizer), 30)
+    it = _stream(corpus, tokenizer, workers=2, prefetch=2)
+    _ = [next(it) for _ in range(5)]
+    state, original = it.get_state(), corpus.read_bytes()
+    lines = original.decode().splitlines()
+    corpus.write_text('PREFIX LINE\n' + '\n'.join(reversed(lines)) + '\n')
+    size = (len(original), corpus.stat().st_size)
+    yielded = 5
+    with pytest.raises(index.DataChangedError) as e:
+        while yielded < len(straight):  # batches read before the rewrite may still come
+            got = next(it)
+            np.testing.assert_array_equal(got['input_ids'], straight[yielded]['input_ids'])
+            yielded += 1
+    it.close()
+    assert str(e.value) == (f'{corpus} changed during the run (size {size[0]} -> {size[1]} '
+                            f'bytes); restore it, or start a new run on it')
+    corpus.write_bytes(original)  # restored: the same content, a new index, the same batches
+    resumed = _stream(corpus, tokenizer)
+    resumed.set_state(state)
+    for want, got in zip(straight[5:], _take(resumed, 10)):
+        np.testing.assert_array_equal(got['input_ids'], want['input_ids'])
 
 
 def test_data_errors_of_the_workers_reach_the_caller(tokenizer):

@@ -2,10 +2,11 @@
 into the local index cache, read with ranged reads, the same examples, digest and batches as a
 local copy."""
 import numpy as np
+import pytest
 from etils import epath
 
 from jaxsim import bundled_model_path
-from jaxsim.data import pipeline, sources
+from jaxsim.data import index, pipeline, sources
 from jaxsim.formats.hf_folder import load_tokenizer
 from jaxsim.storage.paths import SENTEVAL_ROOT
 from tests.storage.remote_test import BUCKET, gcs  # noqa: F401 (the server fixture)
@@ -34,3 +35,17 @@ def test_remote_corpus_reads_as_its_local_copy(gcs, tmp_path, monkeypatch):  # n
         np.testing.assert_array_equal(next(a)['input_ids'], next(b)['input_ids'])
     a.close()
     b.close()
+
+
+def test_a_remote_corpus_rewritten_while_read_is_refused(gcs, tmp_path, monkeypatch):  # noqa: F811
+    # An object store cannot rewrite in place, but a new version under the same name is read
+    # through the old offsets all the same: its new version (same size here) stops the reads.
+    monkeypatch.setenv('JAXSIM_INDEX_DIR', str(tmp_path / 'index-cache'))
+    url = f'gs://{BUCKET}/data/edited.txt'
+    epath.Path(url).write_bytes(b'one\ntwo\nthree\n')
+    src = sources.TextSource(url)
+    assert src.getitems([0, 2]) == [('one',), ('three',)]
+    epath.Path(url).write_bytes(b'ONE\nTWO\nTHREE\n')
+    with pytest.raises(index.DataChangedError, match=rf'^{url} changed during the run '
+                                                     r'\(rewritten: new version, same size\)'):
+        src.getitems([1])

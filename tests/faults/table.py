@@ -278,6 +278,28 @@ FAULTS = (
           "'code': code_digests(objective, get_pooler(cfg.pooler))}", "'code': {}}",
           ('tests/train/train_smoke_test.py::'
            'test_an_edited_objective_is_not_resumed_as_the_finished_run',)),
+    # ---- user code, a run's life, data that changes under a run
+    Fault("a loss's wrong return passed on unchecked", 'jaxsim/objectives/base.py',
+          'return _checked_output(out, name)', 'return out',
+          ('tests/objectives/user_code_test.py::'
+           'test_a_loss_that_returns_the_wrong_thing_says_what_it_returned',)),
+    Fault('a new run stopped before its first step keeps its record', 'jaxsim/train/records.py',
+          'except (*USER_ERRORS, KeyboardInterrupt):', 'except USER_ERRORS:',
+          ('tests/train/train_smoke_test.py::'
+           'test_a_new_run_stopped_before_its_first_step_takes_back_what_it_wrote',)),
+    Fault('a resume records its allowed change before the restore', 'jaxsim/train/loop.py',
+          '        if latest is None:\n            write_run_files()',
+          '        if True:\n            write_run_files()',
+          ('tests/train/train_smoke_test.py::'
+           'test_a_resume_that_cannot_restore_leaves_the_run_record_as_it_was',)),
+    Fault('a checkpoint removed while read taken for a damaged one',
+          'jaxsim/formats/checkpoint.py', 'if (self.directory / str(step)).exists():',
+          'if True:',
+          ('tests/formats/checkpoint_test.py::'
+           'test_a_checkpoint_a_running_train_removes_while_it_is_read_is_read_again',)),
+    Fault('a file rewritten under its reader read on', 'jaxsim/data/index.py',
+          'reader.check()  # after the read: a change before or during it shows here', 'pass',
+          ('tests/data/index_test.py::test_a_file_changed_under_its_reader_is_one_line_naming_it',)),
     # ---- the pod plan
     Fault('collectives that share a channel merged', 'jaxsim/plan/hlo.py',
           'while identity + (copy,) in found and comp in held_in[identity + (copy,)]:',
