@@ -72,6 +72,14 @@ def test_a_flow_layer_must_be_a_linen_bijector_taking_features(tmp_path):
     assert msg == ("flow layer 'reg_t_nofeat' (in reg_flow_nofeatures, line 3) must take a "
                    "`features` field (the channels); Sized does not")
     assert not {"reg_t_plain", "reg_t_noinv", "reg_t_nofeat"} & set(FLOW_LAYERS)
+    # Its other fields may be required: the flow config gives them (layer('name', scale=2.0)).
+    run_module(tmp_path, "reg_flow_option",
+               "import flax.linen as nn\nfrom jaxsim.flows import FLOW_LAYERS\n"
+               "@FLOW_LAYERS.register('reg_t_option', replace=True)\n"
+               "class ScaledShift(nn.Module):\n    features: int\n    scale: float\n"
+               "    def forward(self, x):\n        return x\n"
+               "    def inverse(self, z):\n        return z\n")
+    assert "reg_t_option" in FLOW_LAYERS
 
 
 def test_a_pooler_must_be_buildable_or_callable_as_a_model_uses_it(tmp_path):

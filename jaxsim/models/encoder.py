@@ -85,9 +85,11 @@ class SentenceEncoder(nn.Module):
             if pooler.is_jaxsims:
                 raise
             raise user_code_error(f'pooler {self.pooler!r}', e) from e
-        if vectors.ndim != 2 or vectors.shape[0] != input_ids.shape[0]:
+        shape = getattr(vectors, 'shape', None)
+        if shape is None or len(shape) != 2 or shape[0] != input_ids.shape[0]:
+            got = f'shape {tuple(shape)}' if shape is not None else type(vectors).__name__
             raise PoolerError(f"pooler {self.pooler!r} must return one vector a sentence, "
-                              f"[{input_ids.shape[0]}, hidden], got shape {vectors.shape}")
+                              f"[{input_ids.shape[0]}, hidden], got {got}")
         return vectors
 
 

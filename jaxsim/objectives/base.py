@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import numbers
 from typing import Any, Callable, Mapping, Optional
 
 from jaxsim.errors import JaxsimError, UserCodeError, user_code_error
@@ -233,14 +234,21 @@ def _checked_output(out: Any, name: str) -> tuple[Any, Mapping[str, Any]]:
         raise UserCodeError(f"loss {name} must return (scalar loss, dict of scalar "
                             f"diagnostics), got {got}")
     value, aux = out
-    if np.ndim(value) != 0:
-        raise UserCodeError(f"loss {name} must return a scalar loss, got shape "
-                            f"{np.shape(value)}")
+    if not hasattr(value, 'shape') or np.ndim(value) != 0:
+        raise UserCodeError(f"loss {name} must return a scalar loss array, got "
+                            f"{_described(value)}")
     for key, v in aux.items():
-        if np.ndim(v) != 0:
-            raise UserCodeError(f"loss {name}: diagnostic {key!r} must be a scalar, got shape "
-                                f"{np.shape(v)}")
+        # A number, or an array of shape (): numpy would call a dict or None 0-d too.
+        if not (isinstance(v, numbers.Number) or hasattr(v, 'shape') and np.ndim(v) == 0):
+            raise UserCodeError(f"loss {name}: diagnostic {key!r} must be a scalar, got "
+                                f"{_described(v)}")
     return value, aux
+
+
+def _described(value: Any) -> str:
+    import numpy as np
+
+    return f'shape {np.shape(value)}' if hasattr(value, 'shape') else type(value).__name__
 
 
 def hyperparameters(objective: Objective) -> dict[str, Any]:

@@ -38,6 +38,8 @@ def init_owned(objective: Any, kwargs: Mapping[str, Any], key: Any) -> dict:
     except JaxsimError:
         raise
     except Exception as e:  # the user's function: one line naming it and its line
+        if (getattr(init, '__module__', None) or '').startswith('jaxsim.'):
+            raise  # jaxsim's own (the learned temperature's): a bug keeps its traceback
         raise user_code_error(name, e) from e
     if made is None:
         return {}

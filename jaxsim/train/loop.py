@@ -369,7 +369,7 @@ class _Loop:
             if bar is not None:
                 bar.close()
         if self.stopped:  # what of the run is left: its last checkpoint, if it saved one
-            saved = parts.checkpointer.latest_step() if self._saves() else None
+            saved = parts.checkpointer.latest_step() if parts.checkpointer is not None else None
             self.stopped += (f'; the last checkpoint, step {saved}, is kept' if saved is not None
                              else '; no checkpoint was saved before it')
 

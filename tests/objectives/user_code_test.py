@@ -1,9 +1,11 @@
 """A user's objective, pooler or parameter initializer that raises or breaks its contract is one
 line naming it and the user's own line, never a traceback from inside JAX; a new run that fails
 so at its first step takes back what it wrote, so the corrected rerun is a new run too."""
+import dataclasses
 import functools
 import inspect
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +46,13 @@ def test_a_raising_loss_is_one_line_naming_it_and_its_line():
 @pytest.mark.parametrize('returned,message', [
     (lambda z: jnp.sum(z), " must return (scalar loss, dict of scalar diagnostics), got "
                            "an array of shape ()"),
-    (lambda z: (jnp.sum(z, axis=(1, 2)), {}), ' must return a scalar loss, got shape (4,)'),
+    (lambda z: (jnp.sum(z, axis=(1, 2)), {}), ' must return a scalar loss array, got shape '
+                                              '(4,)'),
+    (lambda z: (1.5, {}), ' must return a scalar loss array, got float'),
+    (lambda z: (jnp.sum(z), {'stats': {'cos': jnp.sum(z)}}), ": diagnostic 'stats' must be a "
+                                                              "scalar, got dict"),
+    (lambda z: (jnp.sum(z), {'note': None}), ": diagnostic 'note' must be a scalar, got "
+                                             "NoneType"),
     (lambda z: (jnp.sum(z), {'rows': z[:, 0, 0]}), ": diagnostic 'rows' must be a scalar, got "
                                                     "shape (4,)"),
     (lambda z: (jnp.sum(z), {}, {}), " must return (scalar loss, dict of scalar diagnostics), "
@@ -91,6 +99,20 @@ def test_params_and_init_params_are_declared_together():
     assert 'test_uc_no_params' not in OBJECTIVES and 'test_uc_no_init' not in OBJECTIVES
 
 
+def test_jaxsims_own_initializer_keeps_its_traceback(monkeypatch):
+    """A failure inside the learned temperature's init_params is a bug, not the user's."""
+    from jaxsim.objectives import simcse
+
+    def broken(key, temp=0.05, learn_temperature=False, **_):
+        raise NameError('a bug')
+
+    broken.__module__ = simcse.__name__
+    unsup = get_objective('unsup')
+    with pytest.raises(NameError):
+        owned.init_owned(dataclasses.replace(unsup, init_params=broken),
+                         {'learn_temperature': True}, jax.random.key(0))
+
+
 def _objective(init):
     return type('Registered', (), {'name': 'mine', 'init_params': staticmethod(init)})()
 
@@ -122,12 +144,23 @@ def pooler_raises(output, mask):
     return output.hidden_states[-1][:, 0] / undefined_name  # noqa: F821
 
 
+class TuplePooler(nn.Module):
+    """A Module pooler that returns (vectors, extra): not what a model can use."""
+
+    config: BertConfig
+    dtype: object = jnp.float32
+
+    def __call__(self, output, attention_mask, use_head=True):
+        return output.hidden_states[-1][:, 0], jnp.zeros(())
+
+
 @pytest.fixture(scope='module')
 def user_poolers():
     register_pooler('test_uc_raises', replace=True)(pooler_raises)
     register_pooler('test_uc_output', replace=True)(lambda output, mask: output)
     register_pooler('test_uc_tokens', replace=True)(
         lambda output, mask: output.hidden_states[-1])
+    register_pooler('test_uc_tuple', replace=True)(TuplePooler)
 
 
 @pytest.mark.parametrize('pooler,error,message', [
@@ -138,6 +171,8 @@ def user_poolers():
                                     "hidden], got BertOutput"),
     ('test_uc_tokens', PoolerError, "pooler 'test_uc_tokens' must return one vector a "
                                     "sentence, [2, hidden], got shape (2, 5, 16)"),
+    ('test_uc_tuple', PoolerError, "pooler 'test_uc_tuple' must return one vector a sentence, "
+                                   "[2, hidden], got tuple"),
 ])
 def test_a_user_pooler_that_raises_or_returns_the_wrong_shape_is_one_line(user_poolers, pooler,
                                                                           error, message):

@@ -301,3 +301,20 @@ def test_a_new_run_stopped_before_its_first_step_takes_back_what_it_wrote(corpus
     r = loop.train_and_evaluate(_cfg(corpus, learning_rate=5e-4, max_steps=1), w,
                                 progress=False)
     assert r.steps == 1
+
+
+def test_a_stop_after_a_resume_without_saving_names_the_checkpoint_it_resumed_from(
+        corpus, tmp_path, monkeypatch):
+    w = tmp_path / 'w'
+    loop.train_and_evaluate(_cfg(corpus, max_steps=2), w, progress=False)
+    real = step_lib.make_train_step
+
+    def poisoned(*args, **kwargs):
+        step = real(*args, **kwargs)
+        return lambda state, batch: (lambda new, m: (new, {**m, 'loss': jnp.float32(np.nan)}))(
+            *step(state, batch))
+
+    monkeypatch.setattr(step_lib, 'make_train_step', poisoned)
+    r = loop.train_and_evaluate(_cfg(corpus, max_steps=4, checkpoint=False), w, progress=False,
+                                allow_changes=('max_steps',))
+    assert r.stopped.endswith('; the last checkpoint, step 2, is kept')
