@@ -4,13 +4,14 @@ Each module defines its own error types as subclasses of `JaxsimError`, with mes
 the file (and line), tensor or option at fault. Subclassing ValueError keeps `except ValueError`
 callers working.
 """
+import contextlib
 import functools
 import signal
 import site
 import sysconfig
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 
 class JaxsimError(ValueError):
@@ -67,6 +68,27 @@ def user_line(error: BaseException, own: Optional[Path] = None) -> str:
     """'FILE:LINE' of `user_frame` ('' when there is none)."""
     frame = user_frame(error, own)
     return f'{shown_path(frame.filename)}:{frame.lineno}' if frame is not None else ''
+
+
+def is_jaxsims(fn) -> bool:
+    """Whether `fn` (a function, class or functools.partial of one) is jaxsim's own code."""
+    fn = fn.func if isinstance(fn, functools.partial) else fn
+    return (getattr(fn, '__module__', None) or '').startswith('jaxsim.')
+
+
+@contextlib.contextmanager
+def running_user_code(what: str, fn) -> Iterator[None]:
+    """Runs a block that calls `fn`, a user's loss, pooler or initializer: what it raises is one
+    `user_code_error` naming `what` and the user's line. A JaxsimError passes unchanged, and so
+    does everything when `fn` is jaxsim's own (a bug keeps its traceback)."""
+    try:
+        yield
+    except JaxsimError:
+        raise
+    except Exception as e:
+        if is_jaxsims(fn):
+            raise
+        raise user_code_error(what, e) from e
 
 
 def user_code_error(what: str, error: BaseException) -> UserCodeError:

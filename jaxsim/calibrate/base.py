@@ -47,8 +47,6 @@ class CalibrationError(JaxsimError):
     """A calibration that cannot be parsed, fitted, applied, saved or loaded as asked."""
 
 
-
-
 def _check_calibration(entry: Any) -> Optional[str]:
     """A registered calibration: a Calibration class whose `arg` mode parse_spec knows."""
     if not (inspect.isclass(entry) and issubclass(entry, Calibration)):

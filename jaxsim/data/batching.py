@@ -129,8 +129,7 @@ class EpochOrder:
         self.seed, self.shuffle = seed, shuffle
         self.keep_last, self.granularity = last_batch == 'keep', granularity
         self.full_batches = num_examples // global_batch
-        rest = num_examples - self.full_batches * global_batch
-        self.last_size = (rest // granularity) * granularity if last_batch == 'keep' else 0
+        self.last_size = self.size_at(self.full_batches * global_batch)
         if self.steps_per_epoch == 0:
             raise DataError(f'{num_examples} examples cannot fill one global batch of '
                             f'{global_batch}')
@@ -143,10 +142,6 @@ class EpochOrder:
     def dropped_per_epoch(self) -> int:
         """Examples of each epoch that no batch holds."""
         return self.num_examples - self.full_batches * self.global_batch - self.last_size
-
-    def batch_size(self, step: int) -> int:
-        """Examples in global batch `step` (0 <= step < steps_per_epoch) of an epoch."""
-        return self.global_batch if step < self.full_batches else self.last_size
 
     def size_at(self, start: int) -> int:
         """Examples in the global batch that starts at position `start` of an epoch: a full

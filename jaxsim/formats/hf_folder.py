@@ -43,16 +43,20 @@ def bundled_model_path() -> Path:
     raise ModelLoadError(f"{BUNDLED_MODEL_PACKAGE} is installed but holds no model/config.json")
 
 
+def _load_safetensors(path: Path) -> dict:
+    from safetensors.numpy import load_file
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises bare exceptions for corrupt headers
+        raise ModelLoadError(f"{path}: unreadable safetensors file: {e}") from None
+
+
 def read_state_dict(folder: Path) -> tuple[dict, Path]:
     """Reads `model.safetensors` (preferred) or `pytorch_model.bin` (needs torch) as numpy
     arrays."""
     safetensors_file = folder / "model.safetensors"
     if safetensors_file.is_file():
-        from safetensors.numpy import load_file
-        try:
-            return load_file(str(safetensors_file)), safetensors_file
-        except Exception as e:  # safetensors raises bare exceptions for corrupt headers
-            raise ModelLoadError(f"{safetensors_file}: unreadable safetensors file: {e}") from None
+        return _load_safetensors(safetensors_file), safetensors_file
     torch_file = folder / "pytorch_model.bin"
     if torch_file.is_file():
         try:
@@ -114,12 +118,7 @@ def _recorded_pooler_params(folder: Path, record: Optional[dict]) -> Optional[di
         raise ModelLoadError(f"{path}: not found: {folder / RECORD_FILE} records pooler "
                              f"{record.get('pooler')!r}, whose parameters the export keeps "
                              f"there; copy the whole export folder")
-    from safetensors.numpy import load_file
-    try:
-        flat = load_file(str(path))
-    except Exception as e:  # safetensors raises bare exceptions for corrupt headers
-        raise ModelLoadError(f"{path}: unreadable safetensors file: {e}") from None
-    return flax.traverse_util.unflatten_dict(flat, sep="/")
+    return flax.traverse_util.unflatten_dict(_load_safetensors(path), sep="/")
 
 
 def _check_recorded_pooler(path: Path, record: dict, config: BertConfig,

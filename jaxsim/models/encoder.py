@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from jaxsim.errors import JaxsimError, user_code_error
+from jaxsim.errors import running_user_code
 from jaxsim.models.bert import BertConfig, BertModel
 from jaxsim.models.mlm import MlmHead
 from jaxsim.models.poolers import PoolerError, get_pooler
@@ -77,14 +77,8 @@ class SentenceEncoder(nn.Module):
             word_embeddings = bert.variables["params"]["embeddings"]["word_embeddings"]
             MlmHead(self.config, self.dtype, name="mlm_head")(output.hidden_states[-1],
                                                              word_embeddings["embedding"])
-        try:
+        with running_user_code(f'pooler {self.pooler!r}', pooler.source):
             vectors = pooling(output, attention_mask, use_head=train or not self.mlp_only_train)
-        except JaxsimError:
-            raise
-        except Exception as e:  # a user's pooler: one line naming it and its line
-            if pooler.is_jaxsims:
-                raise
-            raise user_code_error(f'pooler {self.pooler!r}', e) from e
         shape = getattr(vectors, 'shape', None)
         if shape is None or len(shape) != 2 or shape[0] != input_ids.shape[0]:
             got = f'shape {tuple(shape)}' if shape is not None else type(vectors).__name__

@@ -58,11 +58,6 @@ class Pooler:
     hf_pooler: bool = False
     source: Any = None
 
-    @property
-    def is_jaxsims(self) -> bool:
-        """One of jaxsim's own poolers (an error in it is a bug, not a user's code)."""
-        return (getattr(self.source, '__module__', None) or '').startswith('jaxsim.')
-
 
 def _check_pooler(entry: Any) -> Optional[str]:
     """A registered pooler: made by `register_pooler`, buildable and callable as a model uses

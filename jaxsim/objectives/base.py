@@ -43,7 +43,7 @@ import inspect
 import numbers
 from typing import Any, Callable, Mapping, Optional
 
-from jaxsim.errors import JaxsimError, UserCodeError, user_code_error
+from jaxsim.errors import JaxsimError, UserCodeError, running_user_code
 from jaxsim.objectives.owned import init_owned
 from jaxsim.registry import Registry, describe
 
@@ -178,7 +178,6 @@ def with_context(loss: LossFn) -> Callable[..., tuple[Any, Mapping[str, Any]]]:
     wanted = context_args(loss)
     required = _required_args(loss)
     name = loss_name(loss)
-    own_code = _is_jaxsims(loss)
 
     def call(z, *, ids=None, step=None, key=None, params=None):
         if key is not None and 'key' in wanted:
@@ -190,14 +189,8 @@ def with_context(loss: LossFn) -> Callable[..., tuple[Any, Mapping[str, Any]]]:
             raise ObjectiveError(f"loss {name} needs {', '.join(n + '=' for n in absent)}: "
                                  f"pass it to the loss function (e.g. loss_fn(params, batch, "
                                  f"key, step=...))")
-        try:
+        with running_user_code(f'loss {name}', loss):  # one line naming it, not JAX's
             out = loss(z, **{n: given[n] for n in wanted if given[n] is not None})
-        except JaxsimError:
-            raise
-        except Exception as e:  # the user's loss: one line naming it and its line, not JAX's
-            if own_code:
-                raise
-            raise user_code_error(f'loss {name}', e) from e
         return _checked_output(out, name)
 
     return call
@@ -207,11 +200,6 @@ def loss_name(loss: LossFn) -> str:
     """A loss's name for messages: its function's, through functools.partial."""
     fn = loss.func if isinstance(loss, functools.partial) else loss
     return repr(getattr(fn, '__qualname__', None) or getattr(fn, '__name__', None) or fn)
-
-
-def _is_jaxsims(loss: LossFn) -> bool:
-    fn = loss.func if isinstance(loss, functools.partial) else loss
-    return (getattr(fn, '__module__', None) or '').startswith('jaxsim.')
 
 
 def _required_args(loss: LossFn) -> set[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Mapping
 
-from jaxsim.errors import JaxsimError, UserCodeError, user_code_error
+from jaxsim.errors import UserCodeError, running_user_code
 
 KEY = 'objective'
 
@@ -33,14 +33,8 @@ def init_owned(objective: Any, kwargs: Mapping[str, Any], key: Any) -> dict:
         named = {p.name for p in params}
         kwargs = {k: v for k, v in kwargs.items() if k in named}
     name = f"init_params of objective {getattr(objective, 'name', '')!r}"
-    try:
+    with running_user_code(name, init):
         made = init(key, **kwargs)
-    except JaxsimError:
-        raise
-    except Exception as e:  # the user's function: one line naming it and its line
-        if (getattr(init, '__module__', None) or '').startswith('jaxsim.'):
-            raise  # jaxsim's own (the learned temperature's): a bug keeps its traceback
-        raise user_code_error(name, e) from e
     if made is None:
         return {}
     if not isinstance(made, Mapping):
