@@ -55,14 +55,9 @@ def check_jax_configured() -> None:
 
 def dropout_key(root_key: jax.Array, prng_impl: str = 'threefry2x32') -> jax.Array:
     """The run's dropout key (the root key's 'dropout' use), of the PRNG implementation
-    `prng_impl`.
-
-    threefry2x32 (the default): dropout bits are a function of (key, global index), so masks do
-      not depend on the mesh: same numbers on any device count, exact resumes onto another mesh.
-    rbg / unsafe_rbg: XLA's RngBitGenerator. Faster where the hardware generates bits (TPU); on
-      XLA:CPU it is slower than threefry. Masks then depend on how arrays are laid out over
-      devices: a run is reproducible on the same mesh only ('unsafe_rbg' also derives keys
-      with it).
+    `prng_impl`: threefry2x32 (masks independent of the mesh, see `configure_jax`), or rbg /
+    unsafe_rbg, XLA's RngBitGenerator: faster on TPU, slower on XLA:CPU, and masks that depend
+    on the mesh, so a run is reproducible on the same mesh only.
     """
     if prng_impl not in PRNG_IMPLS:
         raise ValueError(f'unknown prng_impl {prng_impl!r}; known: {", ".join(PRNG_IMPLS)}')
@@ -83,20 +78,12 @@ def compiler_options(fast_compile: bool) -> Optional[dict]:
 
 def encode_views(encoder: SentenceEncoder, params: Any, batch: Batch, key: jax.Array,
                  views: int, head: Sequence = ()) -> jax.Array:
-    """Sentence vectors of every view of every example, in training mode.
+    """Sentence vectors [B, V, H] float32 of every view of every example, in training mode.
 
-    Args:
-      encoder: the module.
-      params: its parameters (and the head's Dense weights under 'st_head', if any).
-      batch: [B, D, L] int32 arrays; D is `views`, or 1 (each sentence then repeated `views`
-        times, so the views differ only by their dropout masks: unsupervised SimCSE).
-      key: the dropout key of this (micro-)batch.
-      views: V, the vectors per example the objective takes.
-      head: a sentence-transformers folder's modules after pooling (`jaxsim.models.st_head`:
-        Dense, Normalize), applied to the pooled vectors in JAX.
-
-    Returns:
-      z: [B, V, H] float32 (H: the head's output width).
+    `batch` holds [B, D, L] int32 arrays; D is `views`, or 1 (each sentence then repeated
+    `views` times, the views differing only by their dropout masks: unsupervised SimCSE).
+    `head`: a sentence-transformers folder's modules after pooling (`jaxsim.models.st_head`),
+    applied to the pooled vectors, their Dense weights under params['st_head'].
     """
     if head:  # its Dense weights ride in params beside the encoder's; a plain step has none
         params, weights = st_head.split_weights(params)
@@ -230,11 +217,6 @@ class CompileTarget:
 
 
 SPLIT_MODES = ('whole', 'packed', 'accumulate', 'cached')
-# What each mode needs of the two sizes; anything else contradicts the mode.
-_SPLIT_SIZES = {'whole': 'grad_accum_steps 1 and micro_batch_size 0',
-                'packed': 'grad_accum_steps 1 and micro_batch_size 0',
-                'accumulate': 'grad_accum_steps >= 2 and micro_batch_size 0',
-                'cached': 'grad_accum_steps 1 and micro_batch_size >= 1'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,29 +245,24 @@ class BatchSplit:
         accumulates, cached = self.mode == 'accumulate', self.mode == 'cached'
         if (self.grad_accum_steps < 1 or (self.grad_accum_steps > 1) != accumulates
                 or self.micro_batch_size < 0 or (self.micro_batch_size > 0) != cached):
-            raise ConfigError(f'batch split {self.mode!r} takes {_SPLIT_SIZES[self.mode]}, got '
-                              f'grad_accum_steps {self.grad_accum_steps} and micro_batch_size '
+            # What the mode needs of the two sizes; anything else contradicts it.
+            raise ConfigError(f'batch split {self.mode!r} takes grad_accum_steps '
+                              f'{">= 2" if accumulates else 1} and micro_batch_size '
+                              f'{">= 1" if cached else 0}, got grad_accum_steps '
+                              f'{self.grad_accum_steps} and micro_batch_size '
                               f'{self.micro_batch_size}')
 
 
 def make_train_step(*, loss: LossSpec, update: UpdateSpec, target: CompileTarget,
                     split: BatchSplit = BatchSplit()) -> Callable:
-    """The jitted `train_step(state, batch) -> (state, metrics)`.
-
-    Args:
-      loss: what it minimizes: encoder, objective, views, masked-LM term, head.
-      update: the optimizer, gradient divisor and learning-rate schedule.
-      target: the mesh, state shardings, XLA options and PRNG implementation it compiles for.
-      split: how it takes the batch (one pass, packed, accumulated or cached micro-batches).
+    """The jitted `train_step(state, batch) -> (state, metrics)` of what it minimizes (`loss`),
+    how it updates (`update`), what it compiles for (`target`) and how it takes the batch.
 
     The step's dropout key is `fold_in(state.rng, state.step)` (and `fold_in(., i)` for
     micro-batch i), so a run is a pure function of (config, seed, data order), whatever the mesh.
     A non-finite loss or gradient leaves the state unchanged (step included): the host stops
-    with the last good state intact.
-
-    Returns:
-      The jitted step; metrics hold 'loss', 'grad_norm' (of the divided gradient, before
-      clipping), 'lr' (with a schedule) and every aux entry the objective returns.
+    with the last good state intact. Metrics hold 'loss', 'grad_norm' (of the divided
+    gradient, before clipping), 'lr' (with a schedule) and every aux entry of the objective.
     """
     if split.mode == 'cached':
         if loss.mlm is not None:
@@ -298,22 +275,16 @@ def make_train_step(*, loss: LossSpec, update: UpdateSpec, target: CompileTarget
     else:
         grad_fn = jax.value_and_grad(make_loss_fn(loss.encoder, loss.objective, loss.views,
                                                   loss.mlm, loss.head), has_aux=True)
-    mesh, prng_impl = target.mesh, target.prng_impl
-    tx, grad_divisor, schedule = update.tx, update.grad_divisor, update.schedule
-    accum = split.grad_accum_steps
+    mesh, accum, grad_divisor = target.mesh, split.grad_accum_steps, update.grad_divisor
     sharded_update = None
     if target.update_shardings is not None:
         sharded_update = make_sharded_update(
-            tx, mesh, target.state_shardings.params, target.update_shardings,
+            update.tx, mesh, target.state_shardings.params, target.update_shardings,
             target.state_shardings.opt_state)
-    replicated = NamedSharding(mesh, P())
 
+    @rows_stay_on_their_devices(mesh)
     def train_step(state: TrainState, batch: Batch):
-        with rows_stay_on_their_devices(mesh):
-            return step_body(state, batch)
-
-    def step_body(state: TrainState, batch: Batch):
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng, impl=prng_impl),
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng, impl=target.prng_impl),
                                  state.step)
         if accum == 1:
             (value, aux), grads = grad_fn(state.params, batch, key, state.step)
@@ -324,54 +295,49 @@ def make_train_step(*, loss: LossSpec, update: UpdateSpec, target: CompileTarget
                 return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
             micro = jax.tree.map(split, dict(batch))
-            first = jax.tree.map(lambda x: x[0], micro)
-            # The aux structure is whatever the objective returns: zeros shaped like it.
-            aux_shape = jax.eval_shape(lambda p, b, k, s: grad_fn(p, b, k, s)[0][1],
-                                       state.params, first, key, state.step)
 
-            def body(carry, xs):
-                i, mb = xs
-                (v, a), g = grad_fn(state.params, mb, jax.random.fold_in(key, i), state.step)
-                acc_g, acc_v, acc_a = carry
-                return (jax.tree.map(jnp.add, acc_g, g), acc_v + v,
-                        jax.tree.map(jnp.add, acc_a, a)), None
+            def micro_grad(i, mb):
+                return grad_fn(state.params, mb, jax.random.fold_in(key, i), state.step)
 
-            init = (jax.tree.map(jnp.zeros_like, state.params), jnp.zeros((), jnp.float32),
-                    jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shape))
-            (grads, value, aux), _ = jax.lax.scan(body, init, (jnp.arange(accum), micro))
-            grads = jax.tree.map(lambda g: g / accum, grads)
-            value = value / accum
-            aux = jax.tree.map(lambda a: a / accum, aux)
+            # The aux structure is whatever the objective returns: sums start at zeros like it.
+            shapes = jax.eval_shape(micro_grad, 0, jax.tree.map(lambda x: x[0], micro))
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+            def body(acc, xs):
+                return jax.tree.map(jnp.add, acc, micro_grad(*xs)), None
+
+            total, _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
+            (value, aux), grads = jax.tree.map(lambda x: x / accum, total)
         if grad_divisor != 1.0:
             grads = jax.tree.map(lambda g: g / grad_divisor, grads)
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)
 
-        def update(operands):
+        def apply_update(operands):
             params, opt_state, grads = operands
             if sharded_update is not None:
                 return sharded_update(params, opt_state, grads, grad_norm)
             # The clipping reuses grad_norm instead of reading every gradient again.
-            updates, opt_state = optax.with_extra_args_support(tx).update(
+            updates, opt_state = optax.with_extra_args_support(update.tx).update(
                 grads, opt_state, params, grad_norm=grad_norm)
             return optax.apply_updates(params, updates), opt_state
 
         # Only the taken branch runs: a good step updates the donated state in place, a bad
         # one hands it back untouched. (A `where(ok, new, old)` over the whole state would
         # keep both copies alive and read params and both Adam moments once more.)
-        params, opt_state = jax.lax.cond(ok, update, lambda operands: operands[:2],
+        params, opt_state = jax.lax.cond(ok, apply_update, lambda operands: operands[:2],
                                          (state.params, state.opt_state, grads))
         new = state.replace(step=state.step + ok.astype(state.step.dtype), params=params,
                             opt_state=opt_state)
         metrics = {'loss': value, 'grad_norm': grad_norm, **aux}
-        if schedule is not None:
-            metrics['lr'] = jnp.asarray(schedule(state.step), jnp.float32)
+        if update.schedule is not None:
+            metrics['lr'] = jnp.asarray(update.schedule(state.step), jnp.float32)
         return new, metrics
 
     shardings = target.state_shardings
     return jax.jit(train_step,
                    in_shardings=(shardings, batch_shardings(mesh, split.mode == 'packed')),
-                   out_shardings=(shardings, replicated), donate_argnums=0,
+                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0,
                    compiler_options=target.compiler_options)
 
 

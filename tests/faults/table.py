@@ -66,8 +66,9 @@ FAULTS = (
           'return 1.0',
           ('tests/train/simcse_reference_test.py::test_sup_steps_match_reference',)),
     Fault('accumulated loss not averaged', 'jaxsim/train/step.py',
-          'value = value / accum',
-          'value = value / 1',
+          '(value, aux), grads = jax.tree.map(lambda x: x / accum, total)',
+          '(value, aux), grads = jax.tree.map(lambda x: x / accum, total)\n'
+          '            value = value * accum',
           (f'{STEP}::test_grad_accumulation_averages_any_aux_the_objective_returns',)),
     Fault('non-finite step applied', 'jaxsim/train/step.py',
           'ok = jnp.isfinite(value) & jnp.isfinite(grad_norm)',
