@@ -8,7 +8,7 @@ STS-B dev.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,19 +22,11 @@ from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
 
 DEV_METRIC = 'stsb_dev'
-TEST_METRIC = 'stsb_test'
 
 
 class StsbEvaluator:
-    """Scores parameters on STS-B dev (and test).
-
-    Args:
-      model: the model being trained (module, tokenizer); its params are passed per call.
-      mesh: the training mesh (the batch is split over its data axes).
-      root: the SentEval data folder.
-      max_length, batch_size: encoding settings.
-      test: also load the test split.
-    """
+    """Scores parameters on STS-B dev (and, with `test`, test) from the SentEval folder `root`,
+    encoding with `model` (its params are passed per call) on the training mesh."""
 
     def __init__(self, model: SentenceModel, mesh: Mesh, root: str, max_length: int,
                  batch_size: int, test: bool):
@@ -64,8 +56,3 @@ class StsbEvaluator:
 
     def has(self, split: str) -> bool:
         return split in self.tasks
-
-
-def optional_evaluator(model: SentenceModel, mesh: Mesh, root: str, max_length: int,
-                       batch_size: int, test: bool) -> Optional[StsbEvaluator]:
-    return StsbEvaluator(model, mesh, root, max_length, batch_size, test) if root else None

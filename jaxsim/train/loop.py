@@ -42,7 +42,7 @@ from jaxsim.storage import store
 from jaxsim.storage.lock import hold_workdir
 from jaxsim.train import build, records
 from jaxsim.train.config import TrainConfig
-from jaxsim.train.evaluate import DEV_METRIC, StsbEvaluator, optional_evaluator
+from jaxsim.train.evaluate import DEV_METRIC, StsbEvaluator
 from jaxsim.train.fingerprint import code_digests, parse_key_list
 from jaxsim.train.records import TrainResult
 from jaxsim.train.signals import deferred_signals
@@ -112,8 +112,8 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
     model = SentenceModel(encoder=encoder.clone(dtype=jnp.float32, remat="none"), params=None,
                           tokenizer=base.tokenizer, path=str(workdir),
                           max_seq_length=cfg.eval_max_len, head=base.head)
-    evaluator = optional_evaluator(model, mesh, cfg.senteval_root, cfg.eval_max_len,
-                                   cfg.eval_batch_size, cfg.eval_test)
+    evaluator = StsbEvaluator(model, mesh, cfg.senteval_root, cfg.eval_max_len,
+                              cfg.eval_batch_size, cfg.eval_test) if cfg.senteval_root else None
 
     # ---- 2. the workdir's run ---------------------------------------------------------------
     derived = {'data': {'source': source.name, 'examples': it.num_examples,
@@ -154,8 +154,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             cfg, encoder, objective, objective_kwargs, mesh, total,
             mlm=build.mlm_settings(cfg, base.config, base.tokenizer) if encoder.mlm else None,
             head=base.head)
-        tx, shardings, dropout_key = program.tx, program.shardings, program.dropout_key
-        ckpt = None
+        shardings, ckpt = program.shardings, None
         if cfg.checkpoint or latest is not None:
             ckpt = Checkpointer(workdir / CHECKPOINT_DIR, CheckpointOptions(
                 max_to_keep=cfg.keep_checkpoints, best_metric=DEV_METRIC if evaluator else None,
@@ -178,7 +177,7 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
             mine = build.owned_params(cfg, objective, objective_kwargs)
             if mine:  # the objective's own parameters, placed as the state keeps them
                 params = owned.join(params, jax.device_put(mine, shardings.params[owned.KEY]))
-            state, shardings = create_state(params, tx, dropout_key, mesh,
+            state, shardings = create_state(params, program.tx, program.dropout_key, mesh,
                                             program.compiler_options, shardings)
             step = 0
         base = base.without_weights()  # the state holds them: no second copy for the whole run
@@ -209,20 +208,12 @@ def train_and_evaluate(config: Union[TrainConfig, Mapping], workdir: Union[str, 
 
 @dataclasses.dataclass(frozen=True)
 class _RunParts:
-    """What the step loop drives, built once per run by `train_and_evaluate`.
-
-    Attributes:
-      train_step: the jitted `train_step(state, batch) -> (state, metrics)`.
-      batches: this process's host batches in the run's order; checkpoints keep its position.
-      prepare: a host batch -> the step's input (`build.batch_preparer`).
-      mesh: where each batch is placed (and the best parameters are restored to).
-      checkpointer: None when the run neither saves nor resumes.
-      log: metrics.jsonl (and TensorBoard).
-      evaluator: STS-B dev / test, or None.
-      say: prints a status line (a no-op unless progress is on in the main process).
-      show_bar: draw a progress bar.
-      started: called after each step is dispatched: once the first is (traced and compiled,
-        the objective and pooler run), a failure no longer takes back what a new run wrote.
+    """What the step loop drives, built once per run by `train_and_evaluate`. `batches`: this
+    process's host batches in the run's order (checkpoints keep its position); `prepare`: a
+    host batch -> the step's input; `checkpointer`: None when the run neither saves nor
+    resumes; `say`: a status line (a no-op unless progress is on in the main process);
+    `started`: called after each step is dispatched: once the first is (traced and compiled),
+    a failure no longer takes back what a new run wrote.
     """
 
     train_step: Callable
@@ -248,21 +239,18 @@ class _Loop:
         # What earlier (re)runs logged up to the restored step.
         rows = parts.log.rows
         self.dev_curve = [[r['step'], r[DEV_METRIC]] for r in rows if DEV_METRIC in r]
-        losses = [r['loss'] for r in rows if r.get('loss') is not None]
-        self.last_loss = losses[-1] if losses else None
-        self.best_step, self.best_dev, self.best_params = None, None, None
-        for s, v in self.dev_curve:
-            if self.best_dev is None or v > self.best_dev:  # the first best wins ties (HF)
-                self.best_step, self.best_dev = s, v
+        self.last_loss = next((r['loss'] for r in reversed(rows) if r.get('loss') is not None),
+                              None)
+        # The first best wins ties (HF), as max keeps the first of equal items.
+        self.best_step, self.best_dev = max(self.dev_curve, key=lambda r: r[1],
+                                            default=(None, None))
+        self.best_params = None
 
     # ------------------------------------------------------------------ pieces
     def _is_eval(self, step: int) -> bool:
         every = self.cfg.eval_every
         return self.parts.evaluator is not None and (
             (every > 0 and step % every == 0) or (step == self.total and self.cfg.eval_at_end))
-
-    def _is_log(self, step: int) -> bool:
-        return step % self.cfg.log_every == 0 or step == self.total
 
     def _evaluate(self, step: int, bar) -> float:
         if bar is not None:
@@ -310,7 +298,7 @@ class _Loop:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f'{m["loss"]:.4f}')
-            row = m if self._is_log(s) else {}
+            row = m if s % self.cfg.log_every == 0 or s == self.total else {}
             if s == self.step:
                 current = row
             elif row:
@@ -407,11 +395,9 @@ def run_seeds(config: Union[TrainConfig, Mapping], workdir: Union[str, Path],
     workdir = store.as_path(workdir, '--workdir')
     records.check_seeds_workdir(workdir)
     configs = {int(seed): cfg.replace(seed=int(seed)) for seed in seeds}  # all checked first
-    runs = {}
-    for seed, seed_cfg in configs.items():
-        r = train_and_evaluate(seed_cfg, workdir / f'seed_{seed}',
-                               progress=progress, allow_changes=allow_changes)
-        runs[int(seed)] = r.to_json()
+    runs = {seed: train_and_evaluate(seed_cfg, workdir / f'seed_{seed}', progress=progress,
+                                     allow_changes=allow_changes).to_json()
+            for seed, seed_cfg in configs.items()}
 
     def stats(key):
         values = [r[key] for r in runs.values() if r[key] is not None]
