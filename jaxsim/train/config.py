@@ -38,10 +38,8 @@ class TrainConfig:
       pooler: a registered pooler; 'cls' has the dense + tanh head (SimCSE's MLP), created
         fresh as in the reference.
       mlp_only_train: apply that head only in training (unsupervised SimCSE).
-      keep_head: a sentence-transformers base model's modules after pooling (Dense, Normalize)
-        are kept: applied after the pooler in training (Dense weights trained), recorded in the
-        workdir, its checkpoints, `load_pretrained(workdir)` and exports. False drops them
-        (the run trains and ships the encoder and pooler only). No effect with random_init.
+      keep_head: keep a sentence-transformers base model's modules after pooling (Dense,
+        Normalize; docs/training.md); False trains and ships the encoder and pooler only.
       dtype: 'float32' or 'bfloat16' compute; master params are always float32.
     Objective:
       objective: a registered objective ('unsup', 'sup', or one registered by user code).
@@ -63,16 +61,11 @@ class TrainConfig:
       batch_size: the GLOBAL batch (the in-batch negatives come from all of it), split into
         grad_accum_steps micro-batches.
       grad_accum_steps: A > 1 averages the gradients of A micro-batches of batch_size / A and
-        applies one update. This CHANGES the objective of a contrastive loss: each micro-batch
-        only sees its own batch_size / A examples as negatives. To keep every negative with
-        the memory of a smaller batch, use micro_batch_size instead.
-      micro_batch_size: M > 0 computes the gradient of the whole batch's loss in micro-batches
-        of M examples (cached gradients, Gao et al. 2021 "GradCache"): embed the batch M at a
-        time without keeping activations, take the loss and its gradient with respect to the
-        vectors over the whole batch, then re-run each micro-batch with the same dropout masks
-        and back-propagate its vectors' gradient. Same objective and gradient as one pass (to
-        float32 rounding), every negative kept; activation memory of M examples, about one
-        extra forward pass of compute. 0 = one pass. Not with grad_accum_steps > 1 or the
+        applies one update. This CHANGES a contrastive objective: each micro-batch sees only
+        its own examples as negatives (micro_batch_size keeps them all).
+      micro_batch_size: M > 0 computes the whole batch's gradient in micro-batches of M
+        examples (cached gradients, `jaxsim.train.grad_cache`): the same objective and gradient,
+        activation memory of M examples. 0 = one pass. Not with grad_accum_steps > 1 or the
         masked-LM term.
       num_epochs / max_steps: length; max_steps > 0 wins, else ceil(num_epochs x batches per
         epoch) as the HF Trainer counts.
@@ -81,14 +74,10 @@ class TrainConfig:
       max_grad_norm (global-norm clipping; 0 = off), adam_b1, adam_b2, adam_eps, seed.
       prng_impl: dropout PRNG: 'threefry2x32' (masks independent of the mesh) or 'rbg' /
         'unsafe_rbg' (faster on TPU, slower on CPU, masks depend on the mesh); see step.py.
-      grad_reduction: how the gradient is scaled under data parallelism.
-        'global_mean' (default): the gradient of the loss of the whole global batch. It does
-          not depend on the device count, so a run means the same on 1 or 64 devices.
-        'replica_mean': that gradient divided by `grad_replicas`. This is what SimCSE's
-          multi-GPU runs compute: each rank all-gathers the vectors without gradient, back-
-          propagates through its own rows only, and DDP averages over ranks, so the update is
-          grad(global loss) / world_size. It matters through clipping (max_grad_norm) and
-          Adam's epsilon; use it to reproduce a reference run made on N GPUs.
+      grad_reduction: 'global_mean' (default): the gradient of the global batch's loss, the same
+        on any device count. 'replica_mean': that gradient divided by `grad_replicas`, as
+        SimCSE's multi-GPU runs compute it (each rank back-propagates its own rows, DDP averages
+        over ranks); it matters through clipping and Adam's epsilon.
       grad_replicas: the divisor for 'replica_mean' (the reference's GPU count); 0 = this
         mesh's batch shards (data x fsdp).
     Mesh: mesh_data (-1 = all remaining devices), mesh_fsdp, mesh_tensor: the axes within a
@@ -100,19 +89,14 @@ class TrainConfig:
       mesh axis (or a list of them, or '' for replicated), e.g. {'vocab': ''} keeps the word
       embeddings whole under a tensor mesh. replicate_indivisible: a parameter dimension the
       rules shard but the mesh cannot divide is replicated (else an error naming it).
-    shard_optimizer_state: Adam's moments split over the 'data' axis and each device updating
-      its slice of every parameter, then all-gathering it (ZeRO-1, `jaxsim.train.
-      sharded_update`): the moments' HBM divided by mesh_data, the same state (tested equal on
-      data and fsdp meshes). Parameters no dimension but the last of which divides (biases, a
-      30522-row vocabulary) stay whole. A layout choice: a run may resume with it changed.
-    pack_length: > 0 packs each batch's sentences end to end into rows of this many tokens
-      (at least max_len; max_len is the least attention work, as each row's scores cover the
-      whole row before the mask keeps them to each sentence: at max_len 32, rows of 32 trained
-      faster than rows of 64), attention kept within each sentence (`jaxsim.data.packing`):
-      the same vectors and loss without computing padding (SNLI at max_len 32: 43% of the
-      tokens), only the dropout masks are drawn over the packed rows. Each batch shard is
-      packed on its own (no gather crosses devices); a batch compiles the step once per row
-      count (a multiple of 8). 0 = off. Not with grad_accum_steps > 1 or micro_batch_size.
+    shard_optimizer_state: Adam's moments split over the 'data' axis, each device updating its
+      slice of every parameter (ZeRO-1, `jaxsim.train.sharded_update`): the same state, the
+      moments' memory divided by mesh_data. A layout choice: a run may resume with it changed.
+    pack_length: > 0 packs each batch's sentences end to end into rows of this many tokens (at
+      least max_len, which is the least attention work; docs/performance.md), attention kept
+      within each sentence (`jaxsim.data.packing`): the same vectors and loss without computing
+      padding; only the dropout masks differ. 0 = off. Not with grad_accum_steps > 1 or
+      micro_batch_size.
     remat: recompute activations in the backward pass, per transformer layer: 'none' (keep
       them all), 'full' (keep only each layer's input), 'dots' (keep the outputs of the
       matrix products without batch dimensions, recompute the rest).
@@ -221,7 +205,8 @@ class TrainConfig:
                 _bad(f'{name} must be >= {low}, got {getattr(self, name)}')
         if self.mesh_data < 1 and self.mesh_data != -1:
             _bad(f'mesh_data must be >= 1 or -1 (all devices), got {self.mesh_data}')
-        for name in ('learning_rate', 'weight_decay', 'max_grad_norm', 'num_epochs'):
+        for name in ('learning_rate', 'weight_decay', 'max_grad_norm', 'num_epochs',
+                     'mlm_weight'):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 _bad(f'{name} must be a finite number >= 0, got {value}')
@@ -256,8 +241,6 @@ class TrainConfig:
             _bad("data_format 'tfds' needs tfds_name")
         if self.data_format in ('text', 'csv') and not self.train_file:
             _bad(f"train_file is empty (data_format {self.data_format!r})")
-        if not (math.isfinite(self.mlm_weight) and self.mlm_weight >= 0):
-            _bad(f'mlm_weight must be a finite number >= 0, got {self.mlm_weight}')
         if not 0 < self.mlm_probability < 1:
             _bad(f'mlm_probability must be in (0, 1), got {self.mlm_probability}')
         if not self.objective:

@@ -31,42 +31,31 @@ def load_config_file(spec: str) -> dict[str, Any]:
                           f'got {type(fields).__name__}')
     fields = to_plain(fields)
     check_keys(fields, str(path))
-    merged = to_plain(DEFAULTS)
-    merged.update(fields)
-    return merged
+    return {**to_plain(DEFAULTS), **fields}
 
 
 def _parse(text: str, like: Any, key: str) -> Any:
     """Parses an override value by the type of the field's default."""
     if isinstance(like, bool):
         low = text.strip().lower()
-        if low in ('true', '1', 'yes'):
-            return True
-        if low in ('false', '0', 'no'):
-            return False
+        if low in ('true', '1', 'yes', 'false', '0', 'no'):
+            return low in ('true', '1', 'yes')
         raise ConfigError(f'--config.{key}={text}: expected true or false')
-    if isinstance(like, int):
+    if isinstance(like, (int, float)):
         try:
-            return int(text)
+            return type(like)(text)
         except ValueError:
-            raise ConfigError(f'--config.{key}={text}: expected an integer') from None
-    if isinstance(like, float):
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(f'--config.{key}={text}: expected a number') from None
-    if isinstance(like, (list, tuple)):
-        if text.strip().startswith('['):
-            value = _literal(text, key)
-            if not isinstance(value, list):
-                raise ConfigError(f'--config.{key}={text}: expected a list')
-            return value
-        return [s.strip() for s in text.split(',') if s.strip()]
-    if isinstance(like, dict):
+            what = 'an integer' if isinstance(like, int) else 'a number'
+            raise ConfigError(f'--config.{key}={text}: expected {what}') from None
+    if isinstance(like, dict) or (isinstance(like, (list, tuple))
+                                  and text.strip().startswith('[')):
+        kind = dict if isinstance(like, dict) else list
         value = _literal(text, key)
-        if not isinstance(value, dict):
-            raise ConfigError(f'--config.{key}={text}: expected a dict')
+        if not isinstance(value, kind):
+            raise ConfigError(f'--config.{key}={text}: expected a {kind.__name__}')
         return value
+    if isinstance(like, (list, tuple)):
+        return [s.strip() for s in text.split(',') if s.strip()]
     if like is None:  # an entry of a dict field: a Python literal, else a string
         try:
             return ast.literal_eval(text)

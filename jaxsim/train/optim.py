@@ -73,14 +73,8 @@ def fused_adamw(schedule: optax.Schedule, *, b1: float, b2: float, eps: float,
     """`chain(clip_by_global_norm(max_norm), optax.adamw(...))` (no clipping when max_norm is
     0) as one elementwise expression per leaf: same state (so checkpoints are interchangeable),
     same arithmetic up to float32 rounding. Its `update` takes the gradients' global norm as
-    `grad_norm=` (optional).
-
-    Why: composed from optax's parts, XLA writes the clipped gradients out (a division it will
-    not repeat in two consumers) and reads them next to the raw ones in both moment updates:
-    14 passes over the parameters' size. Here clipping is a scalar factor that fuses into each
-    consumer, so the update reads gradient, moments and parameters and writes moments and
-    parameters: 10 passes (the two moment updates and the parameter update are three fusions;
-    XLA:CPU does not merge them into one multi-output loop).
+    `grad_norm=` (optional). Why: clipping becomes a scalar factor that fuses into each consumer
+    instead of a written-out clipped copy (fewer passes over memory, docs/performance.md).
     """
     parts = [clip_by_global_norm(max_norm)] if max_norm > 0 else []
     reference = optax.chain(*parts, optax.adamw(schedule, b1=b1, b2=b2, eps=eps,
@@ -133,13 +127,9 @@ def build_optimizer(*, total_steps: int, optimizer: str = DEFAULTS['optimizer'],
     """Global-norm clipping (when max_grad_norm > 0), then AdamW or plain SGD on
     `linear_schedule(learning_rate, total_steps, warmup_steps)`. Keywords and defaults are the
     TrainConfig's fields. Its `update` takes the gradients' global norm as `grad_norm=`
-    (optional).
-
-    AdamW matches `transformers.AdamW` (bias-corrected moments, decoupled weight decay scaled
-    by the learning rate), fused with the clipping (`fused_adamw`: optax's state and
-    arithmetic, fewer passes over memory). SGD (no momentum) is the optimizer whose update is a
-    fixed multiple of the gradient, which makes cross-mesh comparisons exact up to gradient
-    rounding.
+    (optional). AdamW matches `transformers.AdamW` (`fused_adamw`); SGD (no momentum) updates
+    by a fixed multiple of the gradient, which makes cross-mesh comparisons exact up to
+    gradient rounding.
     """
     if optimizer not in ('adamw', 'sgd'):
         raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
@@ -147,13 +137,10 @@ def build_optimizer(*, total_steps: int, optimizer: str = DEFAULTS['optimizer'],
     if optimizer != 'sgd':
         return fused_adamw(schedule, b1=adam_b1, b2=adam_b2, eps=adam_eps,
                            weight_decay=weight_decay, mask=decay_mask, max_norm=max_grad_norm)
-    parts = []
-    if max_grad_norm > 0:
-        parts.append(clip_by_global_norm(max_grad_norm))
-    parts.append(optax.sgd(schedule))
+    parts = [clip_by_global_norm(max_grad_norm)] if max_grad_norm > 0 else []
     if weight_decay > 0:
-        parts.insert(-1, optax.add_decayed_weights(weight_decay, mask=decay_mask))
-    return optax.chain(*parts)
+        parts.append(optax.add_decayed_weights(weight_decay, mask=decay_mask))
+    return optax.chain(*parts, optax.sgd(schedule))
 
 
 def make_optimizer(cfg: TrainConfig, total_steps: int) -> optax.GradientTransformation:
