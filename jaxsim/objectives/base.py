@@ -1,39 +1,13 @@
 """The objectives registry: a name -> how many views of each example a loss needs + the loss.
 
-An objective is a pure function of the sentence vectors of one (micro-)batch:
+An objective is a pure function of the sentence vectors of one (micro-)batch,
 
     loss(z: [batch, views, hidden] float32, **hyperparameters) -> (scalar loss, aux dict)
 
-`aux` holds scalar diagnostics (e.g. alignment, uniformity); the train step averages them over
-gradient-accumulation micro-batches and logs them, whatever their names. Hyperparameters come
-from the train config's `objective_kwargs`, so a new objective with its own settings is one
-decorated function in the user's own file:
-
-    from jaxsim.objectives import register_objective
-
-    @register_objective('margin', views=2, from_single=True)
-    def margin_loss(z, margin=0.2):
-        ...
-        return loss, {'mean_cos': ...}
-
-and `objective='margin', objective_kwargs={'margin': 0.3}` in a config.
-
-A loss may also take, by name, what the train step knows beside the vectors (CONTEXT_ARGS):
-`ids` (the batch's token ids [batch, sentences per example, len]), `step` (the optimizer step,
-an int32 scalar), `key` (a PRNG key of its own for this (micro-)batch) and `params` (the
-parameters the objective owns, see below). Only a loss whose signature names one gets it; the
-signature is read once, when the step is built.
-
-An objective may own parameters, trained with the encoder by the same optimizer, checkpointed,
-and left out of every export (`jaxsim.objectives.owned`): register it with
-`init_params=fn`, `fn(key, **hyperparameters) -> pytree` ({} for none), and its loss gets the
-current values as `params=`:
-
-    @register_objective('scaled', views=2, from_single=True,
-                        init_params=lambda key, scale=20.0: {'log_scale': jnp.log(scale)})
-    def scaled(z, scale=20.0, *, params):
-        logits = jnp.exp(params['log_scale']) * cosine_matrix(z[:, 0], z[:, 1])
-        ...
+`aux` holds scalar diagnostics, averaged over accumulated micro-batches and logged whatever
+their names; the hyperparameters come from the config's `objective_kwargs`. A loss may also
+name what the train step knows (CONTEXT_ARGS: `ids`, `step`, `key`, `params`) and own
+parameters (`init_params=`, `jaxsim.objectives.owned`); docs/extending.md shows each.
 """
 from __future__ import annotations
 
@@ -42,6 +16,10 @@ import functools
 import inspect
 import numbers
 from typing import Any, Callable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxsim.errors import JaxsimError, UserCodeError, running_user_code
 from jaxsim.objectives.owned import init_owned
@@ -102,20 +80,9 @@ OBJECTIVES: Registry[Objective] = Registry("objective", error=ObjectiveError,
 def register_objective(name: str, *, views: int, from_single: bool = False,
                        replace: bool = False, init_params: Optional[Callable[..., Any]] = None,
                        min_batch: int = 1) -> Callable[[LossFn], LossFn]:
-    """Decorator registering `loss(z, **kwargs) -> (loss, aux)` as objective `name`.
-
-    Args:
-      name: the name configs use (`objective=name`).
-      views: vectors per example the loss takes.
-      from_single: a one-sentence example may feed it (repeated `views` times).
-      replace: allow replacing an existing objective of that name.
-      init_params: `init_params(key, **hyperparameters) -> pytree`: the parameters the
-        objective owns (its loss then takes `params=`); see `jaxsim.objectives.owned`.
-      min_batch: the fewest examples a loss's batch may hold (training refuses fewer).
-
-    Returns:
-      The decorator; it returns the function unchanged.
-    """
+    """Decorator registering `loss(z, **kwargs) -> (loss, aux)` as objective `name` (the
+    keywords are the Objective's attributes; `replace` allows replacing one of that name). It
+    returns the function unchanged."""
     if not isinstance(views, int) or views < 1:
         raise ObjectiveError(f"objective {name!r}: views must be a positive int, got {views!r}")
     if not isinstance(min_batch, int) or isinstance(min_batch, bool) or min_batch < 1:
@@ -158,13 +125,16 @@ def get_objective(name: str) -> Objective:
     return OBJECTIVES.get(name)
 
 
+def _parameters(loss: LossFn) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(loss).parameters.values())
+    except (TypeError, ValueError):  # a callable without a readable signature: vectors only
+        return []
+
+
 def context_args(loss: LossFn) -> tuple[str, ...]:
     """The CONTEXT_ARGS `loss` (a function or a functools.partial of one) names after `z`."""
-    try:
-        params = list(inspect.signature(loss).parameters.values())[1:]
-    except (TypeError, ValueError):  # a callable without a readable signature: vectors only
-        return ()
-    named = {p.name for p in params if p.kind in _NAMED}
+    named = {p.name for p in _parameters(loss)[1:] if p.kind in _NAMED}
     return tuple(n for n in CONTEXT_ARGS if n in named)
 
 
@@ -176,12 +146,11 @@ def with_context(loss: LossFn) -> Callable[..., tuple[Any, Mapping[str, Any]]]:
     of its own (1 is the masked-LM term's).
     """
     wanted = context_args(loss)
-    required = _required_args(loss)
+    required = {p.name for p in _parameters(loss) if p.default is p.empty}
     name = loss_name(loss)
 
     def call(z, *, ids=None, step=None, key=None, params=None):
         if key is not None and 'key' in wanted:
-            import jax  # noqa: PLC0415  (the registry itself imports no JAX)
             key = jax.random.fold_in(key, 2)
         given = {'ids': ids, 'step': step, 'key': key, 'params': params}
         absent = [n for n in wanted if n in required and given[n] is None]
@@ -202,19 +171,9 @@ def loss_name(loss: LossFn) -> str:
     return repr(getattr(fn, '__qualname__', None) or getattr(fn, '__name__', None) or fn)
 
 
-def _required_args(loss: LossFn) -> set[str]:
-    try:
-        params = inspect.signature(loss).parameters.values()
-    except (TypeError, ValueError):
-        return set()
-    return {p.name for p in params if p.default is p.empty}
-
-
 def _checked_output(out: Any, name: str) -> tuple[Any, Mapping[str, Any]]:
     """The loss's `(scalar loss, {name: scalar})`, or an error saying what came back instead:
     a wrong shape would otherwise fail inside the gradient with a message naming no loss."""
-    import numpy as np
-
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], Mapping)):
         got = (f'a tuple of {len(out)}' if isinstance(out, (tuple, list))
                else f'an array of shape {np.shape(out)}' if hasattr(out, 'shape')
@@ -234,8 +193,6 @@ def _checked_output(out: Any, name: str) -> tuple[Any, Mapping[str, Any]]:
 
 
 def _described(value: Any) -> str:
-    import numpy as np
-
     return f'shape {np.shape(value)}' if hasattr(value, 'shape') else type(value).__name__
 
 
@@ -253,8 +210,7 @@ def check_kwargs(objective: Objective, kwargs: Mapping[str, Any]) -> dict[str, A
     Raises:
       ObjectiveError: naming an argument the loss does not take, or a required one missing.
     """
-    signature = inspect.signature(objective.loss)
-    params = list(signature.parameters.values())[1:]
+    params = list(inspect.signature(objective.loss).parameters.values())[1:]
     takes_any = any(p.kind == p.VAR_KEYWORD for p in params)
     known = hyperparameters(objective)
     context = sorted(k for k in kwargs if k in CONTEXT_ARGS)
@@ -288,9 +244,6 @@ def check_kwargs(objective: Objective, kwargs: Mapping[str, Any]) -> dict[str, A
 def _probe(objective: Objective, kwargs: Mapping[str, Any]) -> None:
     """Traces the loss on tiny abstract inputs, so its own checks of the values (e.g. temp > 0)
     refuse them before a run writes anything, not at its first step."""
-    import jax
-    import jax.numpy as jnp
-
     z = jax.ShapeDtypeStruct((4, objective.views, 8), jnp.float32)
     ids = jax.ShapeDtypeStruct((4, objective.views, 5), jnp.int32)
     loss = with_context(functools.partial(objective.loss, **kwargs))

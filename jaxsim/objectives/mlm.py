@@ -47,15 +47,9 @@ class MlmSettings:
 
 def mlm_term(encoder: SentenceEncoder, params: Any, arrays: Mapping[str, jax.Array],
              key: jax.Array, settings: MlmSettings) -> jax.Array:
-    """Mean masked-LM cross-entropy over one batch.
-
-    Args:
-      encoder: the SentenceEncoder (built with `mlm=True`).
-      params: its parameters (with 'mlm_head').
-      arrays: 'input_ids', 'attention_mask', 'token_type_ids', each [rows, len].
-      key: PRNG key: masking and dropout.
-      settings: see MlmSettings.
-    """
+    """Mean masked-LM cross-entropy over one batch of [rows, len] `arrays` ('input_ids',
+    'attention_mask', 'token_type_ids'), through `encoder` built with `mlm=True`; `key` draws
+    the masking and the dropout."""
     k_mask, k_dropout = jax.random.split(key)
     ids, mask = arrays["input_ids"], arrays["attention_mask"]
     masked, labels = mask_tokens(k_mask, ids, mask, settings.special_ids, settings.mask_id,

@@ -16,6 +16,10 @@ from __future__ import annotations
 import inspect
 from typing import Any, Mapping
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jaxsim.errors import UserCodeError, running_user_code
 
 KEY = 'objective'
@@ -45,10 +49,6 @@ def init_owned(objective: Any, kwargs: Mapping[str, Any], key: Any) -> dict:
 
 def _check_trainable(name: str, tree: Mapping[str, Any]) -> None:
     """The optimizer differentiates every leaf: each must be a floating-point array."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         dtype = getattr(leaf, 'dtype', None)
         if dtype is None:

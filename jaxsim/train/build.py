@@ -270,17 +270,9 @@ def param_rules(cfg: TrainConfig) -> tuple[dict, bool]:
 
 @dataclasses.dataclass(frozen=True)
 class TrainProgram:
-    """The jitted train step of a config and what its state is built from.
-
-    Attributes:
-      train_step: `train_step(state, batch) -> (state, metrics)`, jitted with shardings.
-      tx: the optimizer.
-      state_shape: the TrainState as ShapeDtypeStructs.
-      shardings: a TrainState of NamedShardings.
-      init_key: the parameters' initialization key.
-      dropout_key: the run's dropout key (the state's `rng`).
-      compiler_options: the XLA options the step (and the state's init) compile with.
-    """
+    """The jitted `train_step(state, batch) -> (state, metrics)` of a config and what its
+    state is built from: the optimizer, the TrainState's shapes and shardings, the keys of the
+    parameters' init and of dropout (the state's `rng`), the XLA options both compile with."""
 
     train_step: Callable
     tx: Any
@@ -297,15 +289,11 @@ def init_key(seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), 1)
 
 
-def objective_key(seed: int) -> jax.Array:
-    """The key the objective's own parameters are drawn with (`init_params`): the root key's
-    use 4 (1: the encoder's init, 2 and 3: dropout)."""
-    return jax.random.fold_in(jax.random.key(seed), 4)
-
-
 def owned_params(cfg: TrainConfig, objective: Objective, objective_kwargs: dict) -> dict:
-    """The objective's own parameters a run of `cfg` starts with ({} when it owns none)."""
-    return owned.init_owned(objective, objective_kwargs, objective_key(cfg.seed))
+    """The objective's own parameters a run of `cfg` starts with ({} when it owns none), drawn
+    with the root key's use 4 (1: the encoder's init, 2 and 3: dropout)."""
+    return owned.init_owned(objective, objective_kwargs,
+                            jax.random.fold_in(jax.random.key(cfg.seed), 4))
 
 
 def train_batches(cfg: TrainConfig, source: Any, tokenizer: Any, mesh) -> StreamIterator:

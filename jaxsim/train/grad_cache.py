@@ -36,15 +36,9 @@ def make_cached_grad_fn(encoder: SentenceEncoder, loss: LossFn, *, views: int,
     """`grad_fn(params, batch, key, step=None) -> ((loss, aux), grads)`, equal to
     `jax.value_and_grad(loss(encode_views(...)), has_aux=True)` over the whole batch.
 
-    Args:
-      encoder: the module.
-      loss: `loss(z [B, V, H]) -> (scalar, aux)`; one that names `ids`, `step`, `key` or
-        `params` gets the whole batch's token ids, the step, its key and the parameters it
-        owns (the trainable tree's 'objective'), as in the one-pass step.
-      views: V.
-      micro_batch_size: M, examples embedded at once; it divides the batch.
-      mesh: the device mesh (micro-batches are split over its batch axes).
-      encode_views: `encode_views(encoder, params, batch, key, views) -> z` (the train step's).
+    `loss` gets the context it names (`with_context`) of the whole batch, as in the one-pass
+    step; `micro_batch_size` M examples are embedded at once (M divides the batch), each
+    micro-batch split over the mesh's batch axes; `encode_views` is the train step's.
     """
     m = micro_batch_size
     objective = with_context(loss)

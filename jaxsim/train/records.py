@@ -5,9 +5,6 @@ run computes (the run-defining config keys, a digest of the tokenized data, the 
 divisor) and the history of changes the user allowed. A rerun in the same workdir is checked
 against it BEFORE anything is written: the same run resumes, a different one is refused in one
 line naming the differing keys, unless those keys are explicitly allowed.
-
-Every JSON file is written strictly (no NaN/inf) and atomically (temp file + rename), so a
-reader never sees half a file and a killed writer leaves the previous version.
 """
 from __future__ import annotations
 
@@ -90,13 +87,8 @@ def check_seeds_workdir(workdir: store.Path) -> None:
 
 
 def make_record(cfg: TrainConfig, derived: Mapping[str, Any], run: Mapping[str, Any]) -> dict:
-    """The content of config.json for a run.
-
-    Args:
-      cfg: the config.
-      derived: run-defining values computed from it (DERIVED_KEYS).
-      run: descriptive facts that may change between resumes (devices, mesh, total steps).
-    """
+    """The content of config.json for a run: `derived` holds the run-defining values computed
+    from `cfg` (DERIVED_KEYS), `run` facts that may change between resumes (devices, mesh)."""
     compared = {**run_defining(cfg), **derived}
     return {'format': RECORD_FORMAT, 'version': 1, 'config': cfg.to_dict(),
             'derived': dict(derived), 'fingerprint': fingerprint(compared), 'run': dict(run),
@@ -165,16 +157,10 @@ def _code_change(record: Mapping[str, Any], old: Any, new: Any) -> str:
 
 def check_workdir(workdir: store.Path, record: dict, allow: Sequence[str] = (),
                   step: Optional[int] = None) -> Decision:
-    """Compares the run about to start with the one stored in `workdir`; writes nothing.
-
-    Args:
-      workdir: the folder.
-      record: `make_record(...)` of the run about to start.
-      allow: run-defining keys (config keys or DERIVED_KEYS) allowed to differ.
-      step: the step the run resumes from (noted in the change history).
-
-    Raises:
-      RunMismatchError: one line naming the differing keys and how to proceed.
+    """Compares the run about to start (`record`, of `make_record`) with the one stored in
+    `workdir`; writes nothing. `allow`: run-defining keys (config keys or DERIVED_KEYS) allowed
+    to differ; `step`: the step it resumes from (noted in the change history). Otherwise a
+    RunMismatchError: one line naming the differing keys and how to proceed.
     """
     old = _read(workdir / CONFIG_FILE)
     if old is None:

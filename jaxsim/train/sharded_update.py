@@ -1,15 +1,10 @@
 """The optimizer update split over the 'data' axis (ZeRO-1, `shard_optimizer_state`).
 
-A data-parallel step holds every parameter, gradient and Adam moment whole on every device,
-and every device runs the same update of all of them: on a pod the update of BERT-base's 110M
-float32 parameters (seven passes over 4 bytes each) is most of the step at the papers'
-batches. Here each device keeps 1/data of the moments and updates 1/data of every parameter
-(`sharding.update_specs` says which slice), then the updated slices are all-gathered.
-
-The update runs under `shard_map` with the slice taken by the device's index: the gradients
-arrive whole from the step's own reduction, so the partitioner never re-plans the backward
-pass's products around a split gradient (which, left to itself, it did: dozens of
-collective-permutes and no fewer bytes).
+Each device keeps 1/data of Adam's moments and updates 1/data of every parameter
+(`sharding.update_specs` says which slice), then the updated slices are all-gathered
+(docs/pod.md). The update runs under `shard_map`, the slice taken by the device's index: the
+gradients arrive whole, so the partitioner never re-plans the backward pass's products around
+a split gradient (which, left to itself, it did: dozens of collective-permutes).
 """
 from __future__ import annotations
 

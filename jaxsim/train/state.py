@@ -94,18 +94,9 @@ def state_shape(encoder: SentenceEncoder, tx: optax.GradientTransformation,
 def create_state(params: Any, tx: optax.GradientTransformation, rng: jax.Array, mesh: Mesh,
                  compiler_options: Optional[dict] = None,
                  shardings: Optional[TrainState] = None) -> tuple[TrainState, TrainState]:
-    """Builds the optimizer state on the mesh, next to `params` (already placed there).
-
-    Args:
-      params: the parameter tree (e.g. from `jaxsim.models.encoder.init_params`).
-      tx: the optimizer.
-      rng: a PRNG key (the run's 'dropout' use); stored as raw key data.
-      mesh: the device mesh.
-      compiler_options: XLA options for the one-off init computation.
-      shardings: where the state lives (default: `state_shardings` by the default rules).
-
-    Returns:
-      (state, shardings): shardings is a TrainState of NamedShardings.
+    """(state, shardings): the TrainState built on the mesh next to `params` (already placed
+    there), `rng` (the run's dropout key) stored as raw key data, and the TrainState of
+    NamedShardings it lives at (`shardings`, default: `state_shardings` by the default rules).
     """
     init = _init_fn(tx, rng)
     if shardings is None:
