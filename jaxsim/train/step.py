@@ -161,17 +161,10 @@ def make_loss_fn(encoder: SentenceEncoder, loss: LossFn, views: int,
 
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
-    """What the step minimizes (`make_loss_fn` of these fields).
-
-    Attributes:
-      encoder: the SentenceEncoder (its dtype is the compute dtype).
-      objective: `objective(z [B, V, H]) -> (scalar, aux dict)`, the objective's loss with its
-        hyperparameters bound (e.g. `functools.partial(get_objective('unsup').loss,
-        temp=0.05)`); if it names `ids`, `step`, `key` or `params` it gets them too.
-      views: V, vectors per example the objective takes.
-      mlm: add SimCSE's auxiliary masked-LM term (encoder built with `mlm=True`).
-      head: modules after pooling (a sentence-transformers folder's Dense / Normalize), their
-        weights trained under the state's params['st_head'] (see `encode_views`).
+    """What the step minimizes (`make_loss_fn` of these fields): the encoder (its dtype is the
+    compute dtype), the objective's loss with its hyperparameters bound (e.g.
+    `functools.partial(get_objective('unsup').loss, temp=0.05)`), the V views it takes, the
+    masked-LM term (encoder built with `mlm=True`) and the head (see `encode_views`).
     """
 
     encoder: SentenceEncoder
@@ -200,14 +193,10 @@ class UpdateSpec:
 
 @dataclasses.dataclass(frozen=True)
 class CompileTarget:
-    """What the step is compiled for.
-
-    Attributes:
-      mesh: the device mesh; the batch is split over its ('data', 'fsdp') axes.
-      state_shardings: TrainState of NamedShardings (from `create_state`).
-      compiler_options: XLA compiler options.
-      prng_impl: the implementation of `state.rng` (see `dropout_key`).
-    """
+    """What the step is compiled for: the mesh (the batch split over its ('data', 'fsdp')
+    axes), the TrainState of NamedShardings (`create_state`), XLA options, the implementation
+    of `state.rng` (`dropout_key`) and, for a ZeRO-1 update, where it runs
+    (`state.update_shardings`)."""
 
     mesh: Mesh
     state_shardings: TrainState
