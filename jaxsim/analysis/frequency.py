@@ -110,8 +110,7 @@ def analyze(model: Any, sentences: Sequence[str], *, buckets: Sequence[int] = PA
     return {"model": str(model.path), "sentences": len(sentences),
             "tokens_counted": int(counts.sum()), "tokens_ranked": int(len(ranked)), "k": k,
             "buckets": [dataclasses.asdict(b) for b in table],
-            "most_frequent": [model.tokenizer.convert_ids_to_tokens(int(i))
-                              for i in ranked[:20]]}
+            "most_frequent": model.tokenizer.convert_ids_to_tokens(ranked[:20].tolist())}
 
 
 def plot_frequency(result: dict, path: str | os.PathLike) -> pathlib.Path:

@@ -147,8 +147,7 @@ def analyze_model(model: Any, sentences: Sequence[str], unique: Sequence[str],
     return {"model": str(model.path), "sentences": len(sentences),
             "unique_sentences": len(unique), "tokens_counted": int(counts.sum()),
             "tokens_ranked": int(len(ranked)), "k": k, **post["raw"],
-            "most_frequent": [model.tokenizer.convert_ids_to_tokens(int(i))
-                              for i in ranked[:20]],
+            "most_frequent": model.tokenizer.convert_ids_to_tokens(ranked[:20].tolist()),
             "calibrations": post["calibrations"],
             "timing": {"encode_s": round(encode_s, 2),
                        "total_s": round(time.perf_counter() - t0, 2)}}

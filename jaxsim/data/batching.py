@@ -38,8 +38,7 @@ def tokenize_examples(tokenizer, rows: Sequence[Sequence[str]] | Sequence[str], 
                 raise DataError(f'{source}: example {i} has an empty sentence')
     flat = [s for r in rows for s in r]
     ids = token_ids(tokenizer, flat, max_len)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batch = pad_batch(ids, pad_id, max_len)
+    batch = pad_batch(ids, tokenizer.pad_token_id or 0, max_len)
     truncated = sum(len(x) >= max_len for x in ids)
     if truncated and log_truncated:
         log.info('%s: %d of %d sentences fill or exceed max_len=%d (truncated)', source,

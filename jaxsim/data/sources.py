@@ -40,8 +40,7 @@ class _FileSource:
 
     def __init__(self, path: PathLike, idx: index_lib.LineIndex, skip: int = 0):
         self.path, self.index, self._skip = idx.path, idx, skip
-        self.name = str(path)
-        self.build_s = idx.build_s
+        self.name, self.build_s = str(path), idx.build_s
         self._reader = idx.reader()  # refuses another version of the file
 
     def __len__(self) -> int:
