@@ -1,14 +1,9 @@
 """The one encode path: sentences -> vectors, batched, jitted and sharded over a device mesh.
 
-`jaxsim.encode`, evaluation, the dev evaluation inside training, search and flow fitting all
-call `encode`. Why it is fast on XLA:
-  - sentences are sorted by token length, so a batch pads to little more than its own longest,
-    and lengths are padded up to a few buckets, every batch of a bucket with the same row
-    count, so XLA compiles only a handful of shapes, once each (the jitted function is cached);
-    on CPU a batch holds fewer rows for long texts (`jaxsim.data.encode_layout` plans both);
-  - tokenization of the next chunk runs in a background thread while the devices compute, and
-    the next batch is placed while the previous one runs, so host work overlaps device work;
-  - each batch is split over the mesh's data axes, so every device encodes its share.
+Why it is fast on XLA (docs/encoding.md): length-sorted sentences padded to a few buckets
+(`jaxsim.data.encode_layout`), so few compiled shapes; the next chunk tokenized in a
+background thread and the next batch placed while the previous one runs; each batch split
+over the mesh's data axes.
 """
 from __future__ import annotations
 
@@ -105,22 +100,16 @@ def _to_mesh(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(put, tree)
 
 
-def _chunk_batches(model: SentenceModel, sentences: list[str], batch_size: int,
-                   max_length: int, shards: int,
-                   budget: Optional[int]) -> list[encode_layout.Batch]:
-    """Tokenizes a chunk and lays it out in batches (run in the background thread)."""
-    ids = token_ids(model.tokenizer, sentences, max_length=max_length)
-    return encode_layout.plan_batches(ids, model.config.pad_token_id, batch_size, max_length,
-                                      shards, budget)
-
-
 def _batches(model: SentenceModel, sentences: list[str], batch_size: int, max_length: int,
              executor: concurrent.futures.Executor, shards: int = 1,
              budget: Optional[int] = None) -> Iterator[tuple[np.ndarray, encode_layout.Batch]]:
     """Yields (the sentence index of each padded row, -1 for padding; the batch), chunk by
     chunk, each chunk's batches planned while the devices encode the previous ones."""
-    plan = functools.partial(_chunk_batches, model, batch_size=batch_size,
-                             max_length=max_length, shards=shards, budget=budget)
+    def plan(chunk: list[str]) -> list[encode_layout.Batch]:  # in the background thread
+        ids = token_ids(model.tokenizer, chunk, max_length=max_length)
+        return encode_layout.plan_batches(ids, model.config.pad_token_id, batch_size,
+                                          max_length, shards, budget)
+
     starts = range(0, len(sentences), _CHUNK)
     futures = [executor.submit(plan, sentences[s: s + _CHUNK]) for s in starts[:2]]
     for n, start in enumerate(starts):

@@ -15,6 +15,7 @@ exact, in row chunks ([chunk, tokens] distances, never [tokens, tokens]).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -79,14 +80,9 @@ class Bucket:
 
 def frequency_table(embeddings: np.ndarray, ranked: np.ndarray,
                     buckets: Sequence[int] = PAPER_BUCKETS, k: int = 3) -> list[Bucket]:
-    """The per-bucket statistics of the rows `ranked` (token ids, most frequent first).
-
-    Args:
-      embeddings: [vocab, dim] static token embeddings.
-      ranked: token ids in rank order (`rank_tokens`).
-      buckets: increasing rank boundaries; bucket i is ranks [buckets[i], buckets[i+1]).
-      k: neighbours per token, searched among all ranked tokens.
-    """
+    """The per-bucket statistics of the rows `ranked` (token ids, most frequent first) of the
+    [vocab, dim] `embeddings`: bucket i is ranks [buckets[i], buckets[i+1]); `k` neighbours
+    per token, searched among all ranked tokens."""
     if list(buckets) != sorted(set(buckets)) or len(buckets) < 2:
         raise ValueError(f"buckets must be at least two increasing ranks, got {list(buckets)}")
     table = np.asarray(embeddings, np.float32)[ranked]  # [tokens, dim], rank order
@@ -94,11 +90,9 @@ def frequency_table(embeddings: np.ndarray, ranked: np.ndarray,
     knn = knn_distances(table, k)
     rows = []
     for lo, hi in zip(buckets[:-1], buckets[1:]):
-        part = slice(lo, min(hi, len(table)))
-        count = max(0, min(hi, len(table)) - lo)
-        rows.append(Bucket(lo, hi, count,
-                           float(norms[part].mean()) if count else float("nan"),
-                           float(knn[part].mean()) if count else float("nan")))
+        count = len(norms[lo:hi])
+        rows.append(Bucket(lo, hi, count, float(norms[lo:hi].mean()) if count else float("nan"),
+                           float(knn[lo:hi].mean()) if count else float("nan")))
     return rows
 
 
@@ -116,34 +110,40 @@ def analyze(model: Any, sentences: Sequence[str], *, buckets: Sequence[int] = PA
     return {"model": str(model.path), "sentences": len(sentences),
             "tokens_counted": int(counts.sum()), "tokens_ranked": int(len(ranked)), "k": k,
             "buckets": [dataclasses.asdict(b) for b in table],
-            "most_frequent": [model.tokenizer.convert_ids_to_tokens(int(i))
-                              for i in ranked[:20]]}
+            "most_frequent": model.tokenizer.convert_ids_to_tokens(ranked[:20].tolist())}
 
 
 def plot_frequency(result: dict, path: str | os.PathLike) -> pathlib.Path:
     """Mean norm and mean k-NN distance per rank bucket, side by side: one row for the raw
     table and one per calibration in `result['calibrations']` (each its own scale)."""
+    states = [("raw", result)] + [(c["post"], c) for c in result.get("calibrations", [])]
+    with saved_figure(path, len(states), 2, figsize=(9, 3.2 * len(states)),
+                      squeeze=False) as (fig, axes):
+        for (name, state), row in zip(states, axes):
+            buckets = [b for b in state["buckets"] if b["tokens"]]
+            labels = [f"{_short(b['lo'])}-{_short(b['hi'])}" for b in buckets]
+            for ax, key, title in ((row[0], "mean_norm", "mean L2 norm"),
+                                   (row[1], "mean_knn_distance",
+                                    f"mean distance to {result['k']}-NN")):
+                ax.bar(labels, [b[key] for b in buckets], color="#4a7ab5")
+                ax.set_xlabel("frequency rank")
+                ax.set_title(f"{title} ({name})")
+        fig.suptitle(f"Token embeddings by frequency: {pathlib.Path(result['model']).name}")
+    return pathlib.Path(path)
+
+
+@contextlib.contextmanager
+def saved_figure(path: str | os.PathLike, *args, **kwargs):
+    """`plt.subplots(*args, **kwargs)`, saved to `path` and closed when the block ends."""
     import matplotlib
     matplotlib.use("Agg")  # headless: never needs a display
     import matplotlib.pyplot as plt
 
-    states = [("raw", result)] + [(c["post"], c) for c in result.get("calibrations", [])]
-    fig, axes = plt.subplots(len(states), 2, figsize=(9, 3.2 * len(states)), squeeze=False)
-    for (name, state), row in zip(states, axes):
-        buckets = [b for b in state["buckets"] if b["tokens"]]
-        labels = [f"{_short(b['lo'])}-{_short(b['hi'])}" for b in buckets]
-        for ax, key, title in ((row[0], "mean_norm", "mean L2 norm"),
-                               (row[1], "mean_knn_distance",
-                                f"mean distance to {result['k']}-NN")):
-            ax.bar(labels, [b[key] for b in buckets], color="#4a7ab5")
-            ax.set_xlabel("frequency rank")
-            ax.set_title(f"{title} ({name})")
-    fig.suptitle(f"Token embeddings by frequency: {pathlib.Path(result['model']).name}")
+    fig, axes = plt.subplots(*args, **kwargs)
+    yield fig, axes
     fig.tight_layout()
-    path = pathlib.Path(path)
-    fig.savefig(path, dpi=120)
+    fig.savefig(pathlib.Path(path), dpi=120)
     plt.close(fig)
-    return path
 
 
 def _short(n: int) -> str:

@@ -32,6 +32,7 @@ from jaxsim.analysis.frequency import (
     count_tokens,
     frequency_table,
     rank_tokens,
+    saved_figure,
     token_embeddings,
 )
 from jaxsim.errors import JaxsimError
@@ -85,19 +86,11 @@ def analyze_calibrations(embeddings: np.ndarray, ranked: np.ndarray, sentences: 
                          options: Optional[dict] = None, tb_dir: Optional[str] = None) -> dict:
     """The frequency table and sentence diagnostics, raw and after each calibration.
 
-    Args:
-      embeddings: [vocab, D] static token embeddings.
-      ranked: token ids by frequency rank (`frequency.rank_tokens`).
-      sentences: [N, D] sentence vectors of the corpus: each calibration is fitted on them.
-      posts: calibration specs as `eval.py --post` takes them ('whitening', 'flow', ...).
-      buckets, k: as `frequency.frequency_table`.
-      fit: `fit(spec, x, **options) -> Calibration` (default `jaxsim.calibrate.fit`).
-      options: calibration options (seed, embed, eps, ...); each takes those it knows.
-      tb_dir: TensorBoard folder root; a fit that reports (flows) writes to ROOT/<spec>.
-
-    Returns:
-      {'raw': state, 'calibrations': [{'post', 'calibration', 'note', **state}, ...]} where a
-      state is {'buckets', 'token_anisotropy', 'sentence_diagnostics'}.
+    Each of `posts` (specs as `eval.py --post` takes them) is fitted on the [N, D] `sentences`
+    by `fit(spec, x, **options)` and applied to the [vocab, D] token `embeddings` in `ranked`
+    order; a fit that reports (flows) writes to `tb_dir`/<spec>. Returns {'raw': state,
+    'calibrations': [{'post', 'calibration', 'note', **state}, ...]}, a state being
+    {'buckets', 'token_anisotropy', 'sentence_diagnostics'}.
     """
     tokens = np.asarray(embeddings, np.float32)[np.asarray(ranked)]
     sentences = np.asarray(sentences, np.float32)
@@ -122,26 +115,18 @@ def analyze_calibrations(embeddings: np.ndarray, ranked: np.ndarray, sentences: 
 
 def plot_spectra(result: dict, path: str | os.PathLike) -> pathlib.Path:
     """The sentence vectors' singular values (divided by the largest), raw and calibrated."""
-    import matplotlib
-    matplotlib.use('Agg')  # headless: never needs a display
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, state in [('raw', result)] + [(c['post'], c) for c in result['calibrations']]:
-        d = state['sentence_diagnostics']
-        s = np.asarray(d['singular_values'])
-        ax.semilogy(np.arange(1, len(s) + 1), s / s[0],
-                    label=f"{name}: anisotropy {d['anisotropy']:.3f}, "
-                          f"eff. rank {d['effective_rank']:.0f}")
-    ax.set_xlabel('direction')
-    ax.set_ylabel('singular value / largest')
-    ax.set_title('Sentence vectors of the corpus')
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    with saved_figure(path, figsize=(6, 4)) as (_, ax):
+        for name, state in [('raw', result)] + [(c['post'], c) for c in result['calibrations']]:
+            d = state['sentence_diagnostics']
+            s = np.asarray(d['singular_values'])
+            ax.semilogy(np.arange(1, len(s) + 1), s / s[0],
+                        label=f"{name}: anisotropy {d['anisotropy']:.3f}, "
+                              f"eff. rank {d['effective_rank']:.0f}")
+        ax.set_xlabel('direction')
+        ax.set_ylabel('singular value / largest')
+        ax.set_title('Sentence vectors of the corpus')
+        ax.legend(fontsize=8)
+    return pathlib.Path(path)
 
 
 def analyze_model(model: Any, sentences: Sequence[str], unique: Sequence[str],
@@ -162,8 +147,7 @@ def analyze_model(model: Any, sentences: Sequence[str], unique: Sequence[str],
     return {"model": str(model.path), "sentences": len(sentences),
             "unique_sentences": len(unique), "tokens_counted": int(counts.sum()),
             "tokens_ranked": int(len(ranked)), "k": k, **post["raw"],
-            "most_frequent": [model.tokenizer.convert_ids_to_tokens(int(i))
-                              for i in ranked[:20]],
+            "most_frequent": model.tokenizer.convert_ids_to_tokens(ranked[:20].tolist()),
             "calibrations": post["calibrations"],
             "timing": {"encode_s": round(encode_s, 2),
                        "total_s": round(time.perf_counter() - t0, 2)}}

@@ -1,14 +1,8 @@
-"""Training batches: fixed-length tokenization, the global batch order.
+"""Training batches: fixed-length tokenization, the global batch order (docs/training.md).
 
-Examples are tokenized through the one tokenize/pad path (`jaxsim.data.tokenize`) into
-fixed-length int32 arrays [examples, sentences per example, max_len]. Which example comes at
-each position of an epoch is a pure function of (seed, epoch, position) (`EpochOrder`), whatever
-the batch size: an iterator's position is the epoch and the examples of it already taken, which
-a checkpoint saves for an exact resume, with the same or another batch size. In a multi-process
-run every process computes the same order and feeds only its own rows of each global batch
-(`process_rows`, the block its devices own in the mesh); `jaxsim.sharding.assemble_batch` makes
-them one global array. The training input streams from random-access sources
-(`jaxsim.data.pipeline`); `BatchIterator` serves arrays already in memory.
+Which example comes at each position of an epoch is a pure function of (seed, epoch, position)
+(`EpochOrder`), whatever the batch size; each process feeds only its own rows of each global
+batch. `BatchIterator` serves arrays in memory; `jaxsim.data.pipeline` streams from sources.
 """
 from __future__ import annotations
 
@@ -30,22 +24,8 @@ FIELDS = ('input_ids', 'attention_mask', 'token_type_ids')
 def tokenize_examples(tokenizer, rows: Sequence[Sequence[str]] | Sequence[str], max_len: int,
                       source: str = '<data>', log_truncated: bool = True
                       ) -> dict[str, np.ndarray]:
-    """Tokenizes examples of one or more sentences to a fixed length (longer ones truncated).
-
-    Args:
-      tokenizer: a `transformers` tokenizer.
-      rows: sentences, or tuples of sentences (all of one length).
-      max_len: tokens per sentence including special tokens; shorter ones are padded.
-      source: named in errors.
-      log_truncated: log how many sentences were truncated (off for per-batch calls).
-
-    Returns:
-      {'input_ids', 'attention_mask', 'token_type_ids'}: int32 [N, views, max_len], views being
-      the sentences per example (1 for a plain corpus).
-
-    Raises:
-      DataError: no examples, examples of different lengths, or an empty sentence.
-    """
+    """Sentences, or tuples of sentences (all of one length), as int32 [N, views, max_len]
+    arrays per field (docs/api.md), longer ones truncated; `source` is named in errors."""
     rows = [(r,) if isinstance(r, str) else tuple(r) for r in rows]
     if not rows:
         raise DataError(f'{source}: no examples')
@@ -58,8 +38,7 @@ def tokenize_examples(tokenizer, rows: Sequence[Sequence[str]] | Sequence[str], 
                 raise DataError(f'{source}: example {i} has an empty sentence')
     flat = [s for r in rows for s in r]
     ids = token_ids(tokenizer, flat, max_len)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batch = pad_batch(ids, pad_id, max_len)
+    batch = pad_batch(ids, tokenizer.pad_token_id or 0, max_len)
     truncated = sum(len(x) >= max_len for x in ids)
     if truncated and log_truncated:
         log.info('%s: %d of %d sentences fill or exceed max_len=%d (truncated)', source,
@@ -104,15 +83,7 @@ class EpochOrder:
     The examples left over after the full batches are dropped (`last_batch='drop'`), or form
     one smaller last batch (`'keep'`, as the HF Trainer does), rounded down to a multiple of
     `granularity` so it still splits evenly over the devices and accumulation steps.
-
-    Args:
-      num_examples: examples in the data.
-      global_batch: examples per global batch.
-      seed: shuffling seed.
-      shuffle: False keeps the data order.
-      last_batch: 'drop' or 'keep'.
-      granularity: the kept last batch is a multiple of this (batch shards x accumulation).
-      process_count: processes that split each batch (the batch must divide among them).
+    `process_count` processes split each batch (the batch must divide among them).
     """
 
     def __init__(self, num_examples: int, global_batch: int, seed: int = 0, shuffle: bool = True,
@@ -167,8 +138,8 @@ class EpochOrder:
         positions = start + np.asarray(rows, np.int64)
         if not self.shuffle:
             return positions
-        # grain (~30 MB resident) is imported by the first shuffled order, not by every process
-        # that tokenizes a batch.
+        # grain is imported by the first shuffled order, not by every process that tokenizes a
+        # batch (its cost: docs/performance.md).
         from grain.experimental import index_shuffle
         seed, last = epoch_seed(self.seed, epoch), self.num_examples - 1
         return np.array([index_shuffle(int(p), max_index=last, seed=seed, rounds=4)
@@ -182,12 +153,9 @@ class OrderedIterator:
     feeds, the position (epoch, examples taken) a checkpoint saves, and the wrap into the next
     epoch. A subclass says how the examples at given indices are read (`read`).
 
-    Args:
-      num_examples: examples in the data.
-      global_batch, seed, shuffle, last_batch, granularity: as `EpochOrder`.
-      process_index / process_count: this process's rows (its block of each global batch),
-        unless `rows_fn` says which rows of a global batch of a given size it feeds (then
-        `granularity` alone decides how a kept last batch is rounded).
+    The rows are this process's block of each global batch, unless `rows_fn` says which rows
+    of a global batch of a given size it feeds (then `granularity` alone rounds a kept last
+    batch). The other arguments are `EpochOrder`'s.
     """
 
     def __init__(self, num_examples: int, global_batch: int, seed: int = 0,
@@ -240,12 +208,6 @@ class OrderedIterator:
         epochs, step = divmod(k - left, self.steps_per_epoch)
         return state.epoch + 1 + epochs, step * self.order.global_batch
 
-    def _wrapped(self) -> IteratorState:
-        """The position, moved to the next epoch's start when its epoch has no batch left."""
-        if self.order.size_at(self.state.example) == 0:
-            self.state = IteratorState(self.state.epoch + 1, 0, 0)
-        return self.state
-
     def _next_batch(self) -> dict[str, np.ndarray]:
         """The batch at the current position (a subclass may have prepared it ahead)."""
         return self.batch_at(self.state.epoch, self.state.example)
@@ -271,8 +233,9 @@ class OrderedIterator:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        at = self._wrapped()
-        out = self._next_batch()
+        if self.order.size_at(self.state.example) == 0:  # no batch left: the next epoch's start
+            self.state = IteratorState(self.state.epoch + 1, 0, 0)
+        at, out = self.state, self._next_batch()
         self.state = IteratorState(at.epoch, at.step + 1,
                                    at.example + self.order.size_at(at.example))
         return out

@@ -1,21 +1,11 @@
 """Line-offset indexes of text files: built once, cached, reused while the file is unchanged.
 
 A corpus is read at random through an [N, 2] uint64 array of the (start, end) byte offsets of
-its records (its non-blank lines), so a process reads only the lines it trains on and start-up
-costs the same for a thousand lines as for a hundred million. Building the index is one
-streaming pass over the file that also validates it as `readers.read_text` does (UTF-8, no NUL
-byte, no overlong line; errors name file:line) and hashes its content (the data digest).
-
-The index lives beside the file (`NAME.<kind>-index.npy` + `.json`), or under the index cache
-folder ($JAXSIM_INDEX_DIR, else ~/.cache/jaxsim/index) when the file's folder is not
-writable. It is reused while the file's size, modification time and a hash of its first and
-last 64 KiB are unchanged, and rebuilt otherwise.
-
-The file must stay the one indexed while it is read: offsets into another file's bytes read
-other text. Every read (`LineIndex.read_lines`) therefore checks, after reading, that the file
-still has its indexed size and modification time (and, locally, that the path still names the
-file being read), and that each record read is still a whole line; otherwise it raises
-`DataChangedError`, naming the file.
+its records, built by one streaming pass that validates the file as `readers.read_text` does
+and hashes its content. Where it is cached and when it is reused: docs/training.md. It is
+reused while the file's size, modification time and a hash of its first and last 64 KiB are
+unchanged. The file must stay the one indexed while it is read (offsets into another file's
+bytes read other text): every read checks that, raising `DataChangedError` naming the file.
 """
 from __future__ import annotations
 
@@ -32,7 +22,7 @@ from typing import Callable, Optional, Sequence, Union
 import fsspec
 import numpy as np
 
-from jaxsim.data.readers import MAX_LINE_CHARS, DataError, PathLike
+from jaxsim.data.readers import MAX_LINE_CHARS, DataError, PathLike, read_checked
 from jaxsim.storage import store
 
 log = logging.getLogger(__name__)
@@ -110,9 +100,8 @@ class ByteReader:
                 raise changed_error(self.name, f'size {key.size} -> {self._version["size"]} '
                                                f'bytes')
         else:
-            self._fs, fd = None, os.open(path, os.O_RDONLY)
-            self._fd = fd
-            weakref.finalize(self, os.close, fd)  # closed with the reader
+            self._fs, self._fd = None, os.open(path, os.O_RDONLY)
+            weakref.finalize(self, os.close, self._fd)  # closed with the reader
 
     def read(self, spans: np.ndarray) -> list[bytes]:
         """The bytes of each [start, end) row of `spans`."""
@@ -167,12 +156,8 @@ def _size_change(before: int, now) -> str:
 
 
 class DiskArray:
-    """A saved .npy array read by rows with `os.pread`, never loaded or memory-mapped.
-
-    A memory map would do, except that the kernel maps page-cache folios far larger than a row
-    (measured: 20 batches of random rows of a 10M-line index mapped 155 MB), so resident
-    memory would grow with the corpus; reading the rows asked for keeps it constant.
-    """
+    """A saved .npy array read by rows with `os.pread`, never loaded or memory-mapped: a memory
+    map's resident memory grows with the corpus (docs/performance.md), reading rows does not."""
 
     def __init__(self, path: Path):
         with open(path, 'rb') as f:
@@ -207,17 +192,10 @@ class DiskArray:
 
 @dataclasses.dataclass
 class LineIndex:
-    """The records of one text file and how to read them.
-
-    Attributes:
-      path: the file.
-      offsets: [records, 2] uint64 (start, end) byte offsets (a DiskArray, or in memory).
-      sha256: 'sha256:<hex>' of the file's bytes.
-      size: the file's size in bytes.
-      lines: physical lines in the file.
-      build_s: seconds spent building the index now (0.0 when a cached one was reused).
-      key: the version of the file indexed (its readers refuse another); None: not checked.
-    """
+    """The records of one text file and how to read them: their [records, 2] uint64 (start,
+    end) byte `offsets`, the file's `sha256`, `size` and physical `lines`, the seconds spent
+    building the index now (`build_s`, 0.0 when reused) and the version indexed (`key`, which
+    its readers refuse any other than; None: not checked)."""
 
     path: Path
     offsets: Union[np.ndarray, DiskArray]
@@ -235,12 +213,8 @@ class LineIndex:
         return ByteReader(self.path, self.key)
 
     def read_lines(self, reader: ByteReader, records: Sequence[int]) -> list[str]:
-        """The lines of `records` as text (not stripped), read with `reader`.
-
-        Raises:
-          DataChangedError: the file is not the version indexed (its size, modification time
-            or identity changed, or a record read is no longer a whole line).
-        """
+        """The lines of `records` as text (not stripped), read with `reader`; DataChangedError
+        when the file is not the version indexed (or a record read is no longer a whole line)."""
         spans = np.asarray(self.offsets[np.asarray(records, np.int64)]).reshape(-1, 2)
         starts, ends = spans[:, 0].astype(np.int64), spans[:, 1].astype(np.int64)
         # One byte more on each side: a record still where the index has it lies between
@@ -281,19 +255,12 @@ def load_or_build(path: PathLike, kind: str = 'text', check: Optional[Check] = N
                   what: str = 'file') -> LineIndex:
     """The index of `path`, from the cache when the file is unchanged, else built and cached.
 
-    Args:
-      path: a local text file.
-      kind: 'text' (records are the lines that are not blank after stripping whitespace),
-        'csv' (the non-empty lines, '\\r' aside) or 'lines' (every line).
-      check: validates every record when the index is built (e.g. CSV columns).
-      what: what the file is, for messages.
-
-    Raises:
-      DataError: naming the file (and line): missing, unreadable, not UTF-8, NUL byte, an
-        overlong line, what `check` refuses.
+    `kind`: 'text' (records are the lines not blank after stripping whitespace), 'csv' (the
+    non-empty lines, '\\r' aside) or 'lines' (every line). `check` validates every record when
+    the index is built (e.g. CSV columns); `what` the file is, for messages.
     """
     path = store.as_path(path) if store.is_remote(path) else Path(path)
-    key = file_key(path, what)
+    key = read_checked(path, what, FileKey.of)
 
     def build():
         offsets, sha, lines = _scan(path, kind, check)
@@ -303,18 +270,6 @@ def load_or_build(path: PathLike, kind: str = 'text', check: Optional[Check] = N
     offsets, meta, build_s = cached(cache_stems(path, f'{kind}-index'),
                                     {'kind': kind, **dataclasses.asdict(key)}, build)
     return LineIndex(path, offsets, meta['sha256'], key.size, meta['lines'], build_s, key)
-
-
-def file_key(path: Path, what: str = 'file') -> FileKey:
-    """`FileKey.of(path)`; a missing or unreadable path is a DataError naming it."""
-    if path.is_dir():
-        raise DataError(f'{path}: is a directory, not a {what}')
-    try:
-        return FileKey.of(path)
-    except FileNotFoundError:
-        raise DataError(f'{path}: {what} not found') from None
-    except OSError as e:
-        raise DataError(f'{path}: cannot read {what}: {e.strerror or e}') from None
 
 
 def cache_stems(path: Path, suffix: str) -> list[Path]:
@@ -339,9 +294,7 @@ def cached(stems: Sequence[Path], key: dict, build: Callable[[], tuple[np.ndarra
     turn; otherwise calls build() -> (array, metadata) and saves both at the first writable
     stem (the array first, then the metadata that validates it: every process of a run may
     build at once, and a crash mid-write never leaves a half-written index).
-
-    Returns:
-      (array, a DiskArray when cached; metadata; seconds spent building, 0.0 when found).
+    Returns (array, a DiskArray when cached; metadata; seconds spent building, 0.0 if found).
     """
     key = json.loads(json.dumps({'version': INDEX_VERSION, **key}))  # as it reads back
     for stem in stems:
@@ -388,14 +341,12 @@ def _scan(path: Path, kind: str, check: Optional[Check]) -> tuple[np.ndarray, st
     """One pass: validated (start, end) offsets of the records, content sha256, line count."""
     h, parts, lines_before, pos, carry = hashlib.sha256(), [], 0, 0, b''
     with path.open('rb') as f:
-        first = True
         while True:
             block = f.read(CHUNK_BYTES)
             h.update(block)
             data, eof = carry + block, not block
-            if first and data.startswith(_BOM):
+            if pos == 0 and data.startswith(_BOM):  # pos 0: `data` starts at the file's start
                 data, pos = data[len(_BOM):], len(_BOM)
-            first = False
             cut = len(data) if eof else data.rfind(b'\n') + 1
             if cut == 0 and not eof:  # no line break in the carried bytes: one very long line
                 if len(data) > 4 * MAX_LINE_CHARS:

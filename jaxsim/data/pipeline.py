@@ -1,13 +1,7 @@
 """The streamed training input: source -> global order -> this process's rows -> tokenize.
 
-Each process reads and tokenizes only the examples of its own rows of each global batch
-(`batching.EpochOrder` decides the global batches; `batching.process_rows` the rows), in
-background threads that work a few batches ahead (grain's `MapDataset` over batch positions,
-prefetched by `to_iter_dataset`). Memory and start-up do not grow with the corpus: nothing is
-read or tokenized before it is needed. The position (epoch, examples taken) is what a
-checkpoint saves; resuming rebuilds the pipeline at that position, so a resumed run sees
-exactly the batches of an uninterrupted one (and, with another batch size, goes on from the
-same example).
+Each process reads and tokenizes only its rows of each global batch, in background threads a
+few batches ahead (grain's `MapDataset` over batch positions); see docs/training.md.
 """
 from __future__ import annotations
 
@@ -21,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from jaxsim.data.batching import OrderedIterator, tokenize_examples
-from jaxsim.data.readers import DataError
+from jaxsim.data.readers import DataError, sha256_json
 
 _NO_END = 2**62  # the batch positions run on across epochs until the loop stops
 
@@ -44,15 +38,8 @@ class _ThreadTokenizer:
 class StreamIterator(OrderedIterator):
     """Yields this process's rows of each global batch, read and tokenized ahead of use.
 
-    Args:
-      source: a random-access source (`jaxsim.data.sources`): len() and example i as a tuple
-        of sentences; `name` for messages.
-      tokenizer: a `transformers` tokenizer.
-      max_len: tokens per sentence (fixed padded length).
-      global_batch, seed, process_index, process_count, shuffle, last_batch, granularity,
-        rows_fn: as `batching.OrderedIterator`.
-      workers: threads that read and tokenize.
-      prefetch: batches prepared ahead.
+    `source` is a random-access source (`jaxsim.data.sources`); `workers` threads read and
+    tokenize `prefetch` batches ahead; the other arguments are `batching.OrderedIterator`'s.
     """
 
     def __init__(self, source, tokenizer, max_len: int, global_batch: int,
@@ -76,7 +63,7 @@ class StreamIterator(OrderedIterator):
 
     def _next_batch(self) -> dict[str, np.ndarray]:
         if self._it is None:
-            import grain  # by the first batch: ~0.2 s of the start-up of commands that read none
+            import grain  # by the first batch: not in the start-up of commands that read none
             start = self.state  # batch k is the k-th from here (`__next__` wrapped the epoch)
             batches = grain.MapDataset.range(0, _NO_END).map(
                 lambda k: self.batch_at(*self.locate(start, k)))
@@ -101,8 +88,7 @@ def tokenizer_digest(tokenizer) -> str:
         spec.pop('padding', None)
     else:
         spec = {'class': type(tokenizer).__name__, 'vocab': sorted(tokenizer.get_vocab().items())}
-    text = json.dumps(spec, sort_keys=True, separators=(',', ':'), ensure_ascii=False)
-    return 'sha256:' + hashlib.sha256(text.encode()).hexdigest()
+    return sha256_json(spec)
 
 
 def data_digest(source, tokenizer, max_len: int) -> str:

@@ -11,12 +11,14 @@ file means the same sentences everywhere.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
+import json
 import logging
 import os
-from collections import defaultdict
+import re
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 from jaxsim.errors import JaxsimError
 
@@ -34,31 +36,34 @@ class DataError(JaxsimError):
     """Bad data; the message names the file (and line)."""
 
 
+def sha256_json(value) -> str:
+    """'sha256:<hex>' of `value` as canonical JSON."""
+    text = json.dumps(value, sort_keys=True, separators=(',', ':'), ensure_ascii=False)
+    return 'sha256:' + hashlib.sha256(text.encode()).hexdigest()
+
+
 # ---------------------------------------------------------------------------------------------
 # Text files.
 # ---------------------------------------------------------------------------------------------
 
 def read_text(path: PathLike, what: str = 'file') -> str:
     """A file's text, validated: UTF-8 (a leading byte-order mark is dropped), no NUL byte,
-    no line longer than MAX_LINE_CHARS characters.
-
-    Args:
-      path: the file.
-      what: what the file is, for messages ('sentence file', 'NLI CSV', ...).
-
-    Raises:
-      DataError: naming the file, and the line for bad content.
-    """
+    no line longer than MAX_LINE_CHARS characters; else a DataError naming the file (and line)
+    and `what` the file is ('sentence file', 'NLI CSV', ...)."""
     return decode_text(read_bytes(path, what), path)
 
 
 def read_bytes(path: PathLike, what: str = 'file') -> bytes:
     """A file's bytes; a missing, unreadable or non-regular path is a DataError naming it."""
-    path = Path(path)
+    return read_checked(Path(path), what, Path.read_bytes)
+
+
+def read_checked(path: Path, what: str, read: Callable[[Path], Any]) -> Any:
+    """`read(path)`; a missing, unreadable or non-regular path is a DataError naming it."""
     if path.is_dir():
         raise DataError(f'{path}: is a directory, not a {what}')
     try:
-        return path.read_bytes()
+        return read(path)
     except FileNotFoundError:
         raise DataError(f'{path}: {what} not found') from None
     except OSError as e:
@@ -101,10 +106,6 @@ def read_sentences(path: PathLike) -> list[str]:
     The rule, the same for every command: lines are split at '\\n' only (a '\\r' before it
     is dropped; U+2028 and other Unicode separators stay inside the sentence), surrounding
     whitespace is stripped, and blank lines are skipped. Sentence i is the i-th non-blank line.
-
-    Raises:
-      DataError: the file is missing, unreadable, a directory, not UTF-8, holds a NUL byte or
-        an overlong line (naming file:line), or holds no sentence at all.
     """
     text = read_text(path, 'sentence file')
     sentences = [s for s in (line.strip() for line in text.split('\n')) if s]
@@ -120,12 +121,8 @@ read_corpus = read_sentences
 def read_nli_csv(path: PathLike) -> list[tuple[str, str, str]]:
     """Supervised data: CSV with header `sent0,sent1,hard_neg` (the reference NLI format).
 
-    Blank lines are skipped; cells are stripped of surrounding whitespace.
-
-    Raises:
-      DataError: naming the file and line: the checks of `read_text`, a wrong header, a row
-        with other than 3 columns or an empty cell, a quoted cell running over a line break
-        (an unbalanced quote), or no row at all.
+    Blank lines are skipped; cells are stripped of surrounding whitespace. A quoted cell may
+    not run over a line break (an unbalanced quote).
     """
     path = Path(path)
     text = read_text(path, 'NLI CSV file')
@@ -153,11 +150,7 @@ def read_nli_csv(path: PathLike) -> list[tuple[str, str, str]]:
 
 
 def check_nli_row(row: Sequence[str], path: PathLike, lineno: int) -> tuple[str, str, str]:
-    """A parsed CSV row as a (sent0, sent1, hard_neg) triplet of stripped, non-empty cells.
-
-    Raises:
-      DataError: naming path:lineno, for other than 3 columns or an empty cell.
-    """
+    """A parsed CSV row as a (sent0, sent1, hard_neg) triplet of stripped, non-empty cells."""
     if len(row) != 3:
         raise DataError(f'{path}:{lineno}: expected 3 columns {NLI_COLUMNS}, got {len(row)}')
     row = tuple(c.strip() for c in row)
@@ -183,41 +176,46 @@ def build_snli_triplets(snli_dir: PathLike, splits: Sequence[str] = ('dev', 'tes
     contradiction of the same premise (cycling when counts differ), the construction behind the
     reference's `nli_for_simcse.csv`. Premises lacking either label are dropped, and so are
     lines whose premise or hypothesis is blank.
-
-    Raises:
-      DataError: naming the file and line: the checks of `read_text`, files of different
-        lengths (at the first line one of them lacks), a label other than SNLI's three.
     """
     snli_dir = Path(snli_dir)
     triplets = []
     for split in splits:
         files = [snli_dir / f'{name}.{split}' for name in ('s1', 's2', 'labels')]
         columns = [text_lines(read_text(f, 'SNLI file')) for f in files]
-        n = min(len(c) for c in columns)
-        if len({len(c) for c in columns}) != 1:
-            short = next(f for f, c in zip(files, columns) if len(c) == n)
-            counts = ', '.join(f'{f.name}: {len(c)}' for f, c in zip(files, columns))
-            raise DataError(f'{short}:{n + 1}: line missing; the files must pair up line by '
-                            f'line ({counts} lines)')
-        groups: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-        order = []
-        for lineno, (s1, s2, label) in enumerate(zip(*columns), 1):
-            s1, s2, label = s1.strip(), s2.strip(), label.strip()
-            if label not in SNLI_LABELS:
-                raise DataError(f'{files[2]}:{lineno}: label {label[:40]!r} is not one of '
-                                f'{", ".join(SNLI_LABELS)}')
-            if not s1 or not s2:
-                continue
-            if s1 not in groups:
-                order.append(s1)
-            groups[s1][label].append(s2)
-        for premise in order:
-            ent, con = groups[premise]['entailment'], groups[premise]['contradiction']
-            for i, hyp in enumerate(ent):
-                if con:
-                    triplets.append((premise, hyp, con[i % len(con)]))
+        check_paired(files, [len(c) for c in columns])
+        triplets += [(columns[0][p].strip(), columns[1][e].strip(), columns[1][c].strip())
+                     for p, e, c in snli_triplet_lines(zip(*columns), files[2])]
     if not triplets:
         raise DataError(f'{snli_dir}: no (entailment, contradiction) pairs found')
+    return triplets
+
+
+def check_paired(files: Sequence[Path], counts: Sequence[int]) -> None:
+    """Raises DataError at the first line one of `files` lacks, unless all have `counts` equal."""
+    if len(set(counts)) != 1:
+        n = min(counts)
+        listed = ', '.join(f'{f.name}: {c}' for f, c in zip(files, counts))
+        raise DataError(f'{files[counts.index(n)]}:{n + 1}: line missing; the files must pair up '
+                        f'line by line ({listed} lines)')
+
+
+def snli_triplet_lines(rows: Iterable[Sequence[str]], labels_path: PathLike
+                       ) -> list[tuple[int, int, int]]:
+    """The 0-based lines (premise, entailment, contradiction) of the SNLI triplets of `rows`,
+    the (s1, s2, label) lines of one split; see `build_snli_triplets`."""
+    groups: dict[str, dict[str, list[int]]] = {}
+    for lineno, (premise, hyp, label) in enumerate(rows):
+        premise, hyp, label = premise.strip(), hyp.strip(), label.strip()
+        if label not in SNLI_LABELS:
+            raise DataError(f'{labels_path}:{lineno + 1}: label {label[:40]!r} is not one of '
+                            f'{", ".join(SNLI_LABELS)}')
+        if premise and hyp:
+            groups.setdefault(premise, {}).setdefault(label, []).append(lineno)
+    triplets = []
+    for by_label in groups.values():  # dicts keep first-seen order
+        ent, con = by_label.get('entailment', []), by_label.get('contradiction', [])
+        if con:  # the premise is s1 at the entailment's own line
+            triplets += [(line, line, con[k % len(con)]) for k, line in enumerate(ent)]
     return triplets
 
 
@@ -234,47 +232,51 @@ def write_nli_csv(triplets: Sequence[tuple[str, str, str]], path: str | Path) ->
 
 def read_tfds(name: str, split: str = 'train', data_dir: str | None = None,
               fields: Sequence[str] = ('text',)) -> list[tuple[str, ...]]:
-    """Rows from a TensorFlow Datasets dataset via `tfds.data_source` (no TensorFlow needed).
+    """Rows from a TensorFlow Datasets dataset via its data source (no TensorFlow needed).
 
     Works for datasets prepared with `file_format='array_record'`. `name` is a registered TFDS
     name (optionally 'name:version', found under `data_dir`), or the folder of a prepared
     dataset version (e.g. '~/tensorflow_datasets/my_corpus/1.0.0'), which needs no builder code.
-
-    Args:
-      name: dataset name or prepared-dataset folder.
-      split: split name (TFDS slicing syntax allowed, e.g. 'train[:10%]').
-      data_dir: TFDS data directory.
-      fields: the string features to read per example (1 for unsup, 3 for sup, in order
-        sent0, sent1, hard_neg).
-
-    Returns:
-      A list of tuples of str, one tuple per example.
+    `split` may slice ('train[:10%]'); `fields`: the string features of an example, in order
+    (sent0, sent1, hard_neg for sup).
     """
-    import tensorflow_datasets as tfds  # heavy import, only for users of this source
-    try:
-        if Path(name).expanduser().is_dir():
-            source = tfds.builder_from_directory(str(Path(name).expanduser())).as_data_source(
-                split=split)
-        else:
-            source = tfds.data_source(name, split=split, data_dir=data_dir)
-    except Exception as e:
-        raise DataError(f'TFDS {name!r} split {split!r} (data_dir={data_dir}): cannot open: '
-                        f'{type(e).__name__}: {e}') from None
-    rows = []
-    for i in range(len(source)):
-        ex = source[i]
-        row = []
-        for field in fields:
-            if field not in ex:
-                raise DataError(f'TFDS {name!r} example {i}: no field {field!r} '
-                                f'(has {sorted(ex)})')
-            v = ex[field]
-            row.append((v.decode('utf-8') if isinstance(v, bytes) else str(v)).strip())
-        if all(row):
-            rows.append(tuple(row))
+    _, source = open_tfds(name, split, data_dir)
+    rows = [tfds_row(source[i], fields, f'TFDS {name!r} example {i}') for i in range(len(source))]
+    rows = [row for row in rows if all(row)]
     if not rows:
         raise DataError(f'TFDS {name!r} split {split!r}: no non-empty examples')
     return rows
+
+
+def open_tfds(name: str, split: str, data_dir: str | None):
+    """(builder, data source) of a TFDS split, `name` as `read_tfds` takes it."""
+    import tensorflow_datasets as tfds  # heavy import, only for users of TFDS data
+    try:
+        folder = Path(name).expanduser()
+        builder = (tfds.builder_from_directory(str(folder)) if folder.is_dir()
+                   else tfds.builder(name, data_dir=data_dir))
+        return builder, builder.as_data_source(split=split)
+    except Exception as e:
+        # An unknown name's message goes on to list every dataset TFDS knows: cut there,
+        # keeping its suggestion.
+        text = ' '.join(str(e).split())
+        reason = text.split(' Available datasets:')[0]
+        suggestion = re.search(r'Did you mean:? [^?]*\?', text)
+        if suggestion and suggestion.group(0) not in reason:
+            reason += ' ' + suggestion.group(0)
+        raise DataError(f'TFDS {name!r} split {split!r} (data_dir={data_dir}): cannot open: '
+                        f'{type(e).__name__}: {reason[:300]}') from None
+
+
+def tfds_row(example, fields: Sequence[str], where: str) -> tuple[str, ...]:
+    """The string `fields` of a TFDS example, stripped; a missing one is a DataError at `where`."""
+    row = []
+    for field in fields:
+        if field not in example:
+            raise DataError(f'{where}: no field {field!r} (has {sorted(example)})')
+        v = example[field]
+        row.append((v.decode('utf-8') if isinstance(v, bytes) else str(v)).strip())
+    return tuple(row)
 
 
 # Plain one-sentence-per-line SentEval files usable as an unsupervised corpus. STS files are
@@ -286,14 +288,8 @@ CORPUS_FILES = ('SNLI/s1.dev', 'SNLI/s2.dev', 'SNLI/s1.test', 'SNLI/s2.test',
 
 def collect_corpus(senteval_root: PathLike, files: Sequence[str] = CORPUS_FILES,
                    min_words: int = 3) -> list[str]:
-    """Deduplicated sentences (first-seen order) from shipped SentEval sentence files.
-
-    Args:
-      senteval_root: the SentEval data folder.
-      files: relative paths of sentence files, read with `read_sentences` (a missing one is an
-        error).
-      min_words: drop fragments shorter than this (MPQA holds many 1-2 word phrases).
-    """
+    """Deduplicated sentences (first-seen order) of `files` under the SentEval data folder,
+    fragments under `min_words` words dropped (MPQA holds many 1-2 word phrases)."""
     root = Path(senteval_root)
     seen, sentences = set(), []
     for rel in files:

@@ -41,15 +41,8 @@ from jaxsim.storage.paths import SENTEVAL_ROOT
 PathLike = Union[str, os.PathLike]
 
 # Canonical task keys (SentEval / SimCSE names), in the paper's column order.
-TASK_KEYS = {
-    'sts12': 'STS12',
-    'sts13': 'STS13',
-    'sts14': 'STS14',
-    'sts15': 'STS15',
-    'sts16': 'STS16',
-    'stsb': 'STSBenchmark',
-    'sickr': 'SICKRelatedness',
-}
+TASK_KEYS = {**{f'sts1{i}': f'STS1{i}' for i in range(2, 7)},
+             'stsb': 'STSBenchmark', 'sickr': 'SICKRelatedness'}
 ALL_TASKS = tuple(TASK_KEYS)
 
 # The subsets SentEval scores per year (senteval/sts.py, STS12Eval ... STS16Eval).
@@ -82,13 +75,7 @@ class SentEvalFormatError(DataError):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StsPairs:
-    """Sentence pairs with gold similarity scores.
-
-    Attributes:
-      sent1: N first sentences.
-      sent2: N second sentences.
-      gold: [N] float64 gold scores.
-    """
+    """N sentence pairs (`sent1`, `sent2`) with [N] float64 `gold` similarity scores."""
 
     sent1: list[str]
     sent2: list[str]
@@ -137,10 +124,7 @@ class StsTask:
 
     def sentences(self) -> list[str]:
         """Both sentences of every pair, duplicates kept (a fit set's unit)."""
-        out = []
-        for p in self.subsets.values():
-            out += p.sent1 + p.sent2
-        return out
+        return [s for p in self.subsets.values() for s in p.sent1 + p.sent2]
 
 
 def _sha256(data: bytes) -> str:
@@ -297,9 +281,8 @@ def has_split(name: str, split: str, roots: PathLike | Sequence[PathLike]) -> bo
 
 def has_task(name: str, roots: PathLike | Sequence[PathLike], split: str = 'test') -> bool:
     """Whether `load_sts_task(name, roots, split)` finds data (SICK test: trial counts)."""
-    if has_split(name, split, roots):
-        return True
-    return canonical(name) == 'sickr' and split == 'test' and has_split(name, 'dev', roots)
+    return has_split(name, split, roots) or (
+        canonical(name) == 'sickr' and split == 'test' and has_split(name, 'dev', roots))
 
 
 def _load_sts_year(key: str, roots: list[pathlib.Path], reader: _Reader
@@ -335,17 +318,11 @@ def _load_sts_year(key: str, roots: list[pathlib.Path], reader: _Reader
 
 def load_sts_task(name: str, roots: PathLike | Sequence[PathLike], split: str = 'test',
                   fallback: bool = True) -> StsTask:
-    """Loads one split of one task of the SimCSE STS protocol.
+    """Loads one split of one task of the SimCSE STS protocol (`canonical` names it).
 
-    Args:
-      name: one of sts12..sts16, stsb, sickr (case-insensitive; 'STSBenchmark' etc. accepted).
-      roots: one data root or several; each file is read from the first root holding it.
-      split: 'test' (the protocol), 'dev' (STS-B dev / SICK trial, for model selection) or
-        'train'. STS12-16 only have test data.
-      fallback: score SICK trial (with a note) when no root holds SICK's test file.
-
-    Returns:
-      The task with its subsets, file hashes and sources, and notes (never printed here).
+    `split`: 'test' (the protocol), 'dev' (STS-B dev / SICK trial, for model selection) or
+    'train'; STS12-16 have only test data. `fallback`: score SICK trial (with a note) when no
+    root holds SICK's test file. Notes are returned, never printed here.
     """
     key, roots = canonical(name), as_roots(roots)
     task = TASK_KEYS[key]
@@ -396,7 +373,4 @@ def file_hash(path: PathLike) -> str:
 
 def task_files(tasks: Sequence[StsTask]) -> Mapping[str, str]:
     """Merged path -> hash over several tasks."""
-    out: dict[str, str] = {}
-    for t in tasks:
-        out.update(t.files)
-    return out
+    return {path: digest for t in tasks for path, digest in t.files.items()}

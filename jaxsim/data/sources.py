@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import json
-import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -23,17 +21,16 @@ import numpy as np
 from jaxsim.data import index as index_lib
 from jaxsim.data.readers import (
     NLI_COLUMNS,
-    SNLI_LABELS,
     DataError,
     PathLike,
     check_nli_header,
     check_nli_row,
+    check_paired,
+    open_tfds,
+    sha256_json,
+    snli_triplet_lines,
+    tfds_row,
 )
-
-
-def _sha256_json(value) -> str:
-    text = json.dumps(value, sort_keys=True, separators=(',', ':'), ensure_ascii=False)
-    return 'sha256:' + hashlib.sha256(text.encode()).hexdigest()
 
 
 class _FileSource:
@@ -43,8 +40,7 @@ class _FileSource:
 
     def __init__(self, path: PathLike, idx: index_lib.LineIndex, skip: int = 0):
         self.path, self.index, self._skip = idx.path, idx, skip
-        self.name = str(path)
-        self.build_s = idx.build_s
+        self.name, self.build_s = str(path), idx.build_s
         self._reader = idx.reader()  # refuses another version of the file
 
     def __len__(self) -> int:
@@ -63,7 +59,7 @@ class _FileSource:
                 zip(self.index.read_lines(self._reader, records), records)]
 
     def fingerprint(self) -> str:
-        return _sha256_json({'file': self.index.sha256, 'size': self.index.size,
+        return sha256_json({'file': self.index.sha256, 'size': self.index.size,
                              'records': len(self)})
 
 
@@ -145,13 +141,7 @@ class SnliSource:
         for split in splits:
             files = [Path(snli_dir) / f'{name}.{split}' for name in ('s1', 's2', 'labels')]
             idx = [index_lib.load_or_build(f, 'lines', what='SNLI file') for f in files]
-            counts = [len(x) for x in idx]
-            if len(set(counts)) != 1:
-                n = min(counts)
-                short = files[counts.index(n)]
-                listed = ', '.join(f'{f.name}: {c}' for f, c in zip(files, counts))
-                raise DataError(f'{short}:{n + 1}: line missing; the files must pair up line '
-                                f'by line ({listed} lines)')
+            check_paired(files, [len(x) for x in idx])
             key = {'split': split, 'files': [x.sha256 for x in idx]}
             table, _, built = index_lib.cached(
                 index_lib.cache_stems(files[0], 'snli-triplets'), key,
@@ -161,7 +151,7 @@ class SnliSource:
             self.build_s += sum(x.build_s for x in idx) + built
             digests.append(key)
         self._starts = np.cumsum([0] + [len(t) for t, _, _ in self.parts])
-        self._digest = _sha256_json(digests)
+        self._digest = sha256_json(digests)
         if not len(self):
             raise DataError(f'{snli_dir}: no (entailment, contradiction) pairs found')
 
@@ -178,28 +168,14 @@ class SnliSource:
         return premise.strip(), ent.strip(), con.strip()
 
     def fingerprint(self) -> str:
-        return _sha256_json({'snli': self._digest, 'records': len(self)})
+        return sha256_json({'snli': self._digest, 'records': len(self)})
 
 
 def _snli_table(files: Sequence[Path]) -> np.ndarray:
     """[triplets, 3] int64 0-based lines: premise (of s1), entailment and contradiction (of s2)."""
-    groups: dict[str, dict[str, list[int]]] = {}
     with files[0].open('rb') as f1, files[1].open('rb') as f2, files[2].open('rb') as f3:
-        for lineno, (a, b, c) in enumerate(zip(f1, f2, f3)):
-            premise, hyp = a.decode('utf-8-sig').strip(), b.decode('utf-8-sig').strip()
-            label = c.decode('utf-8-sig').strip()
-            if label not in SNLI_LABELS:
-                raise DataError(f'{files[2]}:{lineno + 1}: label {label[:40]!r} is not one of '
-                                f'{", ".join(SNLI_LABELS)}')
-            if premise and hyp:
-                groups.setdefault(premise, {}).setdefault(label, []).append(lineno)
-    rows = []
-    for by_label in groups.values():  # dicts keep first-seen order, as the reader's list
-        ent, con = by_label.get('entailment', []), by_label.get('contradiction', [])
-        for k, line in enumerate(ent):
-            if con:  # the premise is read from s1 at the entailment's own line
-                rows.append((line, line, con[k % len(con)]))
-    return np.array(rows, np.int64).reshape(-1, 3)
+        rows = ([x.decode('utf-8-sig') for x in line] for line in zip(f1, f2, f3))
+        return np.array(snli_triplet_lines(rows, files[2]), np.int64).reshape(-1, 3)
 
 
 class ListSource:
@@ -220,7 +196,7 @@ class ListSource:
         return self.rows[i]
 
     def fingerprint(self) -> str:
-        return _sha256_json(self.rows)
+        return sha256_json(self.rows)
 
 
 class TfdsSource:
@@ -233,24 +209,9 @@ class TfdsSource:
 
     def __init__(self, name: str, split: str = 'train', data_dir: Optional[str] = None,
                  fields: Sequence[str] = ('text',)):
-        import tensorflow_datasets as tfds  # heavy import, only for users of this source
         self.fields, self.views = tuple(fields), len(fields)
         self.name = f'tfds:{name}/{split}'
-        try:
-            folder = Path(name).expanduser()
-            builder = (tfds.builder_from_directory(str(folder)) if folder.is_dir()
-                       else tfds.builder(name, data_dir=data_dir))
-            self.source = builder.as_data_source(split=split)
-        except Exception as e:
-            # An unknown name's message goes on to list every dataset TFDS knows: cut there,
-            # keeping its suggestion.
-            text = ' '.join(str(e).split())
-            reason = text.split(' Available datasets:')[0]
-            suggestion = re.search(r'Did you mean:? [^?]*\?', text)
-            if suggestion and suggestion.group(0) not in reason:
-                reason += ' ' + suggestion.group(0)
-            raise DataError(f'TFDS {name!r} split {split!r} (data_dir={data_dir}): cannot open: '
-                            f'{type(e).__name__}: {reason[:300]}') from None
+        builder, self.source = open_tfds(name, split, data_dir)
         files = sorted(p for p in Path(str(builder.data_path)).iterdir() if p.is_file())
         key = {'split': split, 'fields': self.fields,
                'files': [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
@@ -265,7 +226,7 @@ class TfdsSource:
                         h.update(block)
             return keep, {'sha256': 'sha256:' + h.hexdigest()}
 
-        tag = _sha256_json({'data': str(builder.data_path), **key})[7:23]
+        tag = sha256_json({'data': str(builder.data_path), **key})[7:23]
         stem = index_lib.index_dir() / f'{tag}-{builder.name}.tfds-index'
         self.keep, meta, self.build_s = index_lib.cached([stem], key, build)
         self._digest = meta['sha256']
@@ -273,14 +234,7 @@ class TfdsSource:
             raise DataError(f'TFDS {name!r} split {split!r}: no non-empty examples')
 
     def _fields(self, i: int) -> tuple[str, ...]:
-        ex = self.source[i]
-        row = []
-        for field in self.fields:
-            if field not in ex:
-                raise DataError(f'{self.name} example {i}: no field {field!r} (has {sorted(ex)})')
-            v = ex[field]
-            row.append((v.decode('utf-8') if isinstance(v, bytes) else str(v)).strip())
-        return tuple(row)
+        return tfds_row(self.source[i], self.fields, f'{self.name} example {i}')
 
     def __len__(self) -> int:
         return len(self.keep)
@@ -289,7 +243,7 @@ class TfdsSource:
         return self._fields(int(self.keep[i]))
 
     def fingerprint(self) -> str:
-        return _sha256_json({'files': self._digest, 'fields': self.fields,
+        return sha256_json({'files': self._digest, 'fields': self.fields,
                              'records': len(self)})
 
 
@@ -304,9 +258,7 @@ class Limited:
         return self.limit
 
     def __getitem__(self, i: int):
-        if not 0 <= i < self.limit:
-            raise IndexError(f'{self.name}: example {i} of {self.limit}')
-        return self.source[i]
+        return self.getitems([i])[0]
 
     def getitems(self, indices: Sequence[int]) -> list:
         for i in indices:
@@ -316,4 +268,4 @@ class Limited:
         return inner(list(indices)) if inner else [self.source[i] for i in indices]
 
     def fingerprint(self) -> str:
-        return _sha256_json({'source': self.source.fingerprint(), 'first': self.limit})
+        return sha256_json({'source': self.source.fingerprint(), 'first': self.limit})

@@ -46,13 +46,8 @@ class TransferDataError(JaxsimError):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LabeledText:
-    """Sentences (or sentence pairs) with integer class labels, in file order.
-
-    Attributes:
-      sent1: N sentences (the first sentence of each pair for pair tasks).
-      sent2: N second sentences for pair tasks (MRPC), else None.
-      labels: [N] int64 class ids.
-    """
+    """N sentences `sent1` (with their pairs' `sent2` for MRPC, else None) and [N] int64
+    class `labels`, in file order."""
 
     sent1: list[str]
     sent2: Optional[list[str]]
@@ -94,15 +89,16 @@ class TransferData:
 # ---------------------------------------------------------------------------------------
 
 
-def _read_bytes(path: pathlib.Path, files: dict[str, str]) -> bytes:
+def _read_bytes(path: pathlib.Path, files: Optional[dict[str, str]]) -> bytes:
     if not path.is_file():
         raise TransferDataError(f'{path}: file not found')
     data = path.read_bytes()
-    files[str(path)] = 'sha256:' + hashlib.sha256(data).hexdigest()
+    if files is not None:
+        files[str(path)] = 'sha256:' + hashlib.sha256(data).hexdigest()
     return data
 
 
-def _text_lines(path: pathlib.Path, files: dict[str, str], encoding: str) -> list[str]:
+def _text_lines(path: pathlib.Path, files: Optional[dict[str, str]], encoding: str) -> list[str]:
     """Lines as Python's text-mode `for line in f` yields them (universal newlines), stripped
     of their line break; undecodable bytes raise naming the line."""
     data = _read_bytes(path, files)
@@ -136,7 +132,6 @@ def _int_label(raw: str, allowed: range, path: pathlib.Path, lineno: int) -> int
 
 def read_sentence_file(path: PathLike, files: dict[str, str] | None = None) -> list[str]:
     """One sentence a line (MR/CR/SUBJ/MPQA): Latin-1, `str.splitlines()`, blank lines kept."""
-    files = {} if files is None else files
     path = pathlib.Path(path)
     # Latin-1 decodes any byte, as SentEval's binary.py reads these files.
     lines = _read_bytes(path, files).decode('latin-1').splitlines()
@@ -155,7 +150,6 @@ def read_binary_pair(first: PathLike, second: PathLike,
 
 def read_sst_file(path: PathLike, files: dict[str, str] | None = None) -> LabeledText:
     """SST binary: `sentence<TAB>label` a line, label 0 or 1."""
-    files = {} if files is None else files
     path = pathlib.Path(path)
     sents, labels = [], []
     for i, line in enumerate(_text_lines(path, files, 'utf-8'), start=1):
@@ -172,7 +166,6 @@ def read_sst_file(path: PathLike, files: dict[str, str] | None = None) -> Labele
 
 def read_trec_file(path: PathLike, files: dict[str, str] | None = None) -> LabeledText:
     """TREC: `COARSE:fine question words` a line (Latin-1); the coarse class is the label."""
-    files = {} if files is None else files
     path = pathlib.Path(path)
     sents, labels = [], []
     for i, line in enumerate(_text_lines(path, files, 'latin-1'), start=1):
@@ -195,7 +188,6 @@ def read_trec_file(path: PathLike, files: dict[str, str] | None = None) -> Label
 
 def read_mrpc_file(path: PathLike, files: dict[str, str] | None = None) -> LabeledText:
     """MRPC: a header line, then `Quality<TAB>#1 ID<TAB>#2 ID<TAB>#1 String<TAB>#2 String`."""
-    files = {} if files is None else files
     path = pathlib.Path(path)
     lines = _text_lines(path, files, 'utf-8')
     if not lines:
@@ -297,15 +289,8 @@ def has_task(name: str, roots: PathLike | Sequence[PathLike]) -> bool:
 
 
 def load_transfer_task(name: str, roots: PathLike | Sequence[PathLike]) -> TransferData:
-    """Reads one transfer task from the first data root that holds its folder.
-
-    Args:
-      name: MR, CR, SUBJ, MPQA, SST2, TREC or MRPC (case-insensitive).
-      roots: one data root or several, searched in order.
-
-    Returns:
-      The task's splits in file order, with the hashes of the files read.
-    """
+    """Reads one transfer task (`canonical_name`) from the first data root holding its folder:
+    its splits in file order, with the hashes of the files read."""
     key = canonical_name(name)
     spec = _TASKS[key]
     root, folder = find_task_dir(key, roots)
