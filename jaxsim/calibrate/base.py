@@ -151,8 +151,8 @@ def check_dim(x: np.ndarray, dim: int, spec: str) -> None:
 def blas_single_thread():
     """Context limiting BLAS/LAPACK to one thread (when threadpoolctl is installed).
 
-    Why: a [384, 384] eigh takes ~0.05 s on one thread but ~5 s when OpenBLAS's threads spin
-    against other busy processes on a small shared CPU; these matrices are too small to gain
+    Why: OpenBLAS's threads spin against other busy processes on a small shared CPU
+    (docs/performance.md, "Figures the code relies on"); these matrices are too small to gain
     from threads anyway.
     """
     try:
@@ -166,11 +166,7 @@ def _entry(name: str, spec: str) -> type[Calibration]:
     if name not in CALIBRATIONS:
         raise CalibrationError(f'unknown calibration {name!r} in {spec!r}; choose one of '
                                f'{", ".join(CALIBRATIONS.names())} ({IMPORT_HINT})')
-    cls = CALIBRATIONS.get(name)
-    if not (isinstance(cls, type) and issubclass(cls, Calibration)):
-        raise CalibrationError(f'calibration {name!r} is registered as {cls!r}, which is not '
-                               'a jaxsim.calibrate.Calibration subclass')
-    return cls
+    return CALIBRATIONS.get(name)  # its registration checked it (_check_calibration)
 
 
 def parse_spec(spec: str) -> tuple[str, Any]:
@@ -191,15 +187,13 @@ def parse_spec(spec: str) -> tuple[str, Any]:
     raw = raw.strip()
     if colon and not raw:
         raise CalibrationError(f'{spec!r}: empty argument after ":"')
-    if cls.arg not in ARG_MODES:
-        raise CalibrationError(f'calibration {name!r}: arg={cls.arg!r}, expected one of '
-                               f'{ARG_MODES}')
     if not raw:
         if cls.arg == 'required':
             raise CalibrationError(f'calibration {name!r} needs an argument, e.g. {name}:5')
         return name.strip(), None
     if cls.arg == 'none':
         raise CalibrationError(f'calibration {name!r} takes no ":arg" (got {spec!r})')
+    arg = raw
     if cls.arg_type is int:
         try:
             arg = int(raw)
@@ -207,16 +201,14 @@ def parse_spec(spec: str) -> tuple[str, Any]:
             raise CalibrationError(f'{spec!r}: the argument must be an integer') from None
         if arg < 1:
             raise CalibrationError(f'{spec!r}: the argument must be positive')
-        return name.strip(), arg
-    if cls.arg_type is float:
+    elif cls.arg_type is float:
         try:
             arg = float(raw)
         except ValueError:
             raise CalibrationError(f'{spec!r}: the argument must be a number') from None
         if not np.isfinite(arg):
             raise CalibrationError(f'{spec!r}: the argument must be finite')
-        return name.strip(), arg
-    return name.strip(), raw
+    return name.strip(), arg
 
 
 def spec_string(name: str, arg: Any) -> str:
@@ -240,8 +232,7 @@ def _accepted_options(cls: type[Calibration]) -> Optional[set[str]]:
 
 def _stamp(cal: Calibration, **attrs: str) -> Calibration:
     """Sets spec (and note) on a fitted instance, frozen dataclass or plain object."""
-    fields = {f.name for f in dataclasses.fields(cal)} if dataclasses.is_dataclass(cal) else ()
-    if fields and set(attrs) <= set(fields):
+    if dataclasses.is_dataclass(cal) and set(attrs) <= {f.name for f in dataclasses.fields(cal)}:
         return dataclasses.replace(cal, **attrs)
     for k, v in attrs.items():
         object.__setattr__(cal, k, v)
@@ -263,20 +254,16 @@ def fit(spec: str, x: Any, **options) -> Calibration:
       The fitted Calibration, with `.spec` set to the canonical spec.
     """
     name, arg = parse_spec(spec)
-    cls = _entry(name, spec)
+    cls = CALIBRATIONS.get(name)
     options = {k: v for k, v in options.items() if v is not None}
-    known: set[str] = set()
-    for other in CALIBRATIONS.names():
-        accepted = _accepted_options(CALIBRATIONS.get(other))
-        if accepted is not None:
-            known |= accepted
     accepted = _accepted_options(cls)
-    typos = sorted(k for k in options if k not in known and (accepted is None
-                                                              or k not in accepted))
-    if typos and accepted is not None:
-        raise CalibrationError(f'unknown calibration option(s) {typos}; the registered '
-                               f'calibrations take {sorted(known)}')
-    if accepted is not None:
+    if accepted is not None:  # a fit taking **options gets them all, unchecked
+        known = set().union(*(_accepted_options(CALIBRATIONS.get(other)) or ()
+                              for other in CALIBRATIONS.names()))
+        typos = sorted(set(options) - known)
+        if typos:
+            raise CalibrationError(f'unknown calibration option(s) {typos}; the registered '
+                                   f'calibrations take {sorted(known)}')
         options = {k: v for k, v in options.items() if k in accepted}
     cal = cls.fit(x, arg, **options)
     if not isinstance(cal, Calibration):
@@ -331,32 +318,20 @@ def load(folder: Union[str, pathlib.Path]) -> Calibration:
         arrays = safetensors.numpy.load_file(str(arrays_path))
     except safetensors.SafetensorError as e:
         raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
-    if kind not in CALIBRATIONS and set(arrays) == AFFINE_ARRAYS and affine_fallback:
-        return _load_unregistered_affine(folder, kind, spec, note, meta, arrays)
-    cls = _entry(kind, f'{meta_path} kind')
+    # A kind not registered here whose file holds an affine map loads as that map.
+    fallback = kind not in CALIBRATIONS and set(arrays) == {'mu', 'W'}
+    if fallback:
+        from jaxsim.calibrate.affine import AffineCalibration  # it imports this module
+        cls = AffineCalibration
+    else:
+        cls = _entry(kind, f'{meta_path} kind')
     try:
         cal = cls.from_state(meta, arrays)
     except (KeyError, TypeError, ValueError) as e:
         raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
+    if fallback:
+        print(f'note: {folder}: calibration {kind!r} is not registered in this process (its '
+              f'module is not loaded); using the affine map its file holds (mean + '
+              f'{cal.dim_in}x{cal.dim_out} matrix)', file=sys.stderr)
     return _stamp(cal, spec=spec, note=note)
 
-
-# The arrays every affine calibration saves (AffineCalibration.state), and the class such a
-# file loads as when its own kind is not registered: set by jaxsim.calibrate.affine, which
-# imports this module (so it cannot be imported from here).
-AFFINE_ARRAYS = {'mu', 'W'}
-affine_fallback: Optional[type[Calibration]] = None
-
-
-def _load_unregistered_affine(folder: pathlib.Path, kind: str, spec: str, note: str,
-                              meta: dict, arrays: dict) -> Calibration:
-    """A saved affine calibration whose class is not registered here (its module is not
-    loaded): the file holds its whole map, so it loads as that map, with a note."""
-    try:
-        cal = affine_fallback.from_state(meta, arrays)
-    except ValueError as e:
-        raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
-    print(f'note: {folder}: calibration {kind!r} is not registered in this process (its '
-          f'module is not loaded); using the affine map its file holds (mean + '
-          f'{cal.dim_in}x{cal.dim_out} matrix)', file=sys.stderr)
-    return _stamp(cal, spec=spec, note=note)

@@ -72,17 +72,13 @@ class EmbeddingTable:
         unique = list(dict.fromkeys(sentences))
         return cls({s: i for i, s in enumerate(unique)}, np.asarray(encoder(unique)))
 
-    def rows(self, sentences: Sequence[str]) -> np.ndarray:
-        return np.asarray([self.index[s] for s in sentences], np.int64)
-
     def lookup(self, sentences: Sequence[str]) -> np.ndarray:
         """[N, D] vectors of N sentences (each must be in the table)."""
-        return self.matrix[self.rows(sentences)]
+        return self.matrix[np.asarray([self.index[s] for s in sentences], np.int64)]
 
     def subset(self, sentences: Sequence[str]) -> 'EmbeddingTable':
         """The table restricted to the distinct `sentences`."""
-        unique = list(dict.fromkeys(sentences))
-        return EmbeddingTable({s: i for i, s in enumerate(unique)}, self.lookup(unique))
+        return EmbeddingTable.build(self.lookup, sentences)
 
     def replace(self, matrix: np.ndarray) -> 'EmbeddingTable':
         """The same sentences with new vectors (e.g. calibrated), row for row."""

@@ -7,7 +7,6 @@ come from `jaxsim.calibrate`; what is scored and what a calibration is fitted on
 """
 from __future__ import annotations
 
-import inspect
 import pathlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,10 +40,9 @@ NoisyEncodeFn = Callable[[list[str], jax.Array], np.ndarray]
 def _fit_options(post: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """The options (given, not None) that the calibration named in `post` takes."""
     cls = calibrate.CALIBRATIONS.get(calibrate.parse_spec(post)[0])
-    params = inspect.signature(cls.fit).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return {k: v for k, v in options.items() if v is not None}
-    return {k: v for k, v in options.items() if k in params and v is not None}
+    accepted = calibrate.base._accepted_options(cls)  # None: it takes **options
+    return {k: v for k, v in options.items()
+            if v is not None and (accepted is None or k in accepted)}
 
 
 def is_seeded(post: str) -> bool:
@@ -123,9 +121,8 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
     encoder = encode_fn if isinstance(encode_fn, CachedEncoder) else CachedEncoder(encode_fn)
     seconds_before = encoder.seconds
 
-    rows_asked = [(p, None) if calibrate.parse_spec(p)[0] == 'none' else (p, f)
-                  for p in posts for f in fit_ons]
-    rows_asked = list(dict.fromkeys(rows_asked))
+    rows_asked = list(dict.fromkeys((p, None) if calibrate.parse_spec(p)[0] == 'none' else (p, f)
+                                    for p in posts for f in fit_ons))
     sets = {(p, f): protocol.fit_sets(f, task_list, roots, p) for p, f in rows_asked
             if f is not None}
     sentences = [s for t in task_list for s in t.sentences()]
@@ -137,9 +134,8 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
     evaluated = table.subset(sentences)
 
     task_notes = [n for t in task_list for n in t.notes]
-    files, sources = dict(senteval.task_files(task_list)), {}
-    for t in task_list:
-        sources[t.name] = list(t.roots)
+    files = dict(senteval.task_files(task_list))
+    sources = {t.name: list(t.roots) for t in task_list}
     stsb = next((t for t in task_list if t.name == 'STSBenchmark'), None)
     ref_task = (stsb or task_list[0]).name
 
@@ -151,7 +147,8 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
         per_seed: list[dict[str, metrics.TaskScore]] = []
         ref_table = evaluated
         fit_record = None
-        post_seeds = seeds if name != 'none' and is_seeded(post) else seeds[:1]
+        seeded = name != 'none' and is_seeded(post)
+        post_seeds = seeds if seeded else seeds[:1]
         if name == 'none':
             per_seed.append({t.name: protocol.score_task(t, evaluated.lookup)
                              for t in task_list})
@@ -195,7 +192,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
             'metric': 'spearman x100 of cosine similarity',
             'fit_on': fit_on,
             'fit': fit_record,
-            'seeds': post_seeds if name != 'none' and is_seeded(post) else None,
+            'seeds': post_seeds if seeded else None,
             'per_seed': ({k: [s[k].get(aggregate) for s in per_seed] for k in scores}
                          if len(per_seed) > 1 else None),
             'per_task': {k: v.to_dict() for k, v in scores.items()},
@@ -337,10 +334,8 @@ def run_transfer(models: Sequence[Optional[str]], roots: Sequence, tasks: Sequen
     for name in models:
         model, _ = _load(name, pooler)
         encoder = make_encoder(model, max_length, batch_size, dtype)
-        label = str(name or BUNDLED_NAME)
         origin = checkpoint_of(name)
-        if 'step' in origin:
-            label = describe_provenance(origin)
+        label = describe_provenance(origin) if 'step' in origin else str(name or BUNDLED_NAME)
         results = [_mean_transfer([transfer.evaluate_transfer(t, encoder, roots, seed=s,
                                                               model=label) for s in seeds],
                                   seeds) for t in tasks]
