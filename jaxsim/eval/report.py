@@ -7,7 +7,6 @@ covers; below the table, the data root each task was read from and every note, o
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
 
@@ -17,7 +16,7 @@ from jaxsim.data import senteval
 from jaxsim.eval import transfer
 from jaxsim.eval.metrics import AGGREGATE_DOC
 from jaxsim.eval.protocol import StsResult
-from jaxsim.eval.transfer import TransferResult
+from jaxsim.eval.transfer import TransferResult, fmt_score
 from jaxsim.formats.pretrained import describe_provenance
 from jaxsim.storage import store
 
@@ -29,13 +28,9 @@ SHORT_NAMES = {
 NUM_TASKS = len(senteval.TASK_KEYS)
 
 
-def _fmt(v: float) -> str:
-    return 'n/a' if v is None or (isinstance(v, float) and math.isnan(v)) else f'{v:.2f}'
-
-
-def avg_header(tasks: Sequence[str]) -> str:
-    """'Avg.' over all 7 tasks, else 'Avg. (n)'."""
-    return 'Avg.' if len(tasks) == NUM_TASKS else f'Avg. ({len(tasks)})'
+def avg_header(tasks: Sequence[str], total: int = NUM_TASKS) -> str:
+    """'Avg.' over all `total` tasks, else 'Avg. (n)'."""
+    return 'Avg.' if len(tasks) == total else f'Avg. ({len(tasks)})'
 
 
 def _dedup(items) -> list:
@@ -82,9 +77,9 @@ def markdown_table(results: Sequence[StsResult], aggregate: str | None = None) -
         label = f'{r.label} ({r.fit_on})' if show_fit and r.fit_on else r.label
         cells = ([str(r.model)] if multi_model else []) + [label]
         spread = seed_spread(r, aggregate)
-        cells += [_fmt(r.scores[c].get(aggregate)) + spread.get(c, '') if c in r.scores else ''
+        cells += [fmt_score(r.scores[c].get(aggregate)) + spread.get(c, '') if c in r.scores else ''
                   for c in columns]
-        cells.append(_fmt(r.avg_of(aggregate)) + spread.get('avg', '')
+        cells.append(fmt_score(r.avg_of(aggregate)) + spread.get('avg', '')
                      if set(r.scores) == set(columns) else 'n/a')
         lines.append('| ' + ' | '.join(cells) + ' |')
     if any(r.details.get('per_seed') for r in results):
@@ -141,12 +136,8 @@ def transfer_table(rows: Sequence[tuple[str, str, Sequence[TransferResult]]]) ->
         raise ValueError('no results to tabulate')
     columns = [t for t in transfer.TASK_NAMES if any(r.task == t for _, _, rs in rows for r in rs)]
     n = len(transfer.TASK_NAMES)
-    avg = 'Avg.' if len(columns) == n else f'Avg. ({len(columns)})'
-    used = [p for p in transfer.PROTOCOL_DOC if any(transfer.PROTOCOLS[t] == p for t in columns)]
-    lines = [f'Accuracy x100 of logistic regression on frozen sentence vectors (SentEval, '
-             f'SimCSE test mode); pooler: {", ".join(_dedup(p for _, p, _ in rows))}; '
-             + '; '.join(f'{", ".join(t for t in columns if transfer.PROTOCOLS[t] == p)}: '
-                         f'{transfer.PROTOCOL_DOC[p]}' for p in used)]
+    avg = avg_header(columns, n)
+    lines = [transfer.caption(columns, ', '.join(_dedup(p for _, p, _ in rows)))]
     if avg != 'Avg.':
         lines.append(f'{avg}: the mean accuracy over {", ".join(columns)} only (not the '
                      f'{n}-task average)')
@@ -159,11 +150,11 @@ def transfer_table(rows: Sequence[tuple[str, str, Sequence[TransferResult]]]) ->
         cells = [model]
         for t in columns:
             r = by_task.get(t)
-            cells.append(_fmt(r.acc) + _transfer_spread(r, 'acc') if r else '')
+            cells.append(fmt_score(r.acc) + _transfer_spread(r, 'acc') if r else '')
             if t == 'MRPC':
-                cells.append(_fmt(r.f1) + _transfer_spread(r, 'f1') if r else '')
+                cells.append(fmt_score(r.f1) + _transfer_spread(r, 'f1') if r else '')
         accs = [by_task[t].acc for t in columns if t in by_task]
-        cells.append(_fmt(float(np.mean(accs))) if len(accs) == len(columns) else 'n/a')
+        cells.append(fmt_score(float(np.mean(accs))) if len(accs) == len(columns) else 'n/a')
         lines.append('| ' + ' | '.join(cells) + ' |')
     roots = _dedup(r.details.get('root', '') for _, _, rs in rows for r in rs)
     seeds = _dedup(str(r.details['seeds']) for _, _, rs in rows for r in rs

@@ -343,8 +343,20 @@ def evaluate_transfer(task_name: str, encode_fn: EncodeFn,
 # ---------------------------------------------------------------------------------------
 
 
-def _fmt(v: Optional[float]) -> str:
+def fmt_score(v: Optional[float]) -> str:
+    """A score for a table: 2 decimals, 'n/a' for None or NaN."""
     return 'n/a' if v is None or not np.isfinite(v) else f'{v:.2f}'
+
+
+def caption(columns: Sequence[str], pooler: Optional[str] = None) -> str:
+    """What a transfer table shows (with its `pooler`), and each task column's protocol."""
+    parts = ['Accuracy x100 of logistic regression on frozen sentence vectors (SentEval, '
+             'SimCSE test mode)']
+    if pooler is not None:
+        parts.append(f'pooler: {pooler}')
+    parts += [f'{", ".join(t for t in columns if PROTOCOLS[t] == p)}: {PROTOCOL_DOC[p]}'
+              for p in PROTOCOL_DOC if any(PROTOCOLS[t] == p for t in columns)]
+    return '; '.join(parts)
 
 
 def format_transfer_table(results: Sequence[TransferResult]) -> str:
@@ -359,22 +371,18 @@ def format_transfer_table(results: Sequence[TransferResult]) -> str:
     columns = [t for t in TASK_NAMES if any(r.task == t for r in results)]
     models = list(dict.fromkeys(r.model for r in results))
     cell = {(r.model, r.task): r for r in results}
-    caption = ('Accuracy x100 of logistic regression on frozen sentence vectors (SentEval, '
-               'SimCSE test mode); ' + '; '.join(
-                   f'{", ".join(t for t in columns if PROTOCOLS[t] == p)}: {PROTOCOL_DOC[p]}'
-                   for p in PROTOCOL_DOC if any(PROTOCOLS[t] == p for t in columns)))
     head = ['Model'] + columns + ['Avg.']
-    lines = [caption, '', '| ' + ' | '.join(head) + ' |',
+    lines = [caption(columns), '', '| ' + ' | '.join(head) + ' |',
              '|---|' + '|'.join(['---:'] * (len(columns) + 1)) + '|']
     notes = []
     for m in models:
         accs = [cell[m, t].acc if (m, t) in cell else None for t in columns]
         avg = float(np.mean(accs)) if all(a is not None for a in accs) else None
-        lines.append('| ' + ' | '.join([m or '-'] + ['' if a is None else _fmt(a) for a in accs]
-                                       + [_fmt(avg)]) + ' |')
+        cells = ['' if a is None else fmt_score(a) for a in accs]
+        lines.append('| ' + ' | '.join([m or '-'] + cells + [fmt_score(avg)]) + ' |')
         if (m, 'MRPC') in cell and cell[m, 'MRPC'].f1 is not None:
             notes.append(f'note: MRPC F1 x100{" (" + m + ")" if m else ""}: '
-                         f'{_fmt(cell[m, "MRPC"].f1)}')
+                         f'{fmt_score(cell[m, "MRPC"].f1)}')
     return '\n'.join(lines + ([''] + notes if notes else []))
 
 
