@@ -1,25 +1,9 @@
-"""Calibrations of sentence embeddings behind one interface, and the registry of their names.
+"""The Calibration interface, the registry of calibration names, and fit / save / load.
 
-A calibration is fitted on unlabeled embeddings and then maps every embedding row-wise:
-
-  name, arg = parse_spec('whitening:256')    # the one parser of '--post' values
-  cal = fit('whitening:256', x)              # [N, D] -> a fitted Calibration
-  z = cal.apply(x)                           # [N, K] numpy
-  cal.save(folder); cal = load(folder)       # calibration.json + arrays.safetensors
-  cal.affine()                               # (mu [D], W [D, K]) for an affine map, else None
-
-A new calibration is one decorated class, usable by name from `eval.py --post name[:arg]`:
-
-  @CALIBRATIONS.register('mycal')
-  class MyCal(Calibration):
-      arg = 'required'                       # 'none' | 'optional' | 'required'
-      @classmethod
-      def fit(cls, x, arg, **options): ...   # keyword options it takes, e.g. eps=0.0
-      def apply(self, x): ...
-      def describe(self): ...
-      def state(self): ...                   # (JSON-able meta, {name: array}) for save
-      @classmethod
-      def from_state(cls, meta, arrays): ...
+A calibration is fitted on unlabeled embeddings, then maps every embedding row-wise. A new one
+is a decorated subclass, usable by name from `eval.py --post name[:arg]` (docs/extending.md):
+`@CALIBRATIONS.register('mycal')` on a `Calibration` defining `arg`, `fit`, `apply`,
+`describe`, `state` and `from_state`.
 """
 from __future__ import annotations
 

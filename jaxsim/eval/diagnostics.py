@@ -63,11 +63,9 @@ def mean_random_cosine(x) -> float:
     return float((s @ s - n) / (n * (n - 1)))
 
 
-def singular_values(x, center: bool = False) -> np.ndarray:
+def singular_values(x) -> np.ndarray:
     """Singular values of the [N, D] embedding matrix, descending (float64)."""
     x = np.asarray(x, np.float64)
-    if center:
-        x = x - x.mean(axis=0)
     # Via the [D, D] Gram matrix: much cheaper than an SVD of [N, D] for N >> D, and the
     # precision lost on tiny singular values (below ~1e-8 of the largest) does not matter here.
     with blas_single_thread():

@@ -296,7 +296,7 @@ def _pad_rows(rows: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def fit(x, y, problems: Sequence[Problem], num_classes: int,
-        cfg: ClassifierConfig = ClassifierConfig(), init: Optional[dict] = None,
+        cfg: ClassifierConfig = ClassifierConfig(),
         progress: Optional[Callable[[int, int], None]] = None) -> FitResult:
     """Trains one classifier per (problem, L2 value) as SentEval does; keeps the best on dev.
 
@@ -306,8 +306,6 @@ def fit(x, y, problems: Sequence[Problem], num_classes: int,
       problems: train/dev row sets (see `Problem`).
       num_classes: K.
       cfg: the classifier settings.
-      init: {'w': [D, K], 'b': [K]} initial weights for every classifier; default
-        `torch_like_init(D, K, cfg.seed)`, PyTorch's own.
       progress: called after every round with (classifiers done training, classifiers).
 
     Returns:
@@ -331,7 +329,7 @@ def fit(x, y, problems: Sequence[Problem], num_classes: int,
     num_p, num_r, dim = len(plans), len(cfg.l2_grid), x.shape[1]
     chunk = min(CHUNK, num_p)
     steps = max(-(-len(t) // cfg.batch_size) for t, _, _ in plans)
-    init = torch_like_init(dim, num_classes, cfg.seed) if init is None else init
+    init = torch_like_init(dim, num_classes, cfg.seed)  # PyTorch's own, for every classifier
     # One extra problem (index num_p) pads the last chunk; it never trains.
     params = {'w': jnp.broadcast_to(jnp.asarray(init['w'], jnp.float32),
                                     (num_p + 1, num_r, dim, num_classes)),

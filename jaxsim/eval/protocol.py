@@ -5,22 +5,12 @@ Scoring follows SimCSE's `evaluation.py` over SentEval: STS12-16 on SentEval's s
 task scored on their concatenation, 'all'), STS-B and SICK-R on their test split, cosine
 similarity, Spearman x100 (`jaxsim.eval.metrics`).
 
-Label-free calibrations (whitening, flows, ...) are fitted on unlabeled sentences; the fit set
-changes the numbers by several points, so it is always named and recorded:
-
-  target  all sentences of all evaluated tasks, one fit shared by every task (the default:
-          one calibration then serves every input, as an exported model applies it; and a flow
-          is fitted once per row instead of once per task).
-  task    each task's own evaluated sentences, one fit per task.
-  paper   each task's fit set as the papers fit it, one fit per task:
-            flows (BERT-flow, bohanli/BERT-flow run_siamese.py, 'target' setting with
-              use_full_for_training=1): the task's train+dev+test. STS12-16 have one file,
-              `full.txt`, used as all three splits, so their pairs count three times.
-            every other calibration (BERT-whitening, bojone/BERT-whitening eng/eval.py): each
-              task's own pairs; STS-B and SICK-R: train+dev+test.
-          A split missing under every data root is left out with a note (the shipped SICK
-          has train and trial only).
-  FILE    a sentence file (one fit shared by every task).
+Label-free calibrations are fitted on unlabeled sentences; the fit set changes the numbers by
+several points, so it is always named and recorded. `--fit-on` chooses it (the table is in
+docs/evaluation.md): 'target' (the default), 'task', 'paper' (each task's fit set as the papers
+fit it: `PAPER_RULES`) or a sentence file. Under 'paper', STS12-16 have one file, `full.txt`,
+which BERT-flow uses as all three splits, so their pairs count three times; a split missing
+under every data root is left out with a note (the shipped SICK has train and trial only).
 Both sentences of every pair enter a fit set, duplicates kept, as in both papers.
 """
 from __future__ import annotations
@@ -212,22 +202,18 @@ def fit_sets(fit_on: str, tasks: Sequence[StsTask], roots, post: str) -> dict[st
       roots: data roots, for the other splits 'paper' reads.
       post: the calibration spec (the paper rule depends on it).
     """
-    if fit_on == 'target':
-        shared = _task_set('target', tasks)
-        return {t.name: shared for t in tasks}
     if fit_on == 'task':
         return {t.name: _task_set('task', [t]) for t in tasks}
     if fit_on == 'paper':
         family = paper_family(post)
         return {t.name: _paper_set(t, roots, family) for t in tasks}
-    shared = _file_set(fit_on)
+    if fit_on == 'target':
+        shared = _task_set('target', tasks)
+    else:
+        sentences = senteval.load_sentences(fit_on)
+        shared = FitSet(str(fit_on), (FitPart(str(fit_on), 'file', len(sentences)),), sentences,
+                        files={str(fit_on): senteval.file_hash(fit_on)})
     return {t.name: shared for t in tasks}
-
-
-def _file_set(path: str) -> FitSet:
-    sentences = senteval.load_sentences(path)
-    return FitSet(str(path), (FitPart(str(path), 'file', len(sentences)),), sentences,
-                  files={str(path): senteval.file_hash(path)})
 
 
 def check_fit_on(fit_on: str) -> str:

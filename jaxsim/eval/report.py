@@ -20,11 +20,8 @@ from jaxsim.eval.transfer import TransferResult, fmt_score
 from jaxsim.formats.pretrained import describe_provenance
 from jaxsim.storage import store
 
-# Column headers as in the SimCSE paper's tables.
-SHORT_NAMES = {
-    'STS12': 'STS12', 'STS13': 'STS13', 'STS14': 'STS14', 'STS15': 'STS15', 'STS16': 'STS16',
-    'STSBenchmark': 'STS-B', 'SICKRelatedness': 'SICK-R',
-}
+# Column headers as in the SimCSE paper's tables (STS12-16 keep their keys).
+SHORT_NAMES = {'STSBenchmark': 'STS-B', 'SICKRelatedness': 'SICK-R'}
 NUM_TASKS = len(senteval.TASK_KEYS)
 
 
@@ -50,9 +47,7 @@ def markdown_table(results: Sequence[StsResult], aggregate: str | None = None) -
     if not results:
         raise ValueError('no results to tabulate')
     aggregate = aggregate or results[0].aggregate
-    columns: list[str] = []
-    for r in results:
-        columns += [k for k in r.scores if k not in columns]
+    columns = _dedup(k for r in results for k in r.scores)
     multi_model = len({r.model for r in results}) > 1
     poolers = _dedup(r.pooler for r in results)
     splits = _dedup(r.split for r in results)
@@ -115,12 +110,10 @@ def checkpoint_lines(results: Sequence[StsResult]) -> list[str]:
 
 def data_lines(results: Sequence[StsResult]) -> list[str]:
     """'data: STS12, STS-B from ROOT' lines: which data root each task was read from."""
-    by_roots: dict[tuple[str, ...], list[str]] = {}
+    by_roots: dict[tuple[str, ...], dict[str, None]] = {}  # roots -> task names, in order
     for r in results:
         for task, roots in r.details.get('data_sources', {}).items():
-            names = by_roots.setdefault(tuple(roots), [])
-            if SHORT_NAMES.get(task, task) not in names:
-                names.append(SHORT_NAMES.get(task, task))
+            by_roots.setdefault(tuple(roots), {})[SHORT_NAMES.get(task, task)] = None
     return [f'data: {", ".join(tasks)} from {" + ".join(roots)}'
             for roots, tasks in by_roots.items()]
 
@@ -188,16 +181,8 @@ def transfer_to_json(model: str, pooler: str, results: Sequence[TransferResult])
 
 def result_to_json(r: StsResult) -> dict:
     """One row's JSON record: model, pooler, post, tasks, avg (and what it covers), details."""
-    return {
-        'model': r.model,
-        'pooler': r.pooler,
-        'post': r.post,
-        'aggregate': r.aggregate,
-        'tasks': r.tasks,
-        'avg': r.avg,
-        'avg_over': list(r.scores),
-        'details': r.details,
-    }
+    return {'model': r.model, 'pooler': r.pooler, 'post': r.post, 'aggregate': r.aggregate,
+            'tasks': r.tasks, 'avg': r.avg, 'avg_over': list(r.scores), 'details': r.details}
 
 
 def write_json(path: str | os.PathLike, results: Sequence[StsResult],

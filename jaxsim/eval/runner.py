@@ -7,6 +7,7 @@ come from `jaxsim.calibrate`; what is scored and what a calibration is fitted on
 """
 from __future__ import annotations
 
+import functools
 import pathlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,17 +38,11 @@ SENTEVAL_SEED = 1111
 NoisyEncodeFn = Callable[[list[str], jax.Array], np.ndarray]
 
 
-def _fit_options(post: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options (given, not None) that the calibration named in `post` takes."""
-    cls = calibrate.CALIBRATIONS.get(calibrate.parse_spec(post)[0])
-    accepted = calibrate.base._accepted_options(cls)  # None: it takes **options
-    return {k: v for k, v in options.items()
-            if v is not None and (accepted is None or k in accepted)}
-
-
 def is_seeded(post: str) -> bool:
     """Whether fitting `post` depends on a seed (it is then fitted once per seed)."""
-    return 'seed' in _fit_options(post, {'seed': 0})
+    cls = calibrate.CALIBRATIONS.get(calibrate.parse_spec(post)[0])
+    accepted = calibrate.base._accepted_options(cls)  # None: it takes **options
+    return accepted is None or 'seed' in accepted
 
 
 def _fit(post: str, fit_set: FitSet, table: EmbeddingTable, seed: int, options: dict,
@@ -59,12 +54,11 @@ def _fit(post: str, fit_set: FitSet, table: EmbeddingTable, seed: int, options: 
             raise calibrate.CalibrationError(f'--flow-checkpoint {checkpoint}: holds a '
                                              f'{cal.spec!r} calibration, not a flow')
         return cal
-    embed = None
-    if noisy is not None:
-        embed = lambda key: noisy(fit_set.sentences, key)  # noqa: E731
-    opts = _fit_options(post, {**options, 'seed': seed, 'embed': embed})
+    # calibrate.fit passes each calibration the options it takes.
+    embed = None if noisy is None else functools.partial(noisy, fit_set.sentences)
     try:
-        return calibrate.fit(post, table.lookup(fit_set.sentences), **opts)
+        return calibrate.fit(post, table.lookup(fit_set.sentences),
+                             **{**options, 'seed': seed, 'embed': embed})
     except calibrate.CalibrationError as e:  # say which fit set (a file of too few sentences)
         raise calibrate.CalibrationError(f'fit on {fit_set.fit_on}: {e}') from None
 
@@ -208,9 +202,8 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
             # Geometry of the vectors STS-B was scored with (else the first task's).
             pos1, pos2 = protocol.stsb_positive_pairs(stsb) if stsb else ([], [])
             details['diagnostics'] = diag.diagnostics(
-                ref_table.matrix,
-                ref_table.lookup(pos1) if pos1 else None, ref_table.lookup(pos2) if pos2 else None,
-                ref_table.lookup(list(dict.fromkeys(stsb.sentences()))) if stsb else None)
+                ref_table.matrix, ref_table.lookup(pos1), ref_table.lookup(pos2),
+                ref_table.subset(stsb.sentences()).matrix if stsb else None)
         details['seconds_post'] = time.perf_counter() - t_post
         if extra_details:
             details.update(extra_details)

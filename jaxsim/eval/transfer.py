@@ -1,18 +1,12 @@
 """The SentEval transfer tasks, as SimCSE's `evaluation.py --mode test` runs them.
 
-A logistic regression (`jaxsim.eval.logreg`, SentEval's PyTorch classifier with `nhid 0`,
-Adam, batch 64, tenacity 5, epoch_size 4) on frozen sentence vectors, under SentEval's
-protocols (facebookresearch/SentEval, `senteval/tools/validation.py`):
-
-  - MR, CR, SUBJ, MPQA: 10-fold cross-validation (`InnerKFoldClassifier`). Per outer fold,
-    the L2 value is chosen by a 10-fold CV inside the training part (each inner classifier
-    early-stops on its inner test fold), then a classifier with that value is trained on the
-    whole training part (early stopping on a 5% carve-out) and scored on the outer test fold.
-    Both fold splits use `StratifiedKFold(shuffle=True, random_state=1111)`.
-  - SST2: train / dev / test (`SplitClassifier`): L2 chosen on dev, scored on test.
-  - TREC, MRPC: 10-fold CV on train chooses the L2 value (`KFoldClassifier`), then train on
-    all of train (5% carve-out for early stopping), score on test. MRPC features are
-    `[|u - v|, u * v]` (SentEval's `mrpc.py`) and it also reports F1 of the paraphrase class.
+A logistic regression (`jaxsim.eval.logreg`) on frozen sentence vectors, under SentEval's
+protocols (facebookresearch/SentEval, `senteval/tools/validation.py`; the table is in
+docs/evaluation.md): `InnerKFoldClassifier` for MR, CR, SUBJ, MPQA (per outer fold, the L2
+value chosen by a 10-fold CV inside the training part, each inner classifier early-stopping on
+its inner test fold, then a refit on the whole training part with a 5% early-stopping
+carve-out; both fold splits are `StratifiedKFold(shuffle=True, random_state=1111)`),
+`SplitClassifier` for SST2, `KFoldClassifier` for TREC and MRPC.
 
 Fold assignment depends on the sample order, so samples are put in SentEval's order first:
 sorted (stably) by token count, then label (MRPC: by both sentences' token counts, then label).
@@ -386,15 +380,10 @@ def format_transfer_table(results: Sequence[TransferResult]) -> str:
     return '\n'.join(lines + ([''] + notes if notes else []))
 
 
-def transfer_result_to_json(r: TransferResult) -> dict:
-    """One JSON-ready record: task, model, acc, devacc, f1, n_dev, n_test, details."""
-    return {'task': r.task, 'model': r.model, 'acc': r.acc, 'devacc': r.devacc, 'f1': r.f1,
-            'n_dev': r.n_dev, 'n_test': r.n_test, 'details': r.details}
-
-
 def write_transfer_json(path: PathLike, results: Sequence[TransferResult],
                         overwrite: bool = False) -> None:
     """Writes a list of records (one per task and model) to `path`, whole or not at all; an
     existing file only with `overwrite`."""
-    store.write_json(path, [transfer_result_to_json(r) for r in results], overwrite=overwrite,
-                     what='transfer JSON', indent=2)
+    records = [{'task': r.task, 'model': r.model, 'acc': r.acc, 'devacc': r.devacc, 'f1': r.f1,
+                'n_dev': r.n_dev, 'n_test': r.n_test, 'details': r.details} for r in results]
+    store.write_json(path, records, overwrite=overwrite, what='transfer JSON', indent=2)
