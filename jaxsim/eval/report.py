@@ -49,12 +49,11 @@ def markdown_table(results: Sequence[StsResult], aggregate: str | None = None) -
     aggregate = aggregate or results[0].aggregate
     columns = _dedup(k for r in results for k in r.scores)
     multi_model = len({r.model for r in results}) > 1
-    poolers = _dedup(r.pooler for r in results)
-    splits = _dedup(r.split for r in results)
     avg = avg_header(columns)
     caption = (f'Spearman x100 of cosine similarity; aggregation: {aggregate} '
-               f'({AGGREGATE_DOC[aggregate]}); pooler: {", ".join(poolers)}; '
-               f'split: {", ".join(splits)}')
+               f'({AGGREGATE_DOC[aggregate]}); '
+               f'pooler: {", ".join(_dedup(r.pooler for r in results))}; '
+               f'split: {", ".join(_dedup(r.split for r in results))}')
     fit_ons = _dedup(r.fit_on for r in results if r.fit_on)
     if fit_ons:
         caption += f'; calibrations fitted on: {", ".join(map(str, fit_ons))}'
@@ -78,13 +77,10 @@ def markdown_table(results: Sequence[StsResult], aggregate: str | None = None) -
                      if set(r.scores) == set(columns) else 'n/a')
         lines.append('| ' + ' | '.join(cells) + ' |')
     if any(r.details.get('per_seed') for r in results):
-        lines.append('')
-        lines.append('mean ±std over seeds ' + '; '.join(_dedup(
+        lines += ['', 'mean ±std over seeds ' + '; '.join(_dedup(
             f'{r.label}: {", ".join(map(str, r.details["seeds"]))}' for r in results
-            if r.details.get('per_seed'))) + ' (std: population, ddof 0)')
-    lines.append('')
-    lines += checkpoint_lines(results)
-    lines += data_lines(results)
+            if r.details.get('per_seed'))) + ' (std: population, ddof 0)']
+    lines += ['', *checkpoint_lines(results), *data_lines(results)]
     lines += [f'note: {n}' for n in _dedup(n for r in results for n in r.details.get('notes', []))]
     return '\n'.join(lines)
 

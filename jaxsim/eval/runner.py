@@ -241,12 +241,10 @@ def stsb_score(encode_fn: EncodeFn, roots=None, split: str = 'dev',
 
 def make_encoder(model: jaxsim.SentenceModel, max_length: Optional[int] = None,
                  batch_size: int = 64, dtype: str = 'float32') -> CachedEncoder:
-    """A cached `list[str] -> [N, H]` over `jaxsim.encode` (eval mode: no dropout)."""
-    def encode_fn(sentences: list[str]) -> np.ndarray:
-        return jaxsim.encode(model, sentences, batch_size=batch_size, max_length=max_length,
-                             dtype=getattr(jnp, dtype))  # a progress bar for long inputs
-
-    return CachedEncoder(encode_fn)
+    """A cached `list[str] -> [N, H]` over `jaxsim.encode` (eval mode: no dropout; a progress
+    bar for long inputs)."""
+    return CachedEncoder(functools.partial(jaxsim.encode, model, batch_size=batch_size,
+                                           max_length=max_length, dtype=getattr(jnp, dtype)))
 
 
 def make_noisy_encoder(model: jaxsim.SentenceModel, max_length: Optional[int] = None,

@@ -133,6 +133,16 @@ def _dev_scores(fit: logreg.FitResult, problems: slice) -> np.ndarray:
     return np.asarray([_np_round(100 * np.mean(acc[:, r])) for r in range(acc.shape[1])])
 
 
+def _tested(fit: logreg.FitResult, problem: int, scores: np.ndarray, x_test, y_test,
+            cfg: ClassifierConfig) -> dict:
+    """The classifier of `problem` at the L2 value best on dev (`scores` [R]), on test."""
+    r = int(np.argmax(scores))
+    pred = logreg.predict(fit.weight[problem, r], fit.bias[problem, r], x_test)
+    return {'acc': _py_round(100 * _accuracy(pred, y_test)), 'devacc': float(scores[r]),
+            'l2': cfg.l2_grid[r], 'dev_scores': scores.tolist(), 'pred': pred,
+            'epochs': fit.epochs.tolist(), 'rounds': fit.rounds}
+
+
 # ---------------------------------------------------------------------------------------
 # Protocols on features.
 # ---------------------------------------------------------------------------------------
@@ -154,18 +164,14 @@ def cross_validate(x, y, num_classes: int, cfg: ClassifierConfig = ClassifierCon
             problems.append(Problem(train[inner_train], train[inner_test]))
     problems += [Problem(train) for train, _ in outer]              # the refits, 5% carve-out
     fit = logreg.fit(x, y, problems, num_classes, cfg, progress=progress)
-    chosen, fold_acc, dev_scores, devresults = [], [], [], []
-    for o, (_, test) in enumerate(outer):
-        scores = _dev_scores(fit, slice(o * kfold, (o + 1) * kfold))
-        r = int(np.argmax(scores))
-        refit = kfold * kfold + o
-        pred = logreg.predict(fit.weight[refit, r], fit.bias[refit, r], np.asarray(x)[test])
-        fold_acc.append(_py_round(100 * _accuracy(pred, y[test])))
-        chosen.append(cfg.l2_grid[r])
-        dev_scores.append(scores.tolist())
-        devresults.append(scores[r])
-    return {'acc': _np_round(np.mean(fold_acc)), 'devacc': _np_round(np.mean(devresults)),
-            'l2': chosen, 'fold_acc': fold_acc, 'dev_scores': dev_scores,
+    # Outer fold o: its inner problems are o * kfold ..., its refit kfold * kfold + o.
+    folds = [_tested(fit, kfold * kfold + o, _dev_scores(fit, slice(o * kfold, (o + 1) * kfold)),
+                     np.asarray(x)[test], y[test], cfg) for o, (_, test) in enumerate(outer)]
+    fold_acc = [f['acc'] for f in folds]
+    return {'acc': _np_round(np.mean(fold_acc)),
+            'devacc': _np_round(np.mean([f['devacc'] for f in folds])),
+            'l2': [f['l2'] for f in folds], 'fold_acc': fold_acc,
+            'dev_scores': [f['dev_scores'] for f in folds],
             'epochs': fit.epochs.tolist(), 'rounds': fit.rounds}
 
 
@@ -182,12 +188,7 @@ def cv_then_test(x_train, y_train, x_test, y_test, num_classes: int,
     problems = [Problem(train, test) for train, test in folds]
     problems.append(Problem(np.arange(len(y_train))))
     fit = logreg.fit(x_train, y_train, problems, num_classes, cfg, progress=progress)
-    scores = _dev_scores(fit, slice(0, kfold))
-    r = int(np.argmax(scores))
-    pred = logreg.predict(fit.weight[kfold, r], fit.bias[kfold, r], x_test)
-    return {'acc': _py_round(100 * _accuracy(pred, y_test)), 'devacc': float(scores[r]),
-            'l2': cfg.l2_grid[r], 'dev_scores': scores.tolist(), 'pred': pred,
-            'epochs': fit.epochs.tolist(), 'rounds': fit.rounds}
+    return _tested(fit, kfold, _dev_scores(fit, slice(0, kfold)), x_test, y_test, cfg)
 
 
 def dev_then_test(x_train, y_train, x_dev, y_dev, x_test, y_test, num_classes: int,
@@ -203,11 +204,7 @@ def dev_then_test(x_train, y_train, x_dev, y_dev, x_test, y_test, num_classes: i
     fit = logreg.fit(x, y, [Problem(np.arange(n), np.arange(n, len(y)))], num_classes, cfg,
                      progress=progress)
     scores = np.asarray([_py_round(100 * a) for a in fit.dev_accuracy[0]])
-    r = int(np.argmax(scores))
-    pred = logreg.predict(fit.weight[0, r], fit.bias[0, r], x_test)
-    return {'acc': _py_round(100 * _accuracy(pred, y_test)), 'devacc': float(scores[r]),
-            'l2': cfg.l2_grid[r], 'dev_scores': scores.tolist(), 'pred': pred,
-            'epochs': fit.epochs.tolist(), 'rounds': fit.rounds}
+    return _tested(fit, 0, scores, x_test, y_test, cfg)
 
 
 def f1_x100(y_true, y_pred, positive: int = 1) -> float:
