@@ -8,7 +8,7 @@
 - natsv:K, nulling away the top-K singular vectors (BERT-flow paper, after Mu & Viswanath's
   "all-but-the-top"): center, then project out the top-K principal directions.
 
-Fitting runs in float64 NumPy (an SVD of a [D, D] covariance: milliseconds), so the identity
+Fitting runs in float64 NumPy (an eigendecomposition of a [D, D] covariance), so the identity
 covariance holds to ~1e-10 and no JAX tracing happens on bad input. A degenerate covariance
 (fewer sentences than dims, constant columns) is handled with a note, or regularized when
 `eps > 0` is passed; never NaN. all-MiniLM-L6-v2 really has 3 dead dims (std < 1e-8), so by
@@ -22,6 +22,7 @@ from typing import Any, Optional
 import flax.struct
 import numpy as np
 
+from jaxsim.calibrate import base
 from jaxsim.calibrate.base import (
     CALIBRATIONS,
     Calibration,
@@ -96,6 +97,8 @@ class AffineCalibration(Calibration, flax.struct.PyTreeNode):
             raise ValueError(f'mu {mu.shape} and W {w.shape} do not form an affine map')
         return cls(mu=mu, W=w)
 
+
+base.affine_fallback = AffineCalibration
 
 
 def _check_matrix(x, what: str, eps: float = 0.0) -> np.ndarray:
@@ -173,8 +176,8 @@ class Whitening(AffineCalibration):
         k = d if arg is None else int(arg)
         mu = x.mean(axis=0)
         cov = np.cov(x, rowvar=False)  # [D, D], ddof=1 as in BERT-whitening
-        # The covariance is symmetric PSD: its SVD is its eigendecomposition. eigh is ~4x
-        # faster than svd here; flip to descending order and clip rounding negatives to 0.
+        # The covariance is symmetric PSD: its SVD is its eigendecomposition, and eigh is
+        # faster than svd (docs/performance.md); flip to descending order, clip negatives to 0.
         s, u = _eigh_desc(cov)
         note = ''
         if eps == 0:

@@ -99,6 +99,11 @@ class Calibration:
         return f'{type(self).__name__}({self.describe()})'
 
 
+# What `load` rebuilds a saved affine map (arrays mu, W) of an unregistered kind as: set by
+# jaxsim.calibrate.affine, which imports this module (so it cannot be imported from here).
+affine_fallback: Optional[type[Calibration]] = None
+
+
 def check_embeddings(x: Any, what: str = 'embeddings', dtype=np.float64,
                      min_rows: int = 1) -> np.ndarray:
     """Validates a [N, D] embedding matrix; returns it as `dtype` numpy.
@@ -156,13 +161,9 @@ def _entry(name: str, spec: str) -> type[Calibration]:
 def parse_spec(spec: str) -> tuple[str, Any]:
     """Parses a calibration spec 'name[:arg]', e.g. 'whitening:256' -> ('whitening', 256).
 
-    Returns:
-      (registered name, arg): arg is None when absent, else an int > 0, a finite float or a
-      string, as the calibration's `arg_type` says.
-
-    Raises:
-      CalibrationError: unknown name, or an arg missing, present where none is taken, or
-        not of the right type.
+    arg is None when absent, else an int > 0, a finite float or a string, as the calibration's
+    `arg_type` says; an unknown name or an arg missing, present where none is taken, or not of
+    the right type is a CalibrationError.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise CalibrationError(f'a calibration spec must be a non-empty string, got {spec!r}')
@@ -264,10 +265,9 @@ def save(cal: Calibration, folder: Union[str, pathlib.Path]) -> pathlib.Path:
     meta, arrays = cal.state()
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: np.ascontiguousarray(np.asarray(v)) for k, v in arrays.items()}
-    safetensors.numpy.save_file(tensors, str(folder / ARRAYS_FILE))
-    record = {'format': FORMAT, 'kind': name, 'spec': cal.spec, 'note': cal.note,
-              'meta': meta}
+    safetensors.numpy.save_file({k: np.ascontiguousarray(np.asarray(v)) for k, v in arrays.items()},
+                                str(folder / ARRAYS_FILE))
+    record = {'format': FORMAT, 'kind': name, 'spec': cal.spec, 'note': cal.note, 'meta': meta}
     (folder / META_FILE).write_text(json.dumps(record, indent=2))
     return folder
 
@@ -276,11 +276,8 @@ def load(folder: Union[str, pathlib.Path]) -> Calibration:
     """Loads a calibration written by `Calibration.save`.
 
     A kind not registered in this process (its module not imported) whose file holds an affine
-    map (mu, W) loads as that map (an AffineCalibration), with a one-line note on stderr.
-
-    Raises:
-      CalibrationError naming the file when the folder does not hold a saved calibration, or
-      its kind is not registered in this process and its file is not an affine map.
+    map (mu, W) loads as that map (an AffineCalibration), with a one-line note on stderr; any
+    other unregistered kind is a CalibrationError naming the file.
     """
     folder = pathlib.Path(folder)
     meta_path = folder / META_FILE
@@ -303,12 +300,9 @@ def load(folder: Union[str, pathlib.Path]) -> Calibration:
     except safetensors.SafetensorError as e:
         raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
     # A kind not registered here whose file holds an affine map loads as that map.
-    fallback = kind not in CALIBRATIONS and set(arrays) == {'mu', 'W'}
-    if fallback:
-        from jaxsim.calibrate.affine import AffineCalibration  # it imports this module
-        cls = AffineCalibration
-    else:
-        cls = _entry(kind, f'{meta_path} kind')
+    fallback = (kind not in CALIBRATIONS and set(arrays) == {'mu', 'W'}
+                and affine_fallback is not None)
+    cls = affine_fallback if fallback else _entry(kind, f'{meta_path} kind')
     try:
         cal = cls.from_state(meta, arrays)
     except (KeyError, TypeError, ValueError) as e:

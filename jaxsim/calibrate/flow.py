@@ -81,8 +81,7 @@ def _rowwise(fn, x: np.ndarray) -> np.ndarray:
     out = []
     for i in range(0, x.shape[0], _APPLY_CHUNK):
         chunk = x[i: i + _APPLY_CHUNK]
-        pad = -chunk.shape[0] % _APPLY_ROWS
-        padded = np.concatenate([chunk, np.zeros((pad, chunk.shape[1]), chunk.dtype)])
+        padded = np.pad(chunk, ((0, -chunk.shape[0] % _APPLY_ROWS), (0, 0)))
         out.append(np.asarray(fn(padded))[: chunk.shape[0]])
     return np.concatenate(out, axis=0)
 

@@ -57,12 +57,7 @@ class CachedEncoder:
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddingTable:
-    """Unique sentences and their vectors: `matrix[index[text]]`.
-
-    Attributes:
-      index: text -> row.
-      matrix: [U, D] vectors.
-    """
+    """Unique sentences and their vectors [U, D]: `matrix[index[text]]`."""
 
     index: dict[str, int]
     matrix: np.ndarray

@@ -90,17 +90,9 @@ class SubsetScore:
 
 @dataclasses.dataclass(frozen=True)
 class TaskScore:
-    """One task's scores under every aggregation (Spearman x100 unless named pearson).
-
-    Attributes:
-      name: canonical key ('STS12', 'STSBenchmark', ...).
-      n: number of pairs scored.
-      all: Spearman on the concatenation of all subsets (the SimCSE number).
-      mean: unweighted mean of subset Spearmans.
-      wmean: subset Spearmans weighted by subset size.
-      pearson_all: Pearson on the concatenation.
-      subsets: per-subset scores.
-    """
+    """One task's scores under every aggregation (Spearman x100 unless named pearson): its
+    canonical key ('STS12', 'STSBenchmark', ...), the number of pairs scored, all / mean /
+    wmean (see the module docstring), Pearson on the concatenation, per-subset scores."""
 
     name: str
     n: int
@@ -118,10 +110,9 @@ class TaskScore:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != 'name'}
 
 
-def check_aggregate(aggregate: str) -> str:
+def check_aggregate(aggregate: str) -> None:
     if aggregate not in AGGREGATES:
         raise MetricError(f'aggregate must be one of {AGGREGATES}, got {aggregate!r}')
-    return aggregate
 
 
 def task_score(name: str, subsets: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> TaskScore:

@@ -38,14 +38,12 @@ PAPER_RULES = {
 ALIGN_GOLD_THRESHOLD = 4.0
 ORDER = list(senteval.TASK_KEYS.values())
 
-TaskSpec = Union[str, StsTask]
-
 
 class ProtocolError(senteval.SentEvalFormatError):
     """A task list or fit set that cannot be evaluated as asked."""
 
 
-def load_tasks(tasks: Union[str, Sequence[TaskSpec]], roots, split: str = 'test'
+def load_tasks(tasks: Union[str, Sequence[Union[str, StsTask]]], roots, split: str = 'test'
                ) -> list[StsTask]:
     """Loads task names (a list or a comma-separated string); StsTask items pass through.
 
@@ -192,16 +190,9 @@ def _paper_set(task: StsTask, roots, family: str) -> FitSet:
 
 
 def fit_sets(fit_on: str, tasks: Sequence[StsTask], roots, post: str) -> dict[str, FitSet]:
-    """Task name -> the FitSet its calibration is fitted on.
-
-    Tasks that share one fit ('target', a sentence file) map to the same FitSet object.
-
-    Args:
-      fit_on: 'target', 'task', 'paper', or a sentence file's path.
-      tasks: the evaluated tasks (their evaluated split).
-      roots: data roots, for the other splits 'paper' reads.
-      post: the calibration spec (the paper rule depends on it).
-    """
+    """Task name -> the FitSet that `post` is fitted on under `fit_on` (a mode or a sentence
+    file); tasks sharing one fit ('target', a file) map to the same FitSet object. `roots`
+    give the other splits 'paper' reads."""
     if fit_on == 'task':
         return {t.name: _task_set('task', [t]) for t in tasks}
     if fit_on == 'paper':
@@ -216,12 +207,10 @@ def fit_sets(fit_on: str, tasks: Sequence[StsTask], roots, post: str) -> dict[st
     return {t.name: shared for t in tasks}
 
 
-def check_fit_on(fit_on: str) -> str:
+def check_fit_on(fit_on: str) -> None:
     """Validates --fit-on early: a mode, or an existing sentence file."""
-    if fit_on in FIT_MODES:
-        return fit_on
-    senteval.load_sentences(fit_on)  # a missing or bad file fails before any model loads
-    return fit_on
+    if fit_on not in FIT_MODES:
+        senteval.load_sentences(fit_on)  # a missing or bad file fails before any model loads
 
 
 # ---------------------------------------------------------------------------------------

@@ -35,15 +35,9 @@ def _dedup(items) -> list:
 
 
 def markdown_table(results: Sequence[StsResult], aggregate: str | None = None) -> str:
-    """One row per (model, calibration), one column per task, plus the average.
-
-    Args:
-      results: rows; the task columns are the union over rows, in paper order.
-      aggregate: which aggregation to show; default: the rows' own.
-
-    Returns:
-      Caption lines, the table, then 'data:' and 'note:' lines.
-    """
+    """One row per (model, calibration), one column per task (the union over rows, in paper
+    order), plus the average, at `aggregate` (default: the rows' own); caption lines first,
+    'data:' and 'note:' lines last."""
     if not results:
         raise ValueError('no results to tabulate')
     aggregate = aggregate or results[0].aggregate

@@ -77,16 +77,14 @@ def check_replaceable(directory) -> None:
 def write_scores(folder, models: Sequence[Optional[str]], rows: Sequence[StsResult],
                  transfer_rows: Sequence[tuple[str, str, Sequence[TransferResult]]],
                  overwrite: bool = False) -> list[pathlib.Path]:
-    """Writes every model's scores into `folder` (swapped in whole: `store.replace_dir`).
+    """Writes every model's scores into `folder` (swapped in whole: `store.replace_dir`);
+    returns the run folders written, one per model.
 
     Args:
       models: the models as given (None: the bundled one), in evaluation order.
       rows: `runner.run`'s STS rows (model-major, as many per model); may be empty.
       transfer_rows: `runner.run_transfer`'s rows, one per model; may be empty.
       overwrite: replace an earlier --tb folder (one holding only event files).
-
-    Returns:
-      The run folders written, one per model.
     """
     if len(rows) % len(models):
         raise ValueError(f'{len(rows)} STS rows do not split evenly over {len(models)} models')

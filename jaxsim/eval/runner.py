@@ -63,10 +63,6 @@ def _fit(post: str, fit_set: FitSet, table: EmbeddingTable, seed: int, options: 
         raise calibrate.CalibrationError(f'fit on {fit_set.fit_on}: {e}') from None
 
 
-def _fit_label(fit_set: FitSet, tasks: Sequence[str], shared: bool) -> str:
-    return fit_set.fit_on if shared else f'{fit_set.fit_on} fit for {", ".join(tasks)}'
-
-
 def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str] = ('none',),
                   split: str = 'test', aggregate: str = 'all',
                   fit_on: Union[str, Sequence[str]] = 'target',
@@ -168,7 +164,8 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
                     cal = _fit(post, fs, table, seed, dict(fit_options or {}), noisy_encode_fn,
                                flow_checkpoint)
                     if cal.note:
-                        note = f'[{post}, {_fit_label(fs, names, shared)}] {cal.note}'
+                        where = fs.fit_on if shared else f'{fs.fit_on} fit for {", ".join(names)}'
+                        note = f'[{post}, {where}] {cal.note}'
                         row_notes += [note] if note not in row_notes else []
                     for n in names:
                         fit_record['calibration'].setdefault(n, cal.describe())

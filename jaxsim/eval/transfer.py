@@ -14,6 +14,7 @@ Scores are rounded as SentEval rounds them (x100, 2 decimals, per fold and again
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -24,11 +25,10 @@ import numpy as np
 from jaxsim.data import transfer as transfer_data
 from jaxsim.data.transfer import LabeledText, PathLike, TransferData
 from jaxsim.eval import logreg
+from jaxsim.eval.embeddings import EncodeFn
 from jaxsim.eval.logreg import ClassifierConfig, ClassifierError, Problem
 from jaxsim.progress import CountProgress
 from jaxsim.storage import store
-
-EncodeFn = Callable[[list[str]], np.ndarray]
 
 # Task name -> SentEval protocol.
 PROTOCOLS = {
@@ -306,11 +306,9 @@ def evaluate_transfer(task_name: str, encode_fn: EncodeFn,
     lookup = _encode_all(data, encode_fn)
     t1, c1 = time.perf_counter(), time.process_time()
     # The classifiers train together, round by round: progress counts those done.
-    bar = CountProgress(f'{data.name} classifiers', unit='clf', enable=progress)
-    try:
+    with contextlib.closing(CountProgress(f'{data.name} classifiers', unit='clf',
+                                          enable=progress)) as bar:
         out = run_protocol(data, lookup, cfg, progress=bar)
-    finally:
-        bar.close()
     t2, c2 = time.perf_counter(), time.process_time()
     details = {
         'protocol': PROTOCOL_DOC[PROTOCOLS[data.name]],
@@ -351,12 +349,8 @@ def caption(columns: Sequence[str], pooler: Optional[str] = None) -> str:
 
 
 def format_transfer_table(results: Sequence[TransferResult]) -> str:
-    """Markdown: one row per model, one column per task (SimCSE's order), plus Avg.
-
-    Returns:
-      A caption line naming the metric and protocols, the table, and a note line with MRPC's
-      F1 when MRPC is present.
-    """
+    """Markdown: one row per model, one column per task (SimCSE's order), plus Avg.; a caption
+    line naming the metric and protocols first, a note line with MRPC's F1 last."""
     if not results:
         raise ValueError('no results to tabulate')
     columns = [t for t in TASK_NAMES if any(r.task == t for r in results)]
