@@ -41,8 +41,7 @@ def _check_calibration(entry: Any) -> Optional[str]:
     return None
 
 
-CALIBRATIONS: Registry = Registry('calibration', error=CalibrationError,
-                                  check=_check_calibration)
+CALIBRATIONS: Registry = Registry('calibration', error=CalibrationError, check=_check_calibration)
 
 
 class Calibration:
@@ -120,8 +119,7 @@ def check_embeddings(x: Any, what: str = 'embeddings', dtype=np.float64,
         raise CalibrationError(
             f'{what}: expected a [num_sentences, dim] matrix, got shape {arr.shape}')
     if arr.shape[0] < min_rows:
-        raise CalibrationError(f'{what}: need at least {min_rows} sentences, got '
-                               f'{arr.shape[0]}')
+        raise CalibrationError(f'{what}: need at least {min_rows} sentences, got {arr.shape[0]}')
     bad = ~np.isfinite(arr)
     if bad.any():
         row, col = np.argwhere(bad)[0]

@@ -177,8 +177,7 @@ class FlowCalibration(Calibration):
     def nll(self, x: Any) -> np.ndarray:
         """Per-row negative log-likelihood in nats, [N]."""
         _, forward, _ = _jitted(self.config, self.dim)
-        return _rowwise(lambda c: nll_nats(*forward(self.params, c)),
-                        self._input(x, 'embeddings'))
+        return _rowwise(lambda c: nll_nats(*forward(self.params, c)), self._input(x, 'embeddings'))
 
     def describe(self) -> str:
         last = self.history[-1] if self.history else {}

@@ -43,8 +43,7 @@ class CachedEncoder:
             out = np.asarray(self._encode_fn(todo), np.float32)
             self.seconds += time.perf_counter() - t0
             if out.ndim != 2 or out.shape[0] != len(todo):
-                raise EncodeError(
-                    f'encode_fn returned shape {out.shape} for {len(todo)} sentences')
+                raise EncodeError(f'encode_fn returned shape {out.shape} for {len(todo)} sentences')
             if not np.isfinite(out).all():
                 bad = int(np.flatnonzero(~np.isfinite(out).all(axis=1))[0])
                 raise EncodeError(f'encode_fn returned NaN/inf for sentence {todo[bad]!r:.80}')

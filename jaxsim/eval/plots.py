@@ -79,8 +79,8 @@ def write_plots(results: Sequence[StsResult], directory: str | os.PathLike,
     with_diag = [r for r in results if 'diagnostics' in r.details]
     if not with_diag:
         raise ValueError('--plots needs diagnostics, which were not computed')
-    with_au = [r for r in with_diag if 'alignment' in r.details['diagnostics']
-               and 'uniformity' in r.details['diagnostics']]
+    with_au = [r for r in with_diag
+               if {'alignment', 'uniformity'} <= r.details['diagnostics'].keys()]
     names = []
     with store.replace_dir(directory, overwrite, '--plots', keep=check_replaceable) as tmp:
         names.append(plot_spectra(with_diag, tmp / PLOT_FILES[0]).name)

@@ -31,8 +31,7 @@ FIT_MODES = ('target', 'task', 'paper')
 PAPER_RULES = {
     'flow': "BERT-flow run_siamese.py ('target', use_full_for_training=1): each task's "
             'train+dev+test; STS12-16 use their full set as all three splits (3 copies)',
-    'other': "BERT-whitening eng/eval.py: each task's own pairs; STS-B and SICK-R "
-             'train+dev+test',
+    'other': "BERT-whitening eng/eval.py: each task's own pairs; STS-B and SICK-R train+dev+test",
 }
 # Positive pairs for alignment: STS-B pairs with gold > 4 (SimCSE, Sec. 3 / Fig. 2).
 ALIGN_GOLD_THRESHOLD = 4.0
@@ -138,8 +137,7 @@ class FitSet:
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
-        """The JSON description: parts (task, split, sentences, repeats), the total, and the
-        files of missing splits."""
+        """The JSON description: parts, the total sentence count, the missing splits' files."""
         return {'parts': [dataclasses.asdict(p) for p in self.parts],
                 'sentences': len(self.sentences), 'missing': list(self.missing)}
 
@@ -185,8 +183,7 @@ def _paper_set(task: StsTask, roots, family: str) -> FitSet:
         notes.append(f'{task.name}: the paper fit set needs train+dev+test; '
                      f'{", ".join(missing)} not found under the data roots, so it is fitted on '
                      f'{"+".join(p.split for p in parts)} ({len(sentences)} sentences)')
-    return FitSet('paper', tuple(parts), sentences, tuple(notes), tuple(missing), files,
-                  sources)
+    return FitSet('paper', tuple(parts), sentences, tuple(notes), tuple(missing), files, sources)
 
 
 def fit_sets(fit_on: str, tasks: Sequence[StsTask], roots, post: str) -> dict[str, FitSet]:

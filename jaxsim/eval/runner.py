@@ -140,8 +140,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
         seeded = name != 'none' and is_seeded(post)
         post_seeds = seeds if seeded else seeds[:1]
         if name == 'none':
-            per_seed.append({t.name: protocol.score_task(t, evaluated.lookup)
-                             for t in task_list})
+            per_seed.append({t.name: protocol.score_task(t, evaluated.lookup) for t in task_list})
         else:
             per_task = sets[post, fit_on]
             groups: dict[int, list[StsTask]] = {}
@@ -204,8 +203,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
         details['seconds_post'] = time.perf_counter() - t_post
         if extra_details:
             details.update(extra_details)
-        results.append(StsResult(model, pooler, post, aggregate, split, scores, details,
-                                 fit_on))
+        results.append(StsResult(model, pooler, post, aggregate, split, scores, details, fit_on))
 
     total = time.perf_counter() - t_start
     timing = {'total_s': total, 'load_data_s': t_load - t_start,
@@ -217,8 +215,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
     return results
 
 
-def evaluate(encode_fn: EncodeFn, tasks, roots=None, *, post: str = 'none',
-             **kwargs) -> StsResult:
+def evaluate(encode_fn: EncodeFn, tasks, roots=None, *, post: str = 'none', **kwargs) -> StsResult:
     """Evaluates one encoder under one calibration (see `evaluate_rows` for the arguments).
 
     Example (model selection during training):

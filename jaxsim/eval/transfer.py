@@ -264,8 +264,7 @@ def run_protocol(data: TransferData, lookup, cfg: ClassifierConfig, progress=Non
     labels = {k: v.labels for k, v in splits.items()}
     protocol = PROTOCOLS[data.name]
     if protocol == 'cv':
-        out = cross_validate(feats['all'], labels['all'], data.num_classes, cfg,
-                             progress=progress)
+        out = cross_validate(feats['all'], labels['all'], data.num_classes, cfg, progress=progress)
         out.update(n_dev=len(labels['all']), n_test=len(labels['all']))
     elif protocol == 'dev_test':
         out = dev_then_test(feats['train'], labels['train'], feats['dev'], labels['dev'],
