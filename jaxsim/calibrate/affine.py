@@ -8,7 +8,7 @@
 - natsv:K, nulling away the top-K singular vectors (BERT-flow paper, after Mu & Viswanath's
   "all-but-the-top"): center, then project out the top-K principal directions.
 
-Fitting runs in float64 NumPy (an SVD of a [D, D] covariance: milliseconds), so the identity
+Fitting runs in float64 NumPy (an eigendecomposition of a [D, D] covariance), so the identity
 covariance holds to ~1e-10 and no JAX tracing happens on bad input. A degenerate covariance
 (fewer sentences than dims, constant columns) is handled with a note, or regularized when
 `eps > 0` is passed; never NaN. all-MiniLM-L6-v2 really has 3 dead dims (std < 1e-8), so by
@@ -101,8 +101,17 @@ class AffineCalibration(Calibration, flax.struct.PyTreeNode):
 base.affine_fallback = AffineCalibration
 
 
-def _check_matrix(x, what: str) -> np.ndarray:
-    return check_embeddings(x, what, np.float64, min_rows=2)
+def _check_matrix(x, what: str, eps: float = 0.0) -> np.ndarray:
+    """The fit embeddings as float64, and a check of the regularizer `eps`."""
+    x = check_embeddings(x, what, np.float64, min_rows=2)
+    if not 0 <= eps < np.inf:  # NaN would pass `eps < 0` and poison every vector
+        raise CalibrationError(f'{what}: eps must be a finite number >= 0, got {eps}')
+    return x
+
+
+def _constant(std: np.ndarray) -> np.ndarray:
+    """Which columns of standard deviations `std` [D] are (near-)constant."""
+    return std <= np.sqrt(RANK_RTOL) * max(std.max(), np.finfo(np.float64).tiny)
 
 
 def _eigh_desc(sym: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -115,8 +124,7 @@ def _eigh_desc(sym: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _degeneracy(x: np.ndarray) -> str:
     """Why the covariance of x [N, D] is singular, for error messages and notes."""
     n, d = x.shape
-    std = x.std(axis=0)
-    const = np.flatnonzero(std <= np.sqrt(RANK_RTOL) * max(std.max(), np.finfo(np.float64).tiny))
+    const = np.flatnonzero(_constant(x.std(axis=0)))
     why = []
     if n <= d:
         why.append(f'only {n} sentences for {d} dims')
@@ -161,17 +169,15 @@ class Whitening(AffineCalibration):
         Returns:
           W, mu with `cov(apply(x)) = I_K` (eps=0).
         """
-        x = _check_matrix(x, 'whitening')
+        x = _check_matrix(x, 'whitening', eps)
         n, d = x.shape
-        if not 0 <= eps < np.inf:  # NaN would pass `eps < 0` and poison every vector
-            raise CalibrationError(f'whitening: eps must be a finite number >= 0, got {eps}')
         if arg is not None and not 1 <= int(arg) <= d:
             raise CalibrationError(f'whitening: k must be in [1, {d}], got {arg}')
         k = d if arg is None else int(arg)
         mu = x.mean(axis=0)
         cov = np.cov(x, rowvar=False)  # [D, D], ddof=1 as in BERT-whitening
-        # The covariance is symmetric PSD: its SVD is its eigendecomposition. eigh is ~4x
-        # faster than svd here; flip to descending order and clip rounding negatives to 0.
+        # The covariance is symmetric PSD: its SVD is its eigendecomposition, and eigh is
+        # faster than svd (docs/performance.md); flip to descending order, clip negatives to 0.
         s, u = _eigh_desc(cov)
         note = ''
         if eps == 0:
@@ -199,14 +205,12 @@ class StandardNormalization(AffineCalibration):
     @classmethod
     def fit(cls, x, arg: None = None, eps: float = 0.0) -> 'StandardNormalization':
         """Constant columns (zero std) are dropped with a note unless eps > 0 regularizes."""
-        x = _check_matrix(x, 'sn')
-        if not 0 <= eps < np.inf:  # NaN would pass `eps < 0` and poison every vector
-            raise CalibrationError(f'sn: eps must be a finite number >= 0, got {eps}')
+        x = _check_matrix(x, 'sn', eps)
         mu = x.mean(axis=0)
         std = x.std(axis=0)
         if eps > 0:
             return cls(mu=mu, W=np.diag(1.0 / np.sqrt(std**2 + eps)))
-        keep = std > np.sqrt(RANK_RTOL) * max(std.max(), np.finfo(np.float64).tiny)
+        keep = ~_constant(std)
         if not keep.any():
             raise CalibrationError(f'sn: all {x.shape[0]} fit embeddings are identical')
         w = np.diag(np.where(keep, 1.0 / np.where(keep, std, 1.0), 0.0))[:, keep]

@@ -1,25 +1,9 @@
-"""Calibrations of sentence embeddings behind one interface, and the registry of their names.
+"""The Calibration interface, the registry of calibration names, and fit / save / load.
 
-A calibration is fitted on unlabeled embeddings and then maps every embedding row-wise:
-
-  name, arg = parse_spec('whitening:256')    # the one parser of '--post' values
-  cal = fit('whitening:256', x)              # [N, D] -> a fitted Calibration
-  z = cal.apply(x)                           # [N, K] numpy
-  cal.save(folder); cal = load(folder)       # calibration.json + arrays.safetensors
-  cal.affine()                               # (mu [D], W [D, K]) for an affine map, else None
-
-A new calibration is one decorated class, usable by name from `eval.py --post name[:arg]`:
-
-  @CALIBRATIONS.register('mycal')
-  class MyCal(Calibration):
-      arg = 'required'                       # 'none' | 'optional' | 'required'
-      @classmethod
-      def fit(cls, x, arg, **options): ...   # keyword options it takes, e.g. eps=0.0
-      def apply(self, x): ...
-      def describe(self): ...
-      def state(self): ...                   # (JSON-able meta, {name: array}) for save
-      @classmethod
-      def from_state(cls, meta, arrays): ...
+A calibration is fitted on unlabeled embeddings, then maps every embedding row-wise. A new one
+is a decorated subclass, usable by name from `eval.py --post name[:arg]` (docs/extending.md):
+`@CALIBRATIONS.register('mycal')` on a `Calibration` defining `arg`, `fit`, `apply`,
+`describe`, `state` and `from_state`.
 """
 from __future__ import annotations
 
@@ -57,8 +41,7 @@ def _check_calibration(entry: Any) -> Optional[str]:
     return None
 
 
-CALIBRATIONS: Registry = Registry('calibration', error=CalibrationError,
-                                  check=_check_calibration)
+CALIBRATIONS: Registry = Registry('calibration', error=CalibrationError, check=_check_calibration)
 
 
 class Calibration:
@@ -115,6 +98,11 @@ class Calibration:
         return f'{type(self).__name__}({self.describe()})'
 
 
+# What `load` rebuilds a saved affine map (arrays mu, W) of an unregistered kind as: set by
+# jaxsim.calibrate.affine, which imports this module (so it cannot be imported from here).
+affine_fallback: Optional[type[Calibration]] = None
+
+
 def check_embeddings(x: Any, what: str = 'embeddings', dtype=np.float64,
                      min_rows: int = 1) -> np.ndarray:
     """Validates a [N, D] embedding matrix; returns it as `dtype` numpy.
@@ -131,8 +119,7 @@ def check_embeddings(x: Any, what: str = 'embeddings', dtype=np.float64,
         raise CalibrationError(
             f'{what}: expected a [num_sentences, dim] matrix, got shape {arr.shape}')
     if arr.shape[0] < min_rows:
-        raise CalibrationError(f'{what}: need at least {min_rows} sentences, got '
-                               f'{arr.shape[0]}')
+        raise CalibrationError(f'{what}: need at least {min_rows} sentences, got {arr.shape[0]}')
     bad = ~np.isfinite(arr)
     if bad.any():
         row, col = np.argwhere(bad)[0]
@@ -151,8 +138,8 @@ def check_dim(x: np.ndarray, dim: int, spec: str) -> None:
 def blas_single_thread():
     """Context limiting BLAS/LAPACK to one thread (when threadpoolctl is installed).
 
-    Why: a [384, 384] eigh takes ~0.05 s on one thread but ~5 s when OpenBLAS's threads spin
-    against other busy processes on a small shared CPU; these matrices are too small to gain
+    Why: OpenBLAS's threads spin against other busy processes on a small shared CPU
+    (docs/performance.md, "Figures the code relies on"); these matrices are too small to gain
     from threads anyway.
     """
     try:
@@ -166,23 +153,15 @@ def _entry(name: str, spec: str) -> type[Calibration]:
     if name not in CALIBRATIONS:
         raise CalibrationError(f'unknown calibration {name!r} in {spec!r}; choose one of '
                                f'{", ".join(CALIBRATIONS.names())} ({IMPORT_HINT})')
-    cls = CALIBRATIONS.get(name)
-    if not (isinstance(cls, type) and issubclass(cls, Calibration)):
-        raise CalibrationError(f'calibration {name!r} is registered as {cls!r}, which is not '
-                               'a jaxsim.calibrate.Calibration subclass')
-    return cls
+    return CALIBRATIONS.get(name)  # its registration checked it (_check_calibration)
 
 
 def parse_spec(spec: str) -> tuple[str, Any]:
     """Parses a calibration spec 'name[:arg]', e.g. 'whitening:256' -> ('whitening', 256).
 
-    Returns:
-      (registered name, arg): arg is None when absent, else an int > 0, a finite float or a
-      string, as the calibration's `arg_type` says.
-
-    Raises:
-      CalibrationError: unknown name, or an arg missing, present where none is taken, or
-        not of the right type.
+    arg is None when absent, else an int > 0, a finite float or a string, as the calibration's
+    `arg_type` says; an unknown name or an arg missing, present where none is taken, or not of
+    the right type is a CalibrationError.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise CalibrationError(f'a calibration spec must be a non-empty string, got {spec!r}')
@@ -191,15 +170,13 @@ def parse_spec(spec: str) -> tuple[str, Any]:
     raw = raw.strip()
     if colon and not raw:
         raise CalibrationError(f'{spec!r}: empty argument after ":"')
-    if cls.arg not in ARG_MODES:
-        raise CalibrationError(f'calibration {name!r}: arg={cls.arg!r}, expected one of '
-                               f'{ARG_MODES}')
     if not raw:
         if cls.arg == 'required':
             raise CalibrationError(f'calibration {name!r} needs an argument, e.g. {name}:5')
         return name.strip(), None
     if cls.arg == 'none':
         raise CalibrationError(f'calibration {name!r} takes no ":arg" (got {spec!r})')
+    arg = raw
     if cls.arg_type is int:
         try:
             arg = int(raw)
@@ -207,16 +184,14 @@ def parse_spec(spec: str) -> tuple[str, Any]:
             raise CalibrationError(f'{spec!r}: the argument must be an integer') from None
         if arg < 1:
             raise CalibrationError(f'{spec!r}: the argument must be positive')
-        return name.strip(), arg
-    if cls.arg_type is float:
+    elif cls.arg_type is float:
         try:
             arg = float(raw)
         except ValueError:
             raise CalibrationError(f'{spec!r}: the argument must be a number') from None
         if not np.isfinite(arg):
             raise CalibrationError(f'{spec!r}: the argument must be finite')
-        return name.strip(), arg
-    return name.strip(), raw
+    return name.strip(), arg
 
 
 def spec_string(name: str, arg: Any) -> str:
@@ -240,8 +215,7 @@ def _accepted_options(cls: type[Calibration]) -> Optional[set[str]]:
 
 def _stamp(cal: Calibration, **attrs: str) -> Calibration:
     """Sets spec (and note) on a fitted instance, frozen dataclass or plain object."""
-    fields = {f.name for f in dataclasses.fields(cal)} if dataclasses.is_dataclass(cal) else ()
-    if fields and set(attrs) <= set(fields):
+    if dataclasses.is_dataclass(cal) and set(attrs) <= {f.name for f in dataclasses.fields(cal)}:
         return dataclasses.replace(cal, **attrs)
     for k, v in attrs.items():
         object.__setattr__(cal, k, v)
@@ -263,20 +237,16 @@ def fit(spec: str, x: Any, **options) -> Calibration:
       The fitted Calibration, with `.spec` set to the canonical spec.
     """
     name, arg = parse_spec(spec)
-    cls = _entry(name, spec)
+    cls = CALIBRATIONS.get(name)
     options = {k: v for k, v in options.items() if v is not None}
-    known: set[str] = set()
-    for other in CALIBRATIONS.names():
-        accepted = _accepted_options(CALIBRATIONS.get(other))
-        if accepted is not None:
-            known |= accepted
     accepted = _accepted_options(cls)
-    typos = sorted(k for k in options if k not in known and (accepted is None
-                                                              or k not in accepted))
-    if typos and accepted is not None:
-        raise CalibrationError(f'unknown calibration option(s) {typos}; the registered '
-                               f'calibrations take {sorted(known)}')
-    if accepted is not None:
+    if accepted is not None:  # a fit taking **options gets them all, unchecked
+        known = set().union(*(_accepted_options(CALIBRATIONS.get(other)) or ()
+                              for other in CALIBRATIONS.names()))
+        typos = sorted(set(options) - known)
+        if typos:
+            raise CalibrationError(f'unknown calibration option(s) {typos}; the registered '
+                                   f'calibrations take {sorted(known)}')
         options = {k: v for k, v in options.items() if k in accepted}
     cal = cls.fit(x, arg, **options)
     if not isinstance(cal, Calibration):
@@ -293,10 +263,9 @@ def save(cal: Calibration, folder: Union[str, pathlib.Path]) -> pathlib.Path:
     meta, arrays = cal.state()
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: np.ascontiguousarray(np.asarray(v)) for k, v in arrays.items()}
-    safetensors.numpy.save_file(tensors, str(folder / ARRAYS_FILE))
-    record = {'format': FORMAT, 'kind': name, 'spec': cal.spec, 'note': cal.note,
-              'meta': meta}
+    safetensors.numpy.save_file({k: np.ascontiguousarray(np.asarray(v)) for k, v in arrays.items()},
+                                str(folder / ARRAYS_FILE))
+    record = {'format': FORMAT, 'kind': name, 'spec': cal.spec, 'note': cal.note, 'meta': meta}
     (folder / META_FILE).write_text(json.dumps(record, indent=2))
     return folder
 
@@ -305,11 +274,8 @@ def load(folder: Union[str, pathlib.Path]) -> Calibration:
     """Loads a calibration written by `Calibration.save`.
 
     A kind not registered in this process (its module not imported) whose file holds an affine
-    map (mu, W) loads as that map (an AffineCalibration), with a one-line note on stderr.
-
-    Raises:
-      CalibrationError naming the file when the folder does not hold a saved calibration, or
-      its kind is not registered in this process and its file is not an affine map.
+    map (mu, W) loads as that map (an AffineCalibration), with a one-line note on stderr; any
+    other unregistered kind is a CalibrationError naming the file.
     """
     folder = pathlib.Path(folder)
     meta_path = folder / META_FILE
@@ -331,32 +297,17 @@ def load(folder: Union[str, pathlib.Path]) -> Calibration:
         arrays = safetensors.numpy.load_file(str(arrays_path))
     except safetensors.SafetensorError as e:
         raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
-    if kind not in CALIBRATIONS and set(arrays) == AFFINE_ARRAYS and affine_fallback:
-        return _load_unregistered_affine(folder, kind, spec, note, meta, arrays)
-    cls = _entry(kind, f'{meta_path} kind')
+    # A kind not registered here whose file holds an affine map loads as that map.
+    fallback = (kind not in CALIBRATIONS and set(arrays) == {'mu', 'W'}
+                and affine_fallback is not None)
+    cls = affine_fallback if fallback else _entry(kind, f'{meta_path} kind')
     try:
         cal = cls.from_state(meta, arrays)
     except (KeyError, TypeError, ValueError) as e:
         raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
+    if fallback:
+        print(f'note: {folder}: calibration {kind!r} is not registered in this process (its '
+              f'module is not loaded); using the affine map its file holds (mean + '
+              f'{cal.dim_in}x{cal.dim_out} matrix)', file=sys.stderr)
     return _stamp(cal, spec=spec, note=note)
 
-
-# The arrays every affine calibration saves (AffineCalibration.state), and the class such a
-# file loads as when its own kind is not registered: set by jaxsim.calibrate.affine, which
-# imports this module (so it cannot be imported from here).
-AFFINE_ARRAYS = {'mu', 'W'}
-affine_fallback: Optional[type[Calibration]] = None
-
-
-def _load_unregistered_affine(folder: pathlib.Path, kind: str, spec: str, note: str,
-                              meta: dict, arrays: dict) -> Calibration:
-    """A saved affine calibration whose class is not registered here (its module is not
-    loaded): the file holds its whole map, so it loads as that map, with a note."""
-    try:
-        cal = affine_fallback.from_state(meta, arrays)
-    except ValueError as e:
-        raise CalibrationError(f'{folder}: cannot rebuild {kind!r} ({e})') from None
-    print(f'note: {folder}: calibration {kind!r} is not registered in this process (its '
-          f'module is not loaded); using the affine map its file holds (mean + '
-          f'{cal.dim_in}x{cal.dim_out} matrix)', file=sys.stderr)
-    return _stamp(cal, spec=spec, note=note)

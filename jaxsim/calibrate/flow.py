@@ -81,8 +81,7 @@ def _rowwise(fn, x: np.ndarray) -> np.ndarray:
     out = []
     for i in range(0, x.shape[0], _APPLY_CHUNK):
         chunk = x[i: i + _APPLY_CHUNK]
-        pad = -chunk.shape[0] % _APPLY_ROWS
-        padded = np.concatenate([chunk, np.zeros((pad, chunk.shape[1]), chunk.dtype)])
+        padded = np.pad(chunk, ((0, -chunk.shape[0] % _APPLY_ROWS), (0, 0)))
         out.append(np.asarray(fn(padded))[: chunk.shape[0]])
     return np.concatenate(out, axis=0)
 
@@ -178,8 +177,7 @@ class FlowCalibration(Calibration):
     def nll(self, x: Any) -> np.ndarray:
         """Per-row negative log-likelihood in nats, [N]."""
         _, forward, _ = _jitted(self.config, self.dim)
-        return _rowwise(lambda c: nll_nats(*forward(self.params, c)),
-                        self._input(x, 'embeddings'))
+        return _rowwise(lambda c: nll_nats(*forward(self.params, c)), self._input(x, 'embeddings'))
 
     def describe(self) -> str:
         last = self.history[-1] if self.history else {}

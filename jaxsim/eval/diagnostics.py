@@ -17,11 +17,14 @@ import numpy as np
 from jaxsim.calibrate import blas_single_thread
 
 
-def _unit(x) -> np.ndarray:
+def _unit(x, pairs_for: str = '') -> np.ndarray:
+    """x as unit vectors; at least 2 of them when `pairs_for` names the metric."""
     x = np.asarray(x, np.float64)
     norms = np.linalg.norm(x, axis=-1, keepdims=True)
     if (norms == 0).any():
         raise ValueError('diagnostics: a vector is all zeros; its direction is undefined')
+    if pairs_for and x.shape[0] < 2:
+        raise ValueError(f'{pairs_for}: need at least 2 vectors')
     return x / norms
 
 
@@ -41,10 +44,8 @@ def uniformity(x, t: float = 2.0, chunk: int = 2048) -> float:
     N diagonal terms are exp(0) = 1, so the sum over the full matrix minus N gives it without
     masking. Terms lie in [exp(-4t), 1]: no underflow for the usual t = 2.
     """
-    u = _unit(x)
+    u = _unit(x, 'uniformity')
     n = u.shape[0]
-    if n < 2:
-        raise ValueError('uniformity: need at least 2 vectors')
     total = 0.0
     with blas_single_thread():
         for start in range(0, n, chunk):
@@ -55,19 +56,15 @@ def uniformity(x, t: float = 2.0, chunk: int = 2048) -> float:
 
 def mean_random_cosine(x) -> float:
     """Mean cosine over all pairs of distinct rows: (||sum u||^2 - N) / (N (N - 1))."""
-    u = _unit(x)
+    u = _unit(x, 'mean_random_cosine')
     n = u.shape[0]
-    if n < 2:
-        raise ValueError('mean_random_cosine: need at least 2 vectors')
     s = u.sum(axis=0)
     return float((s @ s - n) / (n * (n - 1)))
 
 
-def singular_values(x, center: bool = False) -> np.ndarray:
+def singular_values(x) -> np.ndarray:
     """Singular values of the [N, D] embedding matrix, descending (float64)."""
     x = np.asarray(x, np.float64)
-    if center:
-        x = x - x.mean(axis=0)
     # Via the [D, D] Gram matrix: much cheaper than an SVD of [N, D] for N >> D, and the
     # precision lost on tiny singular values (below ~1e-8 of the largest) does not matter here.
     with blas_single_thread():

@@ -43,8 +43,7 @@ class CachedEncoder:
             out = np.asarray(self._encode_fn(todo), np.float32)
             self.seconds += time.perf_counter() - t0
             if out.ndim != 2 or out.shape[0] != len(todo):
-                raise EncodeError(
-                    f'encode_fn returned shape {out.shape} for {len(todo)} sentences')
+                raise EncodeError(f'encode_fn returned shape {out.shape} for {len(todo)} sentences')
             if not np.isfinite(out).all():
                 bad = int(np.flatnonzero(~np.isfinite(out).all(axis=1))[0])
                 raise EncodeError(f'encode_fn returned NaN/inf for sentence {todo[bad]!r:.80}')
@@ -57,12 +56,7 @@ class CachedEncoder:
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddingTable:
-    """Unique sentences and their vectors: `matrix[index[text]]`.
-
-    Attributes:
-      index: text -> row.
-      matrix: [U, D] vectors.
-    """
+    """Unique sentences and their vectors [U, D]: `matrix[index[text]]`."""
 
     index: dict[str, int]
     matrix: np.ndarray
@@ -72,17 +66,13 @@ class EmbeddingTable:
         unique = list(dict.fromkeys(sentences))
         return cls({s: i for i, s in enumerate(unique)}, np.asarray(encoder(unique)))
 
-    def rows(self, sentences: Sequence[str]) -> np.ndarray:
-        return np.asarray([self.index[s] for s in sentences], np.int64)
-
     def lookup(self, sentences: Sequence[str]) -> np.ndarray:
         """[N, D] vectors of N sentences (each must be in the table)."""
-        return self.matrix[self.rows(sentences)]
+        return self.matrix[np.asarray([self.index[s] for s in sentences], np.int64)]
 
     def subset(self, sentences: Sequence[str]) -> 'EmbeddingTable':
         """The table restricted to the distinct `sentences`."""
-        unique = list(dict.fromkeys(sentences))
-        return EmbeddingTable({s: i for i, s in enumerate(unique)}, self.lookup(unique))
+        return EmbeddingTable.build(self.lookup, sentences)
 
     def replace(self, matrix: np.ndarray) -> 'EmbeddingTable':
         """The same sentences with new vectors (e.g. calibrated), row for row."""

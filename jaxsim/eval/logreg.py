@@ -4,7 +4,7 @@ SentEval (facebookresearch/SentEval, `senteval/tools/classifier.py`, `MLP` with 
 trains one `nn.Linear(D, K)` at a time with softmax cross-entropy and `torch.optim.Adam`
 (lr 1e-3, betas (0.9, 0.999), eps 1e-8), the L2 penalty as Adam's coupled `weight_decay` on
 weight and bias. The cross-validation protocols train hundreds of these (MR: 10 outer folds x
-4 L2 values x 10 inner folds), one after the other, for about 15 minutes.
+4 L2 values x 10 inner folds), one after the other.
 
 Here they train together: a jitted round (`epoch_size` epochs, then dev accuracy) runs a
 chunk of problems (train/dev row sets) x all L2 values, a problem's minibatch gathered once
@@ -296,7 +296,7 @@ def _pad_rows(rows: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def fit(x, y, problems: Sequence[Problem], num_classes: int,
-        cfg: ClassifierConfig = ClassifierConfig(), init: Optional[dict] = None,
+        cfg: ClassifierConfig = ClassifierConfig(),
         progress: Optional[Callable[[int, int], None]] = None) -> FitResult:
     """Trains one classifier per (problem, L2 value) as SentEval does; keeps the best on dev.
 
@@ -306,8 +306,6 @@ def fit(x, y, problems: Sequence[Problem], num_classes: int,
       problems: train/dev row sets (see `Problem`).
       num_classes: K.
       cfg: the classifier settings.
-      init: {'w': [D, K], 'b': [K]} initial weights for every classifier; default
-        `torch_like_init(D, K, cfg.seed)`, PyTorch's own.
       progress: called after every round with (classifiers done training, classifiers).
 
     Returns:
@@ -331,12 +329,10 @@ def fit(x, y, problems: Sequence[Problem], num_classes: int,
     num_p, num_r, dim = len(plans), len(cfg.l2_grid), x.shape[1]
     chunk = min(CHUNK, num_p)
     steps = max(-(-len(t) // cfg.batch_size) for t, _, _ in plans)
-    init = torch_like_init(dim, num_classes, cfg.seed) if init is None else init
+    init = torch_like_init(dim, num_classes, cfg.seed)  # PyTorch's own, for every classifier
     # One extra problem (index num_p) pads the last chunk; it never trains.
-    params = {'w': jnp.broadcast_to(jnp.asarray(init['w'], jnp.float32),
-                                    (num_p + 1, num_r, dim, num_classes)),
-              'b': jnp.broadcast_to(jnp.asarray(init['b'], jnp.float32),
-                                    (num_p + 1, num_r, num_classes))}
+    params = jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a, jnp.float32),
+                                                     (num_p + 1, num_r) + a.shape), init)
     l2 = jnp.asarray(cfg.l2_grid, jnp.float32)
     opt = jax.vmap(jax.vmap(lambda p, lam: _adam(lam, cfg).init(p)))(
         params, jnp.broadcast_to(l2, (num_p + 1, num_r)))

@@ -32,15 +32,7 @@ class MetricError(JaxsimError):
 
 
 def cosine_rows(emb1, emb2) -> np.ndarray:
-    """Row-wise cosine similarity.
-
-    Args:
-      emb1: [N, D] vectors.
-      emb2: [N, D] vectors.
-
-    Returns:
-      [N] float64 cosines.
-    """
+    """Row-wise cosine similarity of two [N, D] arrays: [N] float64."""
     a = np.asarray(emb1, np.float64)
     b = np.asarray(emb2, np.float64)
     if a.shape != b.shape or a.ndim != 2:
@@ -55,35 +47,29 @@ def cosine_rows(emb1, emb2) -> np.ndarray:
     return np.einsum('nd,nd->n', a, b) / (na * nb)
 
 
-def _check_gold(scores: np.ndarray, gold) -> np.ndarray:
-    gold = np.asarray(gold, np.float64)
+def _correlation_x100(statistic: str, scores, gold) -> float:
+    """scipy.stats.<statistic> x100 of system scores against gold."""
+    scores, gold = np.asarray(scores, np.float64), np.asarray(gold, np.float64)
     if gold.shape != scores.shape:
         raise MetricError(f'{scores.shape[0]} similarities but {gold.shape} gold scores')
     if scores.shape[0] < 2:
         raise MetricError('a correlation needs at least 2 pairs')
     if np.ptp(gold) == 0:
         raise MetricError('gold scores are all equal: the correlation is undefined')
-    return gold
+    if np.ptp(scores) == 0:
+        return 0.0  # A constant system carries no ranking information.
+    import scipy.stats  # on first use: it slows every command's start-up otherwise
+    return float(getattr(scipy.stats, statistic)(scores, gold).statistic * 100.0)
 
 
 def spearman_of_scores_x100(scores, gold) -> float:
     """Spearman x100 of system scores against gold (ties get average ranks, as scipy)."""
-    scores = np.asarray(scores, np.float64)
-    gold = _check_gold(scores, gold)
-    if np.ptp(scores) == 0:
-        return 0.0  # A constant system carries no ranking information.
-    import scipy.stats  # on first use: ~0.5 s of every command's start-up otherwise
-    return float(scipy.stats.spearmanr(scores, gold).statistic * 100.0)
+    return _correlation_x100('spearmanr', scores, gold)
 
 
 def pearson_of_scores_x100(scores, gold) -> float:
     """Pearson x100 of system scores against gold."""
-    scores = np.asarray(scores, np.float64)
-    gold = _check_gold(scores, gold)
-    if np.ptp(scores) == 0:
-        return 0.0
-    import scipy.stats
-    return float(scipy.stats.pearsonr(scores, gold).statistic * 100.0)
+    return _correlation_x100('pearsonr', scores, gold)
 
 
 def spearman_x100(emb1, emb2, gold) -> float:
@@ -104,17 +90,9 @@ class SubsetScore:
 
 @dataclasses.dataclass(frozen=True)
 class TaskScore:
-    """One task's scores under every aggregation (Spearman x100 unless named pearson).
-
-    Attributes:
-      name: canonical key ('STS12', 'STSBenchmark', ...).
-      n: number of pairs scored.
-      all: Spearman on the concatenation of all subsets (the SimCSE number).
-      mean: unweighted mean of subset Spearmans.
-      wmean: subset Spearmans weighted by subset size.
-      pearson_all: Pearson on the concatenation.
-      subsets: per-subset scores.
-    """
+    """One task's scores under every aggregation (Spearman x100 unless named pearson): its
+    canonical key ('STS12', 'STSBenchmark', ...), the number of pairs scored, all / mean /
+    wmean (see the module docstring), Pearson on the concatenation, per-subset scores."""
 
     name: str
     n: int
@@ -129,29 +107,16 @@ class TaskScore:
         return getattr(self, aggregate)
 
     def to_dict(self) -> dict:
-        return {
-            'n': self.n, 'all': self.all, 'mean': self.mean, 'wmean': self.wmean,
-            'pearson_all': self.pearson_all,
-            'subsets': {k: dataclasses.asdict(v) for k, v in self.subsets.items()},
-        }
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != 'name'}
 
 
-def check_aggregate(aggregate: str) -> str:
+def check_aggregate(aggregate: str) -> None:
     if aggregate not in AGGREGATES:
         raise MetricError(f'aggregate must be one of {AGGREGATES}, got {aggregate!r}')
-    return aggregate
 
 
 def task_score(name: str, subsets: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> TaskScore:
-    """Scores one task from its subsets' system scores.
-
-    Args:
-      name: the task's key.
-      subsets: subset name -> (cosines [n], gold [n]).
-
-    Returns:
-      The task's scores under every aggregation.
-    """
+    """Scores task `name` under every aggregation from subset name -> (cosines [n], gold [n])."""
     if not subsets:
         raise MetricError(f'{name}: no subsets to score')
     scored = {}

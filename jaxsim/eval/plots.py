@@ -11,55 +11,50 @@ from jaxsim.eval.protocol import StsResult
 from jaxsim.storage import store
 
 
-def _pyplot():
+def _figure(results: Sequence[StsResult], figsize: tuple[int, int]):
+    """(pyplot, figure, axes, the rows' legend names: the model too when there are several)."""
     import matplotlib
     matplotlib.use('Agg')  # Headless: never needs a display.
     import matplotlib.pyplot as plt
-    return plt
+    multi = len({r.model for r in results}) > 1
+    fig, ax = plt.subplots(figsize=figsize)
+    return plt, fig, ax, [f'{r.model}: {r.label}' if multi else r.label for r in results]
 
 
-def _name(r: StsResult, multi_model: bool) -> str:
-    return f'{r.model}: {r.label}' if multi_model else r.label
+def _save(plt, fig, path: str | os.PathLike) -> pathlib.Path:
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_spectra(results: Sequence[StsResult], path: str | os.PathLike) -> pathlib.Path:
     """Normalized singular values (s_i / s_1, log scale) of each row's embedding matrix."""
-    plt = _pyplot()
-    multi = len({r.model for r in results}) > 1
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
+    plt, fig, ax, names = _figure(results, (6, 4))
+    for r, name in zip(results, names):
         s = np.asarray(r.details['diagnostics']['singular_values'])
         # Floor exact zeros (dead dims) so the log axis stays finite.
-        ax.semilogy(np.arange(1, s.size + 1), np.maximum(s / s[0], 1e-12), label=_name(r, multi))
+        ax.semilogy(np.arange(1, s.size + 1), np.maximum(s / s[0], 1e-12), label=name)
     ax.set_xlabel('index')
     ax.set_ylabel('singular value / largest')
     ax.set_title('Spectrum of the sentence embeddings')
     ax.legend()
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_align_uniform(results: Sequence[StsResult], path: str | os.PathLike) -> pathlib.Path:
     """Alignment (x) vs uniformity (y), lower is better for both (SimCSE Fig. 2)."""
-    plt = _pyplot()
-    multi = len({r.model for r in results}) > 1
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for r in results:
+    plt, fig, ax, names = _figure(results, (5, 4))
+    for r, name in zip(results, names):
         d = r.details['diagnostics']
         ax.scatter(d['alignment'], d['uniformity'])
-        ax.annotate(_name(r, multi), (d['alignment'], d['uniformity']),
-                    textcoords='offset points', xytext=(4, 4), fontsize=8)
+        ax.annotate(name, (d['alignment'], d['uniformity']), textcoords='offset points',
+                    xytext=(4, 4), fontsize=8)
     ax.set_xlabel('alignment (lower is better)')
     ax.set_ylabel('uniformity (lower is better)')
     ax.set_title('Alignment vs uniformity (STS-B)')
-    fig.tight_layout()
-    path = pathlib.Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 PLOT_FILES = ('spectrum.png', 'align_uniform.png')
@@ -84,8 +79,8 @@ def write_plots(results: Sequence[StsResult], directory: str | os.PathLike,
     with_diag = [r for r in results if 'diagnostics' in r.details]
     if not with_diag:
         raise ValueError('--plots needs diagnostics, which were not computed')
-    with_au = [r for r in with_diag if 'alignment' in r.details['diagnostics']
-               and 'uniformity' in r.details['diagnostics']]
+    with_au = [r for r in with_diag
+               if {'alignment', 'uniformity'} <= r.details['diagnostics'].keys()]
     names = []
     with store.replace_dir(directory, overwrite, '--plots', keep=check_replaceable) as tmp:
         names.append(plot_spectra(with_diag, tmp / PLOT_FILES[0]).name)

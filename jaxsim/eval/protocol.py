@@ -5,22 +5,12 @@ Scoring follows SimCSE's `evaluation.py` over SentEval: STS12-16 on SentEval's s
 task scored on their concatenation, 'all'), STS-B and SICK-R on their test split, cosine
 similarity, Spearman x100 (`jaxsim.eval.metrics`).
 
-Label-free calibrations (whitening, flows, ...) are fitted on unlabeled sentences; the fit set
-changes the numbers by several points, so it is always named and recorded:
-
-  target  all sentences of all evaluated tasks, one fit shared by every task (the default:
-          one calibration then serves every input, as an exported model applies it; and a flow
-          is fitted once per row instead of once per task).
-  task    each task's own evaluated sentences, one fit per task.
-  paper   each task's fit set as the papers fit it, one fit per task:
-            flows (BERT-flow, bohanli/BERT-flow run_siamese.py, 'target' setting with
-              use_full_for_training=1): the task's train+dev+test. STS12-16 have one file,
-              `full.txt`, used as all three splits, so their pairs count three times.
-            every other calibration (BERT-whitening, bojone/BERT-whitening eng/eval.py): each
-              task's own pairs; STS-B and SICK-R: train+dev+test.
-          A split missing under every data root is left out with a note (the shipped SICK
-          has train and trial only).
-  FILE    a sentence file (one fit shared by every task).
+Label-free calibrations are fitted on unlabeled sentences; the fit set changes the numbers by
+several points, so it is always named and recorded. `--fit-on` chooses it (the table is in
+docs/evaluation.md): 'target' (the default), 'task', 'paper' (each task's fit set as the papers
+fit it: `PAPER_RULES`) or a sentence file. Under 'paper', STS12-16 have one file, `full.txt`,
+which BERT-flow uses as all three splits, so their pairs count three times; a split missing
+under every data root is left out with a note (the shipped SICK has train and trial only).
 Both sentences of every pair enter a fit set, duplicates kept, as in both papers.
 """
 from __future__ import annotations
@@ -41,21 +31,18 @@ FIT_MODES = ('target', 'task', 'paper')
 PAPER_RULES = {
     'flow': "BERT-flow run_siamese.py ('target', use_full_for_training=1): each task's "
             'train+dev+test; STS12-16 use their full set as all three splits (3 copies)',
-    'other': "BERT-whitening eng/eval.py: each task's own pairs; STS-B and SICK-R "
-             'train+dev+test',
+    'other': "BERT-whitening eng/eval.py: each task's own pairs; STS-B and SICK-R train+dev+test",
 }
 # Positive pairs for alignment: STS-B pairs with gold > 4 (SimCSE, Sec. 3 / Fig. 2).
 ALIGN_GOLD_THRESHOLD = 4.0
 ORDER = list(senteval.TASK_KEYS.values())
-
-TaskSpec = Union[str, StsTask]
 
 
 class ProtocolError(senteval.SentEvalFormatError):
     """A task list or fit set that cannot be evaluated as asked."""
 
 
-def load_tasks(tasks: Union[str, Sequence[TaskSpec]], roots, split: str = 'test'
+def load_tasks(tasks: Union[str, Sequence[Union[str, StsTask]]], roots, split: str = 'test'
                ) -> list[StsTask]:
     """Loads task names (a list or a comma-separated string); StsTask items pass through.
 
@@ -150,8 +137,7 @@ class FitSet:
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
-        """The JSON description: parts (task, split, sentences, repeats), the total, and the
-        files of missing splits."""
+        """The JSON description: parts, the total sentence count, the missing splits' files."""
         return {'parts': [dataclasses.asdict(p) for p in self.parts],
                 'sentences': len(self.sentences), 'missing': list(self.missing)}
 
@@ -197,45 +183,31 @@ def _paper_set(task: StsTask, roots, family: str) -> FitSet:
         notes.append(f'{task.name}: the paper fit set needs train+dev+test; '
                      f'{", ".join(missing)} not found under the data roots, so it is fitted on '
                      f'{"+".join(p.split for p in parts)} ({len(sentences)} sentences)')
-    return FitSet('paper', tuple(parts), sentences, tuple(notes), tuple(missing), files,
-                  sources)
+    return FitSet('paper', tuple(parts), sentences, tuple(notes), tuple(missing), files, sources)
 
 
 def fit_sets(fit_on: str, tasks: Sequence[StsTask], roots, post: str) -> dict[str, FitSet]:
-    """Task name -> the FitSet its calibration is fitted on.
-
-    Tasks that share one fit ('target', a sentence file) map to the same FitSet object.
-
-    Args:
-      fit_on: 'target', 'task', 'paper', or a sentence file's path.
-      tasks: the evaluated tasks (their evaluated split).
-      roots: data roots, for the other splits 'paper' reads.
-      post: the calibration spec (the paper rule depends on it).
-    """
-    if fit_on == 'target':
-        shared = _task_set('target', tasks)
-        return {t.name: shared for t in tasks}
+    """Task name -> the FitSet that `post` is fitted on under `fit_on` (a mode or a sentence
+    file); tasks sharing one fit ('target', a file) map to the same FitSet object. `roots`
+    give the other splits 'paper' reads."""
     if fit_on == 'task':
         return {t.name: _task_set('task', [t]) for t in tasks}
     if fit_on == 'paper':
         family = paper_family(post)
         return {t.name: _paper_set(t, roots, family) for t in tasks}
-    shared = _file_set(fit_on)
+    if fit_on == 'target':
+        shared = _task_set('target', tasks)
+    else:
+        sentences = senteval.load_sentences(fit_on)
+        shared = FitSet(str(fit_on), (FitPart(str(fit_on), 'file', len(sentences)),), sentences,
+                        files={str(fit_on): senteval.file_hash(fit_on)})
     return {t.name: shared for t in tasks}
 
 
-def _file_set(path: str) -> FitSet:
-    sentences = senteval.load_sentences(path)
-    return FitSet(str(path), (FitPart(str(path), 'file', len(sentences)),), sentences,
-                  files={str(path): senteval.file_hash(path)})
-
-
-def check_fit_on(fit_on: str) -> str:
+def check_fit_on(fit_on: str) -> None:
     """Validates --fit-on early: a mode, or an existing sentence file."""
-    if fit_on in FIT_MODES:
-        return fit_on
-    senteval.load_sentences(fit_on)  # a missing or bad file fails before any model loads
-    return fit_on
+    if fit_on not in FIT_MODES:
+        senteval.load_sentences(fit_on)  # a missing or bad file fails before any model loads
 
 
 # ---------------------------------------------------------------------------------------

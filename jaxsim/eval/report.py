@@ -7,7 +7,6 @@ covers; below the table, the data root each task was read from and every note, o
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
 
@@ -17,25 +16,18 @@ from jaxsim.data import senteval
 from jaxsim.eval import transfer
 from jaxsim.eval.metrics import AGGREGATE_DOC
 from jaxsim.eval.protocol import StsResult
-from jaxsim.eval.transfer import TransferResult
+from jaxsim.eval.transfer import TransferResult, fmt_score
 from jaxsim.formats.pretrained import describe_provenance
 from jaxsim.storage import store
 
-# Column headers as in the SimCSE paper's tables.
-SHORT_NAMES = {
-    'STS12': 'STS12', 'STS13': 'STS13', 'STS14': 'STS14', 'STS15': 'STS15', 'STS16': 'STS16',
-    'STSBenchmark': 'STS-B', 'SICKRelatedness': 'SICK-R',
-}
+# Column headers as in the SimCSE paper's tables (STS12-16 keep their keys).
+SHORT_NAMES = {'STSBenchmark': 'STS-B', 'SICKRelatedness': 'SICK-R'}
 NUM_TASKS = len(senteval.TASK_KEYS)
 
 
-def _fmt(v: float) -> str:
-    return 'n/a' if v is None or (isinstance(v, float) and math.isnan(v)) else f'{v:.2f}'
-
-
-def avg_header(tasks: Sequence[str]) -> str:
-    """'Avg.' over all 7 tasks, else 'Avg. (n)'."""
-    return 'Avg.' if len(tasks) == NUM_TASKS else f'Avg. ({len(tasks)})'
+def avg_header(tasks: Sequence[str], total: int = NUM_TASKS) -> str:
+    """'Avg.' over all `total` tasks, else 'Avg. (n)'."""
+    return 'Avg.' if len(tasks) == total else f'Avg. ({len(tasks)})'
 
 
 def _dedup(items) -> list:
@@ -43,28 +35,19 @@ def _dedup(items) -> list:
 
 
 def markdown_table(results: Sequence[StsResult], aggregate: str | None = None) -> str:
-    """One row per (model, calibration), one column per task, plus the average.
-
-    Args:
-      results: rows; the task columns are the union over rows, in paper order.
-      aggregate: which aggregation to show; default: the rows' own.
-
-    Returns:
-      Caption lines, the table, then 'data:' and 'note:' lines.
-    """
+    """One row per (model, calibration), one column per task (the union over rows, in paper
+    order), plus the average, at `aggregate` (default: the rows' own); caption lines first,
+    'data:' and 'note:' lines last."""
     if not results:
         raise ValueError('no results to tabulate')
     aggregate = aggregate or results[0].aggregate
-    columns: list[str] = []
-    for r in results:
-        columns += [k for k in r.scores if k not in columns]
+    columns = _dedup(k for r in results for k in r.scores)
     multi_model = len({r.model for r in results}) > 1
-    poolers = _dedup(r.pooler for r in results)
-    splits = _dedup(r.split for r in results)
     avg = avg_header(columns)
     caption = (f'Spearman x100 of cosine similarity; aggregation: {aggregate} '
-               f'({AGGREGATE_DOC[aggregate]}); pooler: {", ".join(poolers)}; '
-               f'split: {", ".join(splits)}')
+               f'({AGGREGATE_DOC[aggregate]}); '
+               f'pooler: {", ".join(_dedup(r.pooler for r in results))}; '
+               f'split: {", ".join(_dedup(r.split for r in results))}')
     fit_ons = _dedup(r.fit_on for r in results if r.fit_on)
     if fit_ons:
         caption += f'; calibrations fitted on: {", ".join(map(str, fit_ons))}'
@@ -82,19 +65,16 @@ def markdown_table(results: Sequence[StsResult], aggregate: str | None = None) -
         label = f'{r.label} ({r.fit_on})' if show_fit and r.fit_on else r.label
         cells = ([str(r.model)] if multi_model else []) + [label]
         spread = seed_spread(r, aggregate)
-        cells += [_fmt(r.scores[c].get(aggregate)) + spread.get(c, '') if c in r.scores else ''
+        cells += [fmt_score(r.scores[c].get(aggregate)) + spread.get(c, '') if c in r.scores else ''
                   for c in columns]
-        cells.append(_fmt(r.avg_of(aggregate)) + spread.get('avg', '')
+        cells.append(fmt_score(r.avg_of(aggregate)) + spread.get('avg', '')
                      if set(r.scores) == set(columns) else 'n/a')
         lines.append('| ' + ' | '.join(cells) + ' |')
     if any(r.details.get('per_seed') for r in results):
-        lines.append('')
-        lines.append('mean ±std over seeds ' + '; '.join(_dedup(
+        lines += ['', 'mean ±std over seeds ' + '; '.join(_dedup(
             f'{r.label}: {", ".join(map(str, r.details["seeds"]))}' for r in results
-            if r.details.get('per_seed'))) + ' (std: population, ddof 0)')
-    lines.append('')
-    lines += checkpoint_lines(results)
-    lines += data_lines(results)
+            if r.details.get('per_seed'))) + ' (std: population, ddof 0)']
+    lines += ['', *checkpoint_lines(results), *data_lines(results)]
     lines += [f'note: {n}' for n in _dedup(n for r in results for n in r.details.get('notes', []))]
     return '\n'.join(lines)
 
@@ -120,12 +100,10 @@ def checkpoint_lines(results: Sequence[StsResult]) -> list[str]:
 
 def data_lines(results: Sequence[StsResult]) -> list[str]:
     """'data: STS12, STS-B from ROOT' lines: which data root each task was read from."""
-    by_roots: dict[tuple[str, ...], list[str]] = {}
+    by_roots: dict[tuple[str, ...], dict[str, None]] = {}  # roots -> task names, in order
     for r in results:
         for task, roots in r.details.get('data_sources', {}).items():
-            names = by_roots.setdefault(tuple(roots), [])
-            if SHORT_NAMES.get(task, task) not in names:
-                names.append(SHORT_NAMES.get(task, task))
+            by_roots.setdefault(tuple(roots), {})[SHORT_NAMES.get(task, task)] = None
     return [f'data: {", ".join(tasks)} from {" + ".join(roots)}'
             for roots, tasks in by_roots.items()]
 
@@ -141,12 +119,8 @@ def transfer_table(rows: Sequence[tuple[str, str, Sequence[TransferResult]]]) ->
         raise ValueError('no results to tabulate')
     columns = [t for t in transfer.TASK_NAMES if any(r.task == t for _, _, rs in rows for r in rs)]
     n = len(transfer.TASK_NAMES)
-    avg = 'Avg.' if len(columns) == n else f'Avg. ({len(columns)})'
-    used = [p for p in transfer.PROTOCOL_DOC if any(transfer.PROTOCOLS[t] == p for t in columns)]
-    lines = [f'Accuracy x100 of logistic regression on frozen sentence vectors (SentEval, '
-             f'SimCSE test mode); pooler: {", ".join(_dedup(p for _, p, _ in rows))}; '
-             + '; '.join(f'{", ".join(t for t in columns if transfer.PROTOCOLS[t] == p)}: '
-                         f'{transfer.PROTOCOL_DOC[p]}' for p in used)]
+    avg = avg_header(columns, n)
+    lines = [transfer.caption(columns, ', '.join(_dedup(p for _, p, _ in rows)))]
     if avg != 'Avg.':
         lines.append(f'{avg}: the mean accuracy over {", ".join(columns)} only (not the '
                      f'{n}-task average)')
@@ -159,11 +133,11 @@ def transfer_table(rows: Sequence[tuple[str, str, Sequence[TransferResult]]]) ->
         cells = [model]
         for t in columns:
             r = by_task.get(t)
-            cells.append(_fmt(r.acc) + _transfer_spread(r, 'acc') if r else '')
+            cells.append(fmt_score(r.acc) + _transfer_spread(r, 'acc') if r else '')
             if t == 'MRPC':
-                cells.append(_fmt(r.f1) + _transfer_spread(r, 'f1') if r else '')
+                cells.append(fmt_score(r.f1) + _transfer_spread(r, 'f1') if r else '')
         accs = [by_task[t].acc for t in columns if t in by_task]
-        cells.append(_fmt(float(np.mean(accs))) if len(accs) == len(columns) else 'n/a')
+        cells.append(fmt_score(float(np.mean(accs))) if len(accs) == len(columns) else 'n/a')
         lines.append('| ' + ' | '.join(cells) + ' |')
     roots = _dedup(r.details.get('root', '') for _, _, rs in rows for r in rs)
     seeds = _dedup(str(r.details['seeds']) for _, _, rs in rows for r in rs
@@ -197,16 +171,8 @@ def transfer_to_json(model: str, pooler: str, results: Sequence[TransferResult])
 
 def result_to_json(r: StsResult) -> dict:
     """One row's JSON record: model, pooler, post, tasks, avg (and what it covers), details."""
-    return {
-        'model': r.model,
-        'pooler': r.pooler,
-        'post': r.post,
-        'aggregate': r.aggregate,
-        'tasks': r.tasks,
-        'avg': r.avg,
-        'avg_over': list(r.scores),
-        'details': r.details,
-    }
+    return {'model': r.model, 'pooler': r.pooler, 'post': r.post, 'aggregate': r.aggregate,
+            'tasks': r.tasks, 'avg': r.avg, 'avg_over': list(r.scores), 'details': r.details}
 
 
 def write_json(path: str | os.PathLike, results: Sequence[StsResult],

@@ -1,17 +1,7 @@
 """Evaluation scores as TensorBoard scalars (`eval.py --tb DIR`), to read beside the curves
-training writes.
-
-One TensorBoard run (a subfolder of DIR) per evaluated model, named after it; every score is
-one point at the model's checkpoint step (the evaluated checkpoint of a train workdir, 0 for
-any other model). Tags, all x100 as in the tables and the JSON:
-
-  sts_<split>/<post>/<task>   Spearman of one STS task (STS12-16 by the table's aggregation)
-  sts_<split>/<post>/avg      their average (over the evaluated tasks: JSON `avg_over`)
-  transfer/<task>/accuracy    a transfer task's test accuracy (mean over --seeds)
-  transfer/avg/accuracy       their average
-  transfer/MRPC/f1            MRPC's F1
-
-<post> is the calibration as --post names it, characters TensorBoard refuses in tags made
+training writes: one run (a subfolder of DIR) per evaluated model, every score one point at its
+checkpoint step (0 for a model that is not a train workdir). docs/evaluation.md lists the tags;
+their <post> is the calibration as --post names it, characters TensorBoard refuses in tags made
 '_' ('whitening:256' -> 'whitening_256'), plus '.fit_<fit set>' when a calibration is scored
 under several --fit-on.
 """
@@ -87,16 +77,14 @@ def check_replaceable(directory) -> None:
 def write_scores(folder, models: Sequence[Optional[str]], rows: Sequence[StsResult],
                  transfer_rows: Sequence[tuple[str, str, Sequence[TransferResult]]],
                  overwrite: bool = False) -> list[pathlib.Path]:
-    """Writes every model's scores into `folder` (swapped in whole: `store.replace_dir`).
+    """Writes every model's scores into `folder` (swapped in whole: `store.replace_dir`);
+    returns the run folders written, one per model.
 
     Args:
       models: the models as given (None: the bundled one), in evaluation order.
       rows: `runner.run`'s STS rows (model-major, as many per model); may be empty.
       transfer_rows: `runner.run_transfer`'s rows, one per model; may be empty.
       overwrite: replace an earlier --tb folder (one holding only event files).
-
-    Returns:
-      The run folders written, one per model.
     """
     if len(rows) % len(models):
         raise ValueError(f'{len(rows)} STS rows do not split evenly over {len(models)} models')

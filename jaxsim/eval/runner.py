@@ -7,7 +7,7 @@ come from `jaxsim.calibrate`; what is scored and what a calibration is fitted on
 """
 from __future__ import annotations
 
-import inspect
+import functools
 import pathlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,18 +38,11 @@ SENTEVAL_SEED = 1111
 NoisyEncodeFn = Callable[[list[str], jax.Array], np.ndarray]
 
 
-def _fit_options(post: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options (given, not None) that the calibration named in `post` takes."""
-    cls = calibrate.CALIBRATIONS.get(calibrate.parse_spec(post)[0])
-    params = inspect.signature(cls.fit).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return {k: v for k, v in options.items() if v is not None}
-    return {k: v for k, v in options.items() if k in params and v is not None}
-
-
 def is_seeded(post: str) -> bool:
     """Whether fitting `post` depends on a seed (it is then fitted once per seed)."""
-    return 'seed' in _fit_options(post, {'seed': 0})
+    cls = calibrate.CALIBRATIONS.get(calibrate.parse_spec(post)[0])
+    accepted = calibrate.base._accepted_options(cls)  # None: it takes **options
+    return accepted is None or 'seed' in accepted
 
 
 def _fit(post: str, fit_set: FitSet, table: EmbeddingTable, seed: int, options: dict,
@@ -61,18 +54,13 @@ def _fit(post: str, fit_set: FitSet, table: EmbeddingTable, seed: int, options: 
             raise calibrate.CalibrationError(f'--flow-checkpoint {checkpoint}: holds a '
                                              f'{cal.spec!r} calibration, not a flow')
         return cal
-    embed = None
-    if noisy is not None:
-        embed = lambda key: noisy(fit_set.sentences, key)  # noqa: E731
-    opts = _fit_options(post, {**options, 'seed': seed, 'embed': embed})
+    # calibrate.fit passes each calibration the options it takes.
+    embed = None if noisy is None else functools.partial(noisy, fit_set.sentences)
     try:
-        return calibrate.fit(post, table.lookup(fit_set.sentences), **opts)
+        return calibrate.fit(post, table.lookup(fit_set.sentences),
+                             **{**options, 'seed': seed, 'embed': embed})
     except calibrate.CalibrationError as e:  # say which fit set (a file of too few sentences)
         raise calibrate.CalibrationError(f'fit on {fit_set.fit_on}: {e}') from None
-
-
-def _fit_label(fit_set: FitSet, tasks: Sequence[str], shared: bool) -> str:
-    return fit_set.fit_on if shared else f'{fit_set.fit_on} fit for {", ".join(tasks)}'
 
 
 def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str] = ('none',),
@@ -123,9 +111,8 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
     encoder = encode_fn if isinstance(encode_fn, CachedEncoder) else CachedEncoder(encode_fn)
     seconds_before = encoder.seconds
 
-    rows_asked = [(p, None) if calibrate.parse_spec(p)[0] == 'none' else (p, f)
-                  for p in posts for f in fit_ons]
-    rows_asked = list(dict.fromkeys(rows_asked))
+    rows_asked = list(dict.fromkeys((p, None) if calibrate.parse_spec(p)[0] == 'none' else (p, f)
+                                    for p in posts for f in fit_ons))
     sets = {(p, f): protocol.fit_sets(f, task_list, roots, p) for p, f in rows_asked
             if f is not None}
     sentences = [s for t in task_list for s in t.sentences()]
@@ -137,9 +124,8 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
     evaluated = table.subset(sentences)
 
     task_notes = [n for t in task_list for n in t.notes]
-    files, sources = dict(senteval.task_files(task_list)), {}
-    for t in task_list:
-        sources[t.name] = list(t.roots)
+    files = dict(senteval.task_files(task_list))
+    sources = {t.name: list(t.roots) for t in task_list}
     stsb = next((t for t in task_list if t.name == 'STSBenchmark'), None)
     ref_task = (stsb or task_list[0]).name
 
@@ -151,10 +137,10 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
         per_seed: list[dict[str, metrics.TaskScore]] = []
         ref_table = evaluated
         fit_record = None
-        post_seeds = seeds if name != 'none' and is_seeded(post) else seeds[:1]
+        seeded = name != 'none' and is_seeded(post)
+        post_seeds = seeds if seeded else seeds[:1]
         if name == 'none':
-            per_seed.append({t.name: protocol.score_task(t, evaluated.lookup)
-                             for t in task_list})
+            per_seed.append({t.name: protocol.score_task(t, evaluated.lookup) for t in task_list})
         else:
             per_task = sets[post, fit_on]
             groups: dict[int, list[StsTask]] = {}
@@ -177,7 +163,8 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
                     cal = _fit(post, fs, table, seed, dict(fit_options or {}), noisy_encode_fn,
                                flow_checkpoint)
                     if cal.note:
-                        note = f'[{post}, {_fit_label(fs, names, shared)}] {cal.note}'
+                        where = fs.fit_on if shared else f'{fs.fit_on} fit for {", ".join(names)}'
+                        note = f'[{post}, {where}] {cal.note}'
                         row_notes += [note] if note not in row_notes else []
                     for n in names:
                         fit_record['calibration'].setdefault(n, cal.describe())
@@ -195,7 +182,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
             'metric': 'spearman x100 of cosine similarity',
             'fit_on': fit_on,
             'fit': fit_record,
-            'seeds': post_seeds if name != 'none' and is_seeded(post) else None,
+            'seeds': post_seeds if seeded else None,
             'per_seed': ({k: [s[k].get(aggregate) for s in per_seed] for k in scores}
                          if len(per_seed) > 1 else None),
             'per_task': {k: v.to_dict() for k, v in scores.items()},
@@ -211,14 +198,12 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
             # Geometry of the vectors STS-B was scored with (else the first task's).
             pos1, pos2 = protocol.stsb_positive_pairs(stsb) if stsb else ([], [])
             details['diagnostics'] = diag.diagnostics(
-                ref_table.matrix,
-                ref_table.lookup(pos1) if pos1 else None, ref_table.lookup(pos2) if pos2 else None,
-                ref_table.lookup(list(dict.fromkeys(stsb.sentences()))) if stsb else None)
+                ref_table.matrix, ref_table.lookup(pos1), ref_table.lookup(pos2),
+                ref_table.subset(stsb.sentences()).matrix if stsb else None)
         details['seconds_post'] = time.perf_counter() - t_post
         if extra_details:
             details.update(extra_details)
-        results.append(StsResult(model, pooler, post, aggregate, split, scores, details,
-                                 fit_on))
+        results.append(StsResult(model, pooler, post, aggregate, split, scores, details, fit_on))
 
     total = time.perf_counter() - t_start
     timing = {'total_s': total, 'load_data_s': t_load - t_start,
@@ -230,8 +215,7 @@ def evaluate_rows(encode_fn: EncodeFn, tasks, roots=None, *, posts: Sequence[str
     return results
 
 
-def evaluate(encode_fn: EncodeFn, tasks, roots=None, *, post: str = 'none',
-             **kwargs) -> StsResult:
+def evaluate(encode_fn: EncodeFn, tasks, roots=None, *, post: str = 'none', **kwargs) -> StsResult:
     """Evaluates one encoder under one calibration (see `evaluate_rows` for the arguments).
 
     Example (model selection during training):
@@ -251,12 +235,10 @@ def stsb_score(encode_fn: EncodeFn, roots=None, split: str = 'dev',
 
 def make_encoder(model: jaxsim.SentenceModel, max_length: Optional[int] = None,
                  batch_size: int = 64, dtype: str = 'float32') -> CachedEncoder:
-    """A cached `list[str] -> [N, H]` over `jaxsim.encode` (eval mode: no dropout)."""
-    def encode_fn(sentences: list[str]) -> np.ndarray:
-        return jaxsim.encode(model, sentences, batch_size=batch_size, max_length=max_length,
-                             dtype=getattr(jnp, dtype))  # a progress bar for long inputs
-
-    return CachedEncoder(encode_fn)
+    """A cached `list[str] -> [N, H]` over `jaxsim.encode` (eval mode: no dropout; a progress
+    bar for long inputs)."""
+    return CachedEncoder(functools.partial(jaxsim.encode, model, batch_size=batch_size,
+                                           max_length=max_length, dtype=getattr(jnp, dtype)))
 
 
 def make_noisy_encoder(model: jaxsim.SentenceModel, max_length: Optional[int] = None,
@@ -337,10 +319,8 @@ def run_transfer(models: Sequence[Optional[str]], roots: Sequence, tasks: Sequen
     for name in models:
         model, _ = _load(name, pooler)
         encoder = make_encoder(model, max_length, batch_size, dtype)
-        label = str(name or BUNDLED_NAME)
         origin = checkpoint_of(name)
-        if 'step' in origin:
-            label = describe_provenance(origin)
+        label = describe_provenance(origin) if 'step' in origin else str(name or BUNDLED_NAME)
         results = [_mean_transfer([transfer.evaluate_transfer(t, encoder, roots, seed=s,
                                                               model=label) for s in seeds],
                                   seeds) for t in tasks]

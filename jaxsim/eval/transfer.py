@@ -1,18 +1,12 @@
 """The SentEval transfer tasks, as SimCSE's `evaluation.py --mode test` runs them.
 
-A logistic regression (`jaxsim.eval.logreg`, SentEval's PyTorch classifier with `nhid 0`,
-Adam, batch 64, tenacity 5, epoch_size 4) on frozen sentence vectors, under SentEval's
-protocols (facebookresearch/SentEval, `senteval/tools/validation.py`):
-
-  - MR, CR, SUBJ, MPQA: 10-fold cross-validation (`InnerKFoldClassifier`). Per outer fold,
-    the L2 value is chosen by a 10-fold CV inside the training part (each inner classifier
-    early-stops on its inner test fold), then a classifier with that value is trained on the
-    whole training part (early stopping on a 5% carve-out) and scored on the outer test fold.
-    Both fold splits use `StratifiedKFold(shuffle=True, random_state=1111)`.
-  - SST2: train / dev / test (`SplitClassifier`): L2 chosen on dev, scored on test.
-  - TREC, MRPC: 10-fold CV on train chooses the L2 value (`KFoldClassifier`), then train on
-    all of train (5% carve-out for early stopping), score on test. MRPC features are
-    `[|u - v|, u * v]` (SentEval's `mrpc.py`) and it also reports F1 of the paraphrase class.
+A logistic regression (`jaxsim.eval.logreg`) on frozen sentence vectors, under SentEval's
+protocols (facebookresearch/SentEval, `senteval/tools/validation.py`; the table is in
+docs/evaluation.md): `InnerKFoldClassifier` for MR, CR, SUBJ, MPQA (per outer fold, the L2
+value chosen by a 10-fold CV inside the training part, each inner classifier early-stopping on
+its inner test fold, then a refit on the whole training part with a 5% early-stopping
+carve-out; both fold splits are `StratifiedKFold(shuffle=True, random_state=1111)`),
+`SplitClassifier` for SST2, `KFoldClassifier` for TREC and MRPC.
 
 Fold assignment depends on the sample order, so samples are put in SentEval's order first:
 sorted (stably) by token count, then label (MRPC: by both sentences' token counts, then label).
@@ -20,6 +14,7 @@ Scores are rounded as SentEval rounds them (x100, 2 decimals, per fold and again
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -30,11 +25,10 @@ import numpy as np
 from jaxsim.data import transfer as transfer_data
 from jaxsim.data.transfer import LabeledText, PathLike, TransferData
 from jaxsim.eval import logreg
+from jaxsim.eval.embeddings import EncodeFn
 from jaxsim.eval.logreg import ClassifierConfig, ClassifierError, Problem
 from jaxsim.progress import CountProgress
 from jaxsim.storage import store
-
-EncodeFn = Callable[[list[str]], np.ndarray]
 
 # Task name -> SentEval protocol.
 PROTOCOLS = {
@@ -139,6 +133,16 @@ def _dev_scores(fit: logreg.FitResult, problems: slice) -> np.ndarray:
     return np.asarray([_np_round(100 * np.mean(acc[:, r])) for r in range(acc.shape[1])])
 
 
+def _tested(fit: logreg.FitResult, problem: int, scores: np.ndarray, x_test, y_test,
+            cfg: ClassifierConfig) -> dict:
+    """The classifier of `problem` at the L2 value best on dev (`scores` [R]), on test."""
+    r = int(np.argmax(scores))
+    pred = logreg.predict(fit.weight[problem, r], fit.bias[problem, r], x_test)
+    return {'acc': _py_round(100 * _accuracy(pred, y_test)), 'devacc': float(scores[r]),
+            'l2': cfg.l2_grid[r], 'dev_scores': scores.tolist(), 'pred': pred,
+            'epochs': fit.epochs.tolist(), 'rounds': fit.rounds}
+
+
 # ---------------------------------------------------------------------------------------
 # Protocols on features.
 # ---------------------------------------------------------------------------------------
@@ -160,18 +164,14 @@ def cross_validate(x, y, num_classes: int, cfg: ClassifierConfig = ClassifierCon
             problems.append(Problem(train[inner_train], train[inner_test]))
     problems += [Problem(train) for train, _ in outer]              # the refits, 5% carve-out
     fit = logreg.fit(x, y, problems, num_classes, cfg, progress=progress)
-    chosen, fold_acc, dev_scores, devresults = [], [], [], []
-    for o, (_, test) in enumerate(outer):
-        scores = _dev_scores(fit, slice(o * kfold, (o + 1) * kfold))
-        r = int(np.argmax(scores))
-        refit = kfold * kfold + o
-        pred = logreg.predict(fit.weight[refit, r], fit.bias[refit, r], np.asarray(x)[test])
-        fold_acc.append(_py_round(100 * _accuracy(pred, y[test])))
-        chosen.append(cfg.l2_grid[r])
-        dev_scores.append(scores.tolist())
-        devresults.append(scores[r])
-    return {'acc': _np_round(np.mean(fold_acc)), 'devacc': _np_round(np.mean(devresults)),
-            'l2': chosen, 'fold_acc': fold_acc, 'dev_scores': dev_scores,
+    # Outer fold o: its inner problems are o * kfold ..., its refit kfold * kfold + o.
+    folds = [_tested(fit, kfold * kfold + o, _dev_scores(fit, slice(o * kfold, (o + 1) * kfold)),
+                     np.asarray(x)[test], y[test], cfg) for o, (_, test) in enumerate(outer)]
+    fold_acc = [f['acc'] for f in folds]
+    return {'acc': _np_round(np.mean(fold_acc)),
+            'devacc': _np_round(np.mean([f['devacc'] for f in folds])),
+            'l2': [f['l2'] for f in folds], 'fold_acc': fold_acc,
+            'dev_scores': [f['dev_scores'] for f in folds],
             'epochs': fit.epochs.tolist(), 'rounds': fit.rounds}
 
 
@@ -188,12 +188,7 @@ def cv_then_test(x_train, y_train, x_test, y_test, num_classes: int,
     problems = [Problem(train, test) for train, test in folds]
     problems.append(Problem(np.arange(len(y_train))))
     fit = logreg.fit(x_train, y_train, problems, num_classes, cfg, progress=progress)
-    scores = _dev_scores(fit, slice(0, kfold))
-    r = int(np.argmax(scores))
-    pred = logreg.predict(fit.weight[kfold, r], fit.bias[kfold, r], x_test)
-    return {'acc': _py_round(100 * _accuracy(pred, y_test)), 'devacc': float(scores[r]),
-            'l2': cfg.l2_grid[r], 'dev_scores': scores.tolist(), 'pred': pred,
-            'epochs': fit.epochs.tolist(), 'rounds': fit.rounds}
+    return _tested(fit, kfold, _dev_scores(fit, slice(0, kfold)), x_test, y_test, cfg)
 
 
 def dev_then_test(x_train, y_train, x_dev, y_dev, x_test, y_test, num_classes: int,
@@ -209,11 +204,7 @@ def dev_then_test(x_train, y_train, x_dev, y_dev, x_test, y_test, num_classes: i
     fit = logreg.fit(x, y, [Problem(np.arange(n), np.arange(n, len(y)))], num_classes, cfg,
                      progress=progress)
     scores = np.asarray([_py_round(100 * a) for a in fit.dev_accuracy[0]])
-    r = int(np.argmax(scores))
-    pred = logreg.predict(fit.weight[0, r], fit.bias[0, r], x_test)
-    return {'acc': _py_round(100 * _accuracy(pred, y_test)), 'devacc': float(scores[r]),
-            'l2': cfg.l2_grid[r], 'dev_scores': scores.tolist(), 'pred': pred,
-            'epochs': fit.epochs.tolist(), 'rounds': fit.rounds}
+    return _tested(fit, 0, scores, x_test, y_test, cfg)
 
 
 def f1_x100(y_true, y_pred, positive: int = 1) -> float:
@@ -273,8 +264,7 @@ def run_protocol(data: TransferData, lookup, cfg: ClassifierConfig, progress=Non
     labels = {k: v.labels for k, v in splits.items()}
     protocol = PROTOCOLS[data.name]
     if protocol == 'cv':
-        out = cross_validate(feats['all'], labels['all'], data.num_classes, cfg,
-                             progress=progress)
+        out = cross_validate(feats['all'], labels['all'], data.num_classes, cfg, progress=progress)
         out.update(n_dev=len(labels['all']), n_test=len(labels['all']))
     elif protocol == 'dev_test':
         out = dev_then_test(feats['train'], labels['train'], feats['dev'], labels['dev'],
@@ -315,11 +305,9 @@ def evaluate_transfer(task_name: str, encode_fn: EncodeFn,
     lookup = _encode_all(data, encode_fn)
     t1, c1 = time.perf_counter(), time.process_time()
     # The classifiers train together, round by round: progress counts those done.
-    bar = CountProgress(f'{data.name} classifiers', unit='clf', enable=progress)
-    try:
+    with contextlib.closing(CountProgress(f'{data.name} classifiers', unit='clf',
+                                          enable=progress)) as bar:
         out = run_protocol(data, lookup, cfg, progress=bar)
-    finally:
-        bar.close()
     t2, c2 = time.perf_counter(), time.process_time()
     details = {
         'protocol': PROTOCOL_DOC[PROTOCOLS[data.name]],
@@ -343,50 +331,49 @@ def evaluate_transfer(task_name: str, encode_fn: EncodeFn,
 # ---------------------------------------------------------------------------------------
 
 
-def _fmt(v: Optional[float]) -> str:
+def fmt_score(v: Optional[float]) -> str:
+    """A score for a table: 2 decimals, 'n/a' for None or NaN."""
     return 'n/a' if v is None or not np.isfinite(v) else f'{v:.2f}'
 
 
-def format_transfer_table(results: Sequence[TransferResult]) -> str:
-    """Markdown: one row per model, one column per task (SimCSE's order), plus Avg.
+def caption(columns: Sequence[str], pooler: Optional[str] = None) -> str:
+    """What a transfer table shows (with its `pooler`), and each task column's protocol."""
+    parts = ['Accuracy x100 of logistic regression on frozen sentence vectors (SentEval, '
+             'SimCSE test mode)']
+    if pooler is not None:
+        parts.append(f'pooler: {pooler}')
+    parts += [f'{", ".join(t for t in columns if PROTOCOLS[t] == p)}: {PROTOCOL_DOC[p]}'
+              for p in PROTOCOL_DOC if any(PROTOCOLS[t] == p for t in columns)]
+    return '; '.join(parts)
 
-    Returns:
-      A caption line naming the metric and protocols, the table, and a note line with MRPC's
-      F1 when MRPC is present.
-    """
+
+def format_transfer_table(results: Sequence[TransferResult]) -> str:
+    """Markdown: one row per model, one column per task (SimCSE's order), plus Avg.; a caption
+    line naming the metric and protocols first, a note line with MRPC's F1 last."""
     if not results:
         raise ValueError('no results to tabulate')
     columns = [t for t in TASK_NAMES if any(r.task == t for r in results)]
     models = list(dict.fromkeys(r.model for r in results))
     cell = {(r.model, r.task): r for r in results}
-    caption = ('Accuracy x100 of logistic regression on frozen sentence vectors (SentEval, '
-               'SimCSE test mode); ' + '; '.join(
-                   f'{", ".join(t for t in columns if PROTOCOLS[t] == p)}: {PROTOCOL_DOC[p]}'
-                   for p in PROTOCOL_DOC if any(PROTOCOLS[t] == p for t in columns)))
     head = ['Model'] + columns + ['Avg.']
-    lines = [caption, '', '| ' + ' | '.join(head) + ' |',
+    lines = [caption(columns), '', '| ' + ' | '.join(head) + ' |',
              '|---|' + '|'.join(['---:'] * (len(columns) + 1)) + '|']
     notes = []
     for m in models:
         accs = [cell[m, t].acc if (m, t) in cell else None for t in columns]
         avg = float(np.mean(accs)) if all(a is not None for a in accs) else None
-        lines.append('| ' + ' | '.join([m or '-'] + ['' if a is None else _fmt(a) for a in accs]
-                                       + [_fmt(avg)]) + ' |')
+        cells = ['' if a is None else fmt_score(a) for a in accs]
+        lines.append('| ' + ' | '.join([m or '-'] + cells + [fmt_score(avg)]) + ' |')
         if (m, 'MRPC') in cell and cell[m, 'MRPC'].f1 is not None:
             notes.append(f'note: MRPC F1 x100{" (" + m + ")" if m else ""}: '
-                         f'{_fmt(cell[m, "MRPC"].f1)}')
+                         f'{fmt_score(cell[m, "MRPC"].f1)}')
     return '\n'.join(lines + ([''] + notes if notes else []))
-
-
-def transfer_result_to_json(r: TransferResult) -> dict:
-    """One JSON-ready record: task, model, acc, devacc, f1, n_dev, n_test, details."""
-    return {'task': r.task, 'model': r.model, 'acc': r.acc, 'devacc': r.devacc, 'f1': r.f1,
-            'n_dev': r.n_dev, 'n_test': r.n_test, 'details': r.details}
 
 
 def write_transfer_json(path: PathLike, results: Sequence[TransferResult],
                         overwrite: bool = False) -> None:
     """Writes a list of records (one per task and model) to `path`, whole or not at all; an
     existing file only with `overwrite`."""
-    store.write_json(path, [transfer_result_to_json(r) for r in results], overwrite=overwrite,
-                     what='transfer JSON', indent=2)
+    records = [{'task': r.task, 'model': r.model, 'acc': r.acc, 'devacc': r.devacc, 'f1': r.f1,
+                'n_dev': r.n_dev, 'n_test': r.n_test, 'details': r.details} for r in results]
+    store.write_json(path, records, overwrite=overwrite, what='transfer JSON', indent=2)

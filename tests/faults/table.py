@@ -143,8 +143,8 @@ FAULTS = (
           (f'{LAYERS}::test_layer_inverse_and_logdet',)),
     # ---- STS metrics and protocol
     Fault('Spearman replaced by Pearson', 'jaxsim/eval/metrics.py',
-          'return float(scipy.stats.spearmanr(scores, gold).statistic * 100.0)',
-          'return float(scipy.stats.pearsonr(scores, gold).statistic * 100.0)',
+          "return _correlation_x100('spearmanr', scores, gold)",
+          "return _correlation_x100('pearsonr', scores, gold)",
           (METRICS,)),
     Fault("STS 'all' aggregation is the subset mean", 'jaxsim/eval/metrics.py',
           'all=spearman_of_scores_x100(sims, golds),',
