@@ -74,14 +74,11 @@ class BertConfig:
         return self.hidden_size // self.num_attention_heads
 
     @property
-    def position_offset(self) -> int:
-        """RoBERTa counts positions from pad_token_id + 1; BERT from 0."""
-        return self.pad_token_id + 1 if self.model_type == "roberta" else 0
-
-    @property
     def max_length(self) -> int:
-        """Longest token sequence the position table allows."""
-        return self.max_position_embeddings - self.position_offset
+        """Longest token sequence the position table allows (RoBERTa counts positions from
+        pad_token_id + 1; BERT from 0)."""
+        offset = self.pad_token_id + 1 if self.model_type == "roberta" else 0
+        return self.max_position_embeddings - offset
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> "BertConfig":
@@ -125,21 +122,6 @@ class BertOutput(flax.struct.PyTreeNode):
     hidden_states: Tuple[jax.Array, ...]
     pooler_output: Optional[jax.Array]
 
-    @property
-    def last_hidden_state(self) -> jax.Array:
-        return self.hidden_states[-1]
-
-
-# The name tests and callers know for flax Dense's bf16 contraction.
-_mixed_precision_dot_general = ops.mixed_precision_dot_general
-
-
-def _dense(features: int, dtype, name: str) -> nn.Dense:
-    low_precision = jnp.dtype(dtype) != jnp.float32
-    return nn.Dense(features, dtype=dtype, param_dtype=jnp.float32,
-                    dot_general=_mixed_precision_dot_general if low_precision else None,
-                    kernel_init=nn.initializers.normal(0.02), name=name)
-
 
 class DenseParams(nn.Module):
     """The kernel [in, features] and bias [features] of a dense layer, under flax Dense's names
@@ -177,6 +159,14 @@ def position_ids_for(config: BertConfig, input_ids: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
 
 
+class _Part(nn.Module):
+    """The fields every part of the encoder takes: architecture, compute dtype, kernel form."""
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+    kernels: str = "auto"  # see jaxsim.models.kernels
+
+
 class RowCastEmbed(nn.Embed):
     """`nn.Embed` that gathers the rows from the float32 table and casts only those to the
     compute dtype. `nn.Embed` casts the whole table first: under bf16 a [vocab, hidden] read and
@@ -192,17 +182,13 @@ class RowCastEmbed(nn.Embed):
         return rows.astype(self.dtype)
 
 
-class BertEmbeddings(nn.Module):
-    config: BertConfig
-    dtype: Any = jnp.float32
-
+class BertEmbeddings(_Part):
     @nn.compact
     def __call__(self, input_ids, token_type_ids, deterministic: bool, position_ids=None):
         cfg = self.config
-        init = nn.initializers.normal(0.02)
 
         def embed(n, size):
-            return RowCastEmbed(size, cfg.hidden_size, embedding_init=init,
+            return RowCastEmbed(size, cfg.hidden_size, embedding_init=nn.initializers.normal(0.02),
                                 param_dtype=jnp.float32, dtype=self.dtype, name=n)
 
         if position_ids is None:
@@ -214,11 +200,7 @@ class BertEmbeddings(nn.Module):
         return _dropout(self, x, cfg.hidden_dropout_prob, deterministic)
 
 
-class BertSelfAttention(nn.Module):
-    config: BertConfig
-    dtype: Any = jnp.float32
-    kernels: str = "auto"  # see jaxsim.models.kernels
-
+class BertSelfAttention(_Part):
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
         cfg = self.config
@@ -275,12 +257,8 @@ class BertSelfAttention(nn.Module):
         return out.reshape(batch, length, cfg.hidden_size)
 
 
-class BertResidualOutput(nn.Module):
+class BertResidualOutput(_Part):
     """dense -> dropout -> LayerNorm(x + residual): HF's `BertSelfOutput` and `BertOutput`."""
-
-    config: BertConfig
-    dtype: Any = jnp.float32
-    kernels: str = "auto"  # see jaxsim.models.kernels
 
     @nn.compact
     def __call__(self, x, residual, deterministic: bool):
@@ -290,11 +268,7 @@ class BertResidualOutput(nn.Module):
         return _layer_norm(self.config, self.dtype)(x + residual)
 
 
-class BertAttention(nn.Module):
-    config: BertConfig
-    dtype: Any = jnp.float32
-    kernels: str = "auto"  # see jaxsim.models.kernels
-
+class BertAttention(_Part):
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
         attended = BertSelfAttention(self.config, self.dtype, self.kernels, name="self")(
@@ -303,11 +277,7 @@ class BertAttention(nn.Module):
             attended, x, deterministic)
 
 
-class BertIntermediate(nn.Module):
-    config: BertConfig
-    dtype: Any = jnp.float32
-    kernels: str = "auto"  # see jaxsim.models.kernels
-
+class BertIntermediate(_Part):
     @nn.compact
     def __call__(self, x):
         kernel, bias = DenseParams(self.config.intermediate_size, name="dense")(x.shape[-1])
@@ -317,11 +287,7 @@ class BertIntermediate(nn.Module):
         return _ACTIVATIONS[self.config.hidden_act](d + bias.astype(d.dtype))
 
 
-class BertLayer(nn.Module):
-    config: BertConfig
-    dtype: Any = jnp.float32
-    kernels: str = "auto"  # see jaxsim.models.kernels
-
+class BertLayer(_Part):
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
         x = BertAttention(self.config, self.dtype, self.kernels, name="attention")(
@@ -354,11 +320,8 @@ def remat_layer(remat: str) -> type:
     return nn.remat(BertLayer, static_argnums=(3,), policy=REMAT_POLICIES[remat])
 
 
-class BertEncoder(nn.Module):
-    config: BertConfig
-    dtype: Any = jnp.float32
+class BertEncoder(_Part):
     remat: str = "none"
-    kernels: str = "auto"
 
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
@@ -371,15 +334,16 @@ class BertEncoder(nn.Module):
         return tuple(states)
 
 
-class BertPooler(nn.Module):
+class BertPooler(_Part):
     """dense + tanh over the first ([CLS]) token."""
-
-    config: BertConfig
-    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, last_hidden):
-        return jnp.tanh(_dense(self.config.hidden_size, self.dtype, "dense")(last_hidden[:, 0]))
+        low_precision = jnp.dtype(self.dtype) != jnp.float32
+        dense = nn.Dense(self.config.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
+                         dot_general=ops.mixed_precision_dot_general if low_precision else None,
+                         kernel_init=nn.initializers.normal(0.02), name="dense")
+        return jnp.tanh(dense(last_hidden[:, 0]))
 
 
 class BertModel(nn.Module):
@@ -429,12 +393,10 @@ class BertModel(nn.Module):
                 input_ids, token_type_ids)), deterministic, position_ids=packed.gather_packed(
                     position_ids_for(self.config, input_ids), pack_index))
             attention_bias = packed.packed_attention_bias(pack_index, input_ids.shape[1])
-        states = BertEncoder(self.config, self.dtype, self.remat, self.kernels, name="encoder")(
+        states = BertEncoder(self.config, self.dtype, self.kernels, self.remat, name="encoder")(
             x, attention_bias, deterministic)
         if packing is not None:
-            shards = pack_index.shape[0]
-            states = tuple(packed.unpack(h, unpack_index, shards) for h in states)
-        pooled = None
-        if self.add_pooler:
-            pooled = BertPooler(self.config, self.dtype, name="pooler")(states[-1])
+            states = tuple(packed.unpack(h, unpack_index, pack_index.shape[0]) for h in states)
+        pooled = (BertPooler(self.config, self.dtype, name="pooler")(states[-1])
+                  if self.add_pooler else None)
         return BertOutput(hidden_states=states, pooler_output=pooled)
