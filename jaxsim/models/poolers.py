@@ -131,12 +131,10 @@ def masked_mean(hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------ sentence-transformers rules
-def _export_mean(params, config, use_head):
-    return [st_pooling(config.hidden_size, "mean")]
-
-
-def _export_cls_token(params, config, use_head):
-    return [st_pooling(config.hidden_size, "cls")]
+def _export_pooling(mode: str) -> ExportRule:
+    def rule(params, config, use_head):
+        return [st_pooling(config.hidden_size, mode)]
+    return rule
 
 
 def _export_cls(params, config, use_head):
@@ -175,13 +173,13 @@ class ClsPooler(nn.Module):
         return cls.astype(jnp.float32)
 
 
-@register_pooler("cls_before_pooler", export=_export_cls_token)
+@register_pooler("cls_before_pooler", export=_export_pooling("cls"))
 def cls_before_pooler(output: BertOutput, attention_mask):
     """The last layer's [CLS] vector."""
     return output.hidden_states[-1][:, 0]
 
 
-@register_pooler("avg", export=_export_mean)
+@register_pooler("avg", export=_export_pooling("mean"))
 def avg(output: BertOutput, attention_mask):
     """Mean of the last layer over real tokens."""
     return masked_mean(output.hidden_states[-1], attention_mask)
