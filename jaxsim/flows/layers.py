@@ -77,20 +77,10 @@ def tf_default_uniform(fan_out: int):
 
     `tf.get_variable` without an initializer draws U(-l, l) with l = sqrt(6 / (fan_in +
     fan_out)); for Glow's (1, 1, 1, C) actnorm variables fan_in = 1 and fan_out = C. Drawn on
-    the host (see `host_normal`).
+    the host (see `_host_init`).
     """
     limit = math.sqrt(6.0 / (1 + fan_out))
-
-    def init(key, shape, dtype=jnp.float32):
-        del dtype
-
-        def host(kd):
-            return _host_rng(kd).uniform(-limit, limit, shape).astype(np.float32)
-
-        return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, jnp.float32),
-                                 jax.random.key_data(key))
-
-    return init
+    return _host_init(lambda rng, shape: rng.uniform(-limit, limit, shape))
 
 
 ACTNORM_INITS = ('data', 'zeros', 'tf_default')
@@ -142,9 +132,7 @@ class ActNorm(nn.Module):
     def inverse(self, z: jax.Array) -> jax.Array:
         """z: [batch, dim] -> x [batch, dim]."""
         s = self.logscale_factor * self.logs
-        if self.bias == 'input':
-            return z * jnp.exp(-s) - self.b
-        return (z - self.b) * jnp.exp(-s)
+        return z * jnp.exp(-s) - self.b if self.bias == 'input' else (z - self.b) * jnp.exp(-s)
 
     def init_from_batch(self, x: jax.Array) -> FlowOutput:
         """Sets b/logs so this batch comes out zero-mean, unit-variance per channel.
@@ -182,9 +170,6 @@ class Reverse(nn.Module):
 
     This is what BERT-flow's `invertible_1x1_conv(permutation=True)` executes (its configs all
     set "permutation": true): a non-trainable 1x1 conv whose kernel is the anti-identity.
-
-    Attributes:
-      features: number of channels `dim`.
     """
 
     features: int
@@ -200,11 +185,7 @@ class Reverse(nn.Module):
 
 @FLOW_LAYERS.register('linear')
 class InvertibleLinear(nn.Module):
-    """z = x @ W with a dense invertible W (Glow's 1x1 conv on a 1x1 image); O(D^3) logdet.
-
-    Attributes:
-      features: number of channels `dim`.
-    """
+    """z = x @ W with a dense invertible W (Glow's 1x1 conv on a 1x1 image); O(D^3) logdet."""
 
     features: int
 
@@ -237,49 +218,46 @@ def _host_rng(key_data) -> np.random.Generator:
     return np.random.default_rng(np.asarray(key_data).astype(np.uint64))
 
 
-def _host_rotation(key_data: np.ndarray, features: int) -> np.ndarray:
-    """A Haar-random rotation [features, features] drawn on the host from raw key data."""
-    with single_threaded_blas():
-        q, r = np.linalg.qr(_host_rng(key_data).standard_normal((features, features)))
-    return q * np.sign(np.diag(r))
-
-
-def _random_rotation(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
-    """Initializer: a random rotation computed with NumPy through `pure_callback`.
-
-    XLA needs seconds to compile a QR (and an LU) per layer on CPU; on the host it is
-    milliseconds, which keeps flow fitting cheap next to encoding.
-    """
-    del dtype
-    return jax.pure_callback(
-        lambda kd: _host_rotation(kd, shape[0]).astype(np.float32),
-        jax.ShapeDtypeStruct(shape, jnp.float32), jax.random.key_data(key))
-
-
-def host_normal(stddev: float | None = None):
-    """Initializer: N(0, stddev^2) drawn on the host (default stddev 1/sqrt(fan_in)).
-
-    Host-side for the same reason as `_random_rotation`: no per-layer RNG kernels to compile.
-    """
+def _host_init(draw):
+    """Initializer computing `draw(generator, shape)` with NumPy through `pure_callback`, as
+    float32. XLA needs seconds to compile a QR (and an LU) per layer on CPU, and RNG kernels per
+    layer; on the host it is milliseconds, which keeps flow fitting cheap next to encoding."""
 
     def init(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
         del dtype
-        std = stddev if stddev is not None else 1.0 / math.sqrt(shape[0])
-
-        def host(kd):
-            return (_host_rng(kd).standard_normal(shape) * std).astype(np.float32)
-
-        return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, jnp.float32),
+        return jax.pure_callback(lambda kd: draw(_host_rng(kd), shape).astype(np.float32),
+                                 jax.ShapeDtypeStruct(shape, jnp.float32),
                                  jax.random.key_data(key))
 
     return init
+
+
+def _host_rotation(rng: np.random.Generator, features: int) -> np.ndarray:
+    """A Haar-random rotation [features, features] drawn on the host."""
+    with single_threaded_blas():
+        q, r = np.linalg.qr(rng.standard_normal((features, features)))
+    return q * np.sign(np.diag(r))
+
+
+# Initializer: a random rotation (invertible, logdet 0).
+_random_rotation = _host_init(lambda rng, shape: _host_rotation(rng, shape[0]))
+
+
+def host_normal(stddev: float | None = None):
+    """Initializer: N(0, stddev^2) drawn on the host (default stddev 1/sqrt(fan_in))."""
+
+    def draw(rng: np.random.Generator, shape) -> np.ndarray:
+        return rng.standard_normal(shape) * (stddev if stddev is not None
+                                             else 1.0 / math.sqrt(shape[0]))
+
+    return _host_init(draw)
 
 
 def _lu_init(key: jax.Array, features: int) -> dict[str, jax.Array]:
     """LU parameters of a random rotation: W = P L (U + diag(sign * exp(log_s)))."""
 
     def host(key_data):
-        w = _host_rotation(key_data, features)
+        w = _host_rotation(_host_rng(key_data), features)
         import scipy.linalg  # on first use: ~0.15 s of every command's start-up otherwise
         with single_threaded_blas():
             p, lower, u = scipy.linalg.lu(w)
@@ -306,9 +284,6 @@ class InvertibleLinearLU(nn.Module):
 
     The permutation and the signs of the diagonal are fixed at init; they sit in the params tree
     (so they are saved) behind `stop_gradient`, so the optimizer never moves them.
-
-    Attributes:
-      features: number of channels `dim`.
     """
 
     features: int

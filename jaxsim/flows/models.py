@@ -38,10 +38,8 @@ class Step(nn.Module):
         logdet = jnp.zeros(x.shape[:1], jnp.float32)
         for key in step_keys(self.config):
             layer = self.layers[key]
-            if init and hasattr(layer, 'init_from_batch'):
-                x, ld = layer.init_from_batch(x)
-            else:
-                x, ld = layer.forward(x)
+            init_here = init and hasattr(layer, 'init_from_batch')
+            x, ld = layer.init_from_batch(x) if init_here else layer.forward(x)
             logdet = logdet + jnp.broadcast_to(ld, x.shape[:1])
         return FlowOutput(x, logdet)
 
