@@ -171,10 +171,8 @@ class FlowConfig:
         return f'{self.name} ({self.levels}x{self.depth} steps of {layers})'
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d['step'] = [s.to_dict() for s in self.step]
-        d['weight_decay_exclude'] = list(self.weight_decay_exclude)
-        return d
+        return {**dataclasses.asdict(self), 'step': [s.to_dict() for s in self.step],
+                'weight_decay_exclude': list(self.weight_decay_exclude)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

@@ -205,8 +205,8 @@ class InvertibleLinear(nn.Module):
 
 
 def single_threaded_blas():
-    """Limits host BLAS to one thread: on a busy machine OpenBLAS's thread pool makes a 384x384
-    QR 50x slower (seconds instead of milliseconds). No-op without threadpoolctl."""
+    """Limits host BLAS to one thread (its pool slows a small QR on a busy machine; figures in
+    docs/performance.md). No-op without threadpoolctl."""
     try:
         import threadpoolctl
     except ImportError:
@@ -220,8 +220,7 @@ def _host_rng(key_data) -> np.random.Generator:
 
 def _host_init(draw):
     """Initializer computing `draw(generator, shape)` with NumPy through `pure_callback`, as
-    float32. XLA needs seconds to compile a QR (and an LU) per layer on CPU, and RNG kernels per
-    layer; on the host it is milliseconds, which keeps flow fitting cheap next to encoding."""
+    float32: nothing per layer for XLA to compile (docs/performance.md, flow fit)."""
 
     def init(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
         del dtype
@@ -258,7 +257,7 @@ def _lu_init(key: jax.Array, features: int) -> dict[str, jax.Array]:
 
     def host(key_data):
         w = _host_rotation(_host_rng(key_data), features)
-        import scipy.linalg  # on first use: ~0.15 s of every command's start-up otherwise
+        import scipy.linalg  # on first use, not at every command's start-up
         with single_threaded_blas():
             p, lower, u = scipy.linalg.lu(w)
         s = np.diag(u)

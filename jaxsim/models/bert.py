@@ -103,11 +103,9 @@ class BertConfig:
 
     def to_hf_dict(self) -> dict:
         """The Hugging Face `config.json` content for this architecture."""
-        d = dataclasses.asdict(self)
         arch = "RobertaModel" if self.model_type == "roberta" else "BertModel"
-        d.update(architectures=[arch], position_embedding_type="absolute",
-                 initializer_range=0.02, layer_norm_eps=self.layer_norm_eps)
-        return d
+        return {**dataclasses.asdict(self), "architectures": [arch],
+                "position_embedding_type": "absolute", "initializer_range": 0.02}
 
 
 class BertOutput(flax.struct.PyTreeNode):
