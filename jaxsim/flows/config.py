@@ -179,8 +179,7 @@ class FlowConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> 'FlowConfig':
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise FlowError(f'FlowConfig: unknown field(s) {unknown}')
         d = dict(d)

@@ -55,16 +55,17 @@ def coupling_indices(dim: int, mask: str, flip: bool) -> tuple[np.ndarray, np.nd
     return (b, a) if flip else (a, b)
 
 
-class MlpNet(nn.Module):
-    """ReLU MLP whose last layer starts at zero.
-
-    Attributes:
-      width: hidden width; hidden_layers: Dense+ReLU layers; out_features: output size.
-    """
+class _Net(nn.Module):
+    """A coupling's network: `hidden_layers` hidden layers of `width` units, then `out_features`
+    outputs from a last layer that starts at zero."""
 
     width: int
     hidden_layers: int
     out_features: int
+
+
+class MlpNet(_Net):
+    """Dense+ReLU hidden layers."""
 
     @nn.compact
     def __call__(self, h: jax.Array) -> jax.Array:
@@ -73,17 +74,9 @@ class MlpNet(nn.Module):
         return nn.Dense(self.out_features, kernel_init=nn.initializers.zeros)(h)
 
 
-class GlowNet(nn.Module):
-    """BERT-flow's coupling network on vectors (see the module docstring).
-
-    Attributes:
-      width: hidden width (the config's coupling_width); hidden_layers: conv+actnorm+ReLU
-        blocks (2 in BERT-flow); out_features: output size.
-    """
-
-    width: int
-    hidden_layers: int
-    out_features: int
+class GlowNet(_Net):
+    """BERT-flow's coupling network on vectors: conv+actnorm+ReLU hidden blocks (2 in BERT-flow;
+    see the module docstring)."""
 
     @nn.compact
     def __call__(self, h: jax.Array) -> jax.Array:

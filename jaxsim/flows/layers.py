@@ -270,11 +270,10 @@ def _lu_init(key: jax.Array, features: int) -> dict[str, jax.Array]:
         }
         return {k: v.astype(np.float32) for k, v in out.items()}
 
-    mat, vec = (features, features), (features,)
-    shapes = {'perm': mat, 'lower': mat, 'upper': mat, 'log_s': vec, 'sign_s': vec}
-    return jax.pure_callback(
-        host, {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in shapes.items()},
-        jax.random.key_data(key))
+    mat = jax.ShapeDtypeStruct((features, features), jnp.float32)
+    vec = jax.ShapeDtypeStruct((features,), jnp.float32)
+    return jax.pure_callback(host, {'perm': mat, 'lower': mat, 'upper': mat, 'log_s': vec,
+                                    'sign_s': vec}, jax.random.key_data(key))
 
 
 @FLOW_LAYERS.register('linear_lu')
@@ -291,10 +290,9 @@ class InvertibleLinearLU(nn.Module):
         self.lu = self.param('lu', _lu_init, self.features)
 
     def _factors(self):
-        d = self.features
         perm = jax.lax.stop_gradient(self.lu['perm'])
         sign_s = jax.lax.stop_gradient(self.lu['sign_s'])
-        eye = jnp.eye(d, dtype=jnp.float32)
+        eye = jnp.eye(self.features, dtype=jnp.float32)
         lower = jnp.tril(self.lu['lower'], -1) + eye  # unit lower triangular
         upper = jnp.triu(self.lu['upper'], 1) + jnp.diag(sign_s * jnp.exp(self.lu['log_s']))
         return perm, lower, upper

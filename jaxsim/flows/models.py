@@ -20,12 +20,8 @@ def step_keys(config: FlowConfig) -> list[str]:
 
 
 class Step(nn.Module):
-    """One flow step: the config's `step` layers applied in order on `features` channels.
-
-    Attributes:
-      config: the flow config.
-      features: channels at this level.
-    """
+    """One flow step: the config's `step` layers applied in order on `features` channels (those
+    of its level)."""
 
     config: FlowConfig
     features: int

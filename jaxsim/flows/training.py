@@ -67,8 +67,7 @@ class FitResult:
 
 
 def _row_nll(model, params, x):
-    z, logdet = model.apply({'params': params}, x, method='forward')
-    return nll_nats(z, logdet)  # [rows] nats
+    return nll_nats(*model.apply({'params': params}, x, method='forward'))  # [rows] nats
 
 
 @dataclasses.dataclass(frozen=True)

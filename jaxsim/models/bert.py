@@ -85,8 +85,7 @@ class BertConfig:
         """Builds a config from a Hugging Face config dict; unknown keys are ignored."""
         if "model_type" not in d:
             raise ConfigError("config has no 'model_type' (expected 'bert' or 'roberta')")
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
         if "vocab_size" not in kwargs:
             raise ConfigError("config has no 'vocab_size'")
         if kwargs.get("pad_token_id") is None:

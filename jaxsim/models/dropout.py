@@ -171,5 +171,4 @@ def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
     if rate >= 1.0:
         return jnp.zeros_like(x)
     keep_prob = 1.0 - rate
-    keep = keep_mask(key, x.shape, keep_prob)
-    return lax.select(keep, x / keep_prob, jnp.zeros_like(x))
+    return lax.select(keep_mask(key, x.shape, keep_prob), x / keep_prob, jnp.zeros_like(x))

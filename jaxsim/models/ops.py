@@ -198,7 +198,8 @@ def _dense_gelu_fwd(x, w, b):
 def _dense_gelu_bwd(residuals, g):
     x, w, d, b = residuals
     d, b = lax.optimization_barrier((d, b))  # recompute Phi here (see _bias_gelu_bwd)
-    dh = g.astype(jnp.float32) * _gelu_derivative(d + b)
+    h = d + b
+    dh = g.astype(jnp.float32) * _gelu_derivative(h)
     # The bias gradient sums the rounded gradient (float32 accumulation): the reduction reads
     # the bf16 copy the products read, instead of a float32 one written for it alone.
     dx, dw, db = _dense_bias_bwd((x, w), dh)
