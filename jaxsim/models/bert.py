@@ -119,6 +119,10 @@ class BertOutput(flax.struct.PyTreeNode):
     hidden_states: Tuple[jax.Array, ...]
     pooler_output: Optional[jax.Array]
 
+    @property
+    def last_hidden_state(self) -> jax.Array:
+        return self.hidden_states[-1]
+
 
 class DenseParams(nn.Module):
     """The kernel [in, features] and bias [features] of a dense layer, under flax Dense's names

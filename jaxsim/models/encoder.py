@@ -103,7 +103,8 @@ def mlm_logits(encoder: SentenceEncoder, params: Mapping, input_ids, attention_m
 
 def param_shapes(encoder: SentenceEncoder) -> dict:
     """The parameter tree of `encoder` as ShapeDtypeStructs (nothing allocated or compiled)."""
-    return jax.eval_shape(init_fn(encoder), jax.random.key(0))
+    ids = jnp.zeros((1, 2), jnp.int32)
+    return jax.eval_shape(lambda: encoder.init(jax.random.key(0), ids, ids))["params"]
 
 
 def check_params(encoder: SentenceEncoder, params: Mapping, source: str,
