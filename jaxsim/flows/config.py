@@ -30,14 +30,10 @@ class FlowError(JaxsimError):
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """One layer of a flow step: a `FLOW_LAYERS` name and its constructor options.
-
-    Attributes:
-      layer: registered layer name.
-      options: sorted (name, value) pairs of JSON scalars (hashable, so configs are too).
-    """
+    """One layer of a flow step: a `FLOW_LAYERS` name and its constructor options."""
 
     layer: str
+    # Sorted (name, value) pairs of JSON scalars (hashable, so configs are too).
     options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):

@@ -52,15 +52,10 @@ ACTNORM_REL_FLOOR = 1e-3
 
 
 class FlowOutput(flax.struct.PyTreeNode):
-    """Result of a bijector's forward pass; unpacks like a tuple: `z, logdet = out`.
+    """Result of a bijector's forward pass; unpacks like a tuple: `z, logdet = out`."""
 
-    Attributes:
-      z: [batch, dim] the transformed rows.
-      logdet: [batch] log|det dz/dx| of each row.
-    """
-
-    z: jax.Array
-    logdet: jax.Array
+    z: jax.Array  # [batch, dim] the transformed rows
+    logdet: jax.Array  # [batch] log|det dz/dx| of each row
 
     def __iter__(self) -> Iterator[jax.Array]:
         yield self.z

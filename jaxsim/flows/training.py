@@ -72,19 +72,12 @@ def _row_nll(model, params, x):
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """The jitted programs of a fit, for one config, size and mesh.
+    """The jitted programs of a fit, for one config, size and mesh."""
 
-    Attributes:
-      init: (key, x_init [rows, dim]) -> (params, opt_state).
-      step: (params, opt_state, batch [batch, dim]) -> (params, opt_state, mean NLL).
-      eval_nll: (params, x [rows, dim], mask [rows]) -> mean NLL of the unmasked rows.
-      state: ShapeDtypeStructs of (params, opt_state).
-    """
-
-    init: Callable
-    step: Callable
-    eval_nll: Callable
-    state: Any
+    init: Callable  # (key, x_init [rows, dim]) -> (params, opt_state)
+    step: Callable  # (params, opt_state, batch [batch, dim]) -> (params, opt_state, mean NLL)
+    eval_nll: Callable  # (params, x [rows, dim], mask [rows]) -> mean NLL of the unmasked rows
+    state: Any  # ShapeDtypeStructs of (params, opt_state)
 
 
 def compiled(config: FlowConfig, dim: int, mesh: Mesh) -> Programs:

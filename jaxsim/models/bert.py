@@ -108,13 +108,9 @@ class BertConfig:
 
 
 class BertOutput(flax.struct.PyTreeNode):
-    """Encoder outputs.
-
-    Attributes:
-      hidden_states: num_hidden_layers + 1 arrays [batch, len, hidden]; index 0 is the embedding
-        output, index -1 the last layer (Hugging Face's `output_hidden_states=True` convention).
-      pooler_output: [batch, hidden] dense+tanh over CLS, or None for a model without a pooler.
-    """
+    """Encoder outputs: num_hidden_layers + 1 `hidden_states` [batch, len, hidden] (index 0 the
+    embedding output, -1 the last layer: Hugging Face's `output_hidden_states=True` convention)
+    and the `pooler_output` [batch, hidden] (dense+tanh over CLS; None without a pooler)."""
 
     hidden_states: Tuple[jax.Array, ...]
     pooler_output: Optional[jax.Array]
