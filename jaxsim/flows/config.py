@@ -30,14 +30,10 @@ class FlowError(JaxsimError):
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """One layer of a flow step: a `FLOW_LAYERS` name and its constructor options.
-
-    Attributes:
-      layer: registered layer name.
-      options: sorted (name, value) pairs of JSON scalars (hashable, so configs are too).
-    """
+    """One layer of a flow step: a `FLOW_LAYERS` name and its constructor options."""
 
     layer: str
+    # Sorted (name, value) pairs of JSON scalars (hashable, so configs are too).
     options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
@@ -171,18 +167,15 @@ class FlowConfig:
         return f'{self.name} ({self.levels}x{self.depth} steps of {layers})'
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d['step'] = [s.to_dict() for s in self.step]
-        d['weight_decay_exclude'] = list(self.weight_decay_exclude)
-        return d
+        return {**dataclasses.asdict(self), 'step': [s.to_dict() for s in self.step],
+                'weight_decay_exclude': list(self.weight_decay_exclude)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> 'FlowConfig':
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise FlowError(f'FlowConfig: unknown field(s) {unknown}')
         d = dict(d)

@@ -55,16 +55,17 @@ def coupling_indices(dim: int, mask: str, flip: bool) -> tuple[np.ndarray, np.nd
     return (b, a) if flip else (a, b)
 
 
-class MlpNet(nn.Module):
-    """ReLU MLP whose last layer starts at zero.
-
-    Attributes:
-      width: hidden width; hidden_layers: Dense+ReLU layers; out_features: output size.
-    """
+class _Net(nn.Module):
+    """A coupling's network: `hidden_layers` hidden layers of `width` units, then `out_features`
+    outputs from a last layer that starts at zero."""
 
     width: int
     hidden_layers: int
     out_features: int
+
+
+class MlpNet(_Net):
+    """Dense+ReLU hidden layers."""
 
     @nn.compact
     def __call__(self, h: jax.Array) -> jax.Array:
@@ -73,17 +74,9 @@ class MlpNet(nn.Module):
         return nn.Dense(self.out_features, kernel_init=nn.initializers.zeros)(h)
 
 
-class GlowNet(nn.Module):
-    """BERT-flow's coupling network on vectors (see the module docstring).
-
-    Attributes:
-      width: hidden width (the config's coupling_width); hidden_layers: conv+actnorm+ReLU
-        blocks (2 in BERT-flow); out_features: output size.
-    """
-
-    width: int
-    hidden_layers: int
-    out_features: int
+class GlowNet(_Net):
+    """BERT-flow's coupling network on vectors: conv+actnorm+ReLU hidden blocks (2 in BERT-flow;
+    see the module docstring)."""
 
     @nn.compact
     def __call__(self, h: jax.Array) -> jax.Array:
@@ -119,30 +112,29 @@ class _Coupling(nn.Module):
         return len(coupling_indices(self.features, self.mask, self.flip)[1])
 
     def _split(self, x):
-        """x [batch, dim] -> (a [batch, n_a], b [batch, n_b], merge info)."""
-        d, h = self.features, self.features // 2
+        """x [batch, dim] -> (a [batch, n_a], b [batch, n_b])."""
         # Slices and reshapes instead of gathers: a gather's gradient is a scatter, slow on CPU.
         if self.mask == 'half':
+            h = self.features // 2
             a, b = x[:, :h], x[:, h:]
-            return (b, a, 'half_flip') if self.flip else (a, b, 'half')
-        if d % 2 == 0:
-            pairs = x.reshape(x.shape[0], h, 2)  # [batch, dim/2, (even, odd)]
+        elif self.features % 2 == 0:
+            pairs = x.reshape(x.shape[0], -1, 2)  # [batch, dim/2, (even, odd)]
             a, b = pairs[..., 0], pairs[..., 1]
-            return (b, a, 'pairs_flip') if self.flip else (a, b, 'pairs')
-        a_idx, b_idx = coupling_indices(d, self.mask, self.flip)
-        # inv puts the concatenation [a, b] back into channel order.
-        inv = np.argsort(np.concatenate([a_idx, b_idx]))
-        return x[:, a_idx], x[:, b_idx], inv
+        else:
+            a_idx, b_idx = coupling_indices(self.features, self.mask, False)
+            a, b = x[:, a_idx], x[:, b_idx]
+        return (b, a) if self.flip else (a, b)
 
-    @staticmethod
-    def _merge(a, b, how):
-        if isinstance(how, str):
-            if how.endswith('_flip'):
-                a, b = b, a
-            if how.startswith('half'):
-                return jnp.concatenate([a, b], axis=-1)
+    def _merge(self, a, b):
+        """The inverse of `_split`."""
+        if self.flip:
+            a, b = b, a
+        if self.mask == 'half':
+            return jnp.concatenate([a, b], axis=-1)
+        if self.features % 2 == 0:
             return jnp.stack([a, b], axis=-1).reshape(a.shape[0], -1)
-        return jnp.concatenate([a, b], axis=-1)[:, how]
+        order = np.concatenate(coupling_indices(self.features, self.mask, False))
+        return jnp.concatenate([a, b], axis=-1)[:, np.argsort(order)]  # [a, b] in channel order
 
 
 @FLOW_LAYERS.register('additive_coupling')
@@ -159,13 +151,13 @@ class AdditiveCoupling(_Coupling):
 
     def forward(self, x: jax.Array) -> FlowOutput:
         """x: [batch, dim] -> FlowOutput(z [batch, dim], logdet [batch] = 0)."""
-        a, b, how = self._split(x)
-        return FlowOutput(self._merge(a, b + self.shift_net(a), how), constant_logdet(x, 0.0))
+        a, b = self._split(x)
+        return FlowOutput(self._merge(a, b + self.shift_net(a)), constant_logdet(x, 0.0))
 
     def inverse(self, z: jax.Array) -> jax.Array:
         """z: [batch, dim] -> x [batch, dim]."""
-        a, b, how = self._split(z)
-        return self._merge(a, b - self.shift_net(a), how)
+        a, b = self._split(z)
+        return self._merge(a, b - self.shift_net(a))
 
 
 @FLOW_LAYERS.register('affine_coupling')
@@ -200,17 +192,14 @@ class AffineCoupling(_Coupling):
 
     def forward(self, x: jax.Array) -> FlowOutput:
         """x: [batch, dim] -> FlowOutput(z [batch, dim], logdet [batch])."""
-        a, b, how = self._split(x)
+        a, b = self._split(x)
         log_s, t = self._log_scale_shift(a)
         zb = (b + t) * jnp.exp(log_s) if self.scale == 'sigmoid' else b * jnp.exp(log_s) + t
-        return FlowOutput(self._merge(a, zb, how), jnp.sum(log_s, axis=-1))
+        return FlowOutput(self._merge(a, zb), jnp.sum(log_s, axis=-1))
 
     def inverse(self, z: jax.Array) -> jax.Array:
         """z: [batch, dim] -> x [batch, dim]."""
-        a, b, how = self._split(z)
+        a, b = self._split(z)
         log_s, t = self._log_scale_shift(a)
-        if self.scale == 'sigmoid':
-            xb = b * jnp.exp(-log_s) - t
-        else:
-            xb = (b - t) * jnp.exp(-log_s)
-        return self._merge(a, xb, how)
+        xb = b * jnp.exp(-log_s) - t if self.scale == 'sigmoid' else (b - t) * jnp.exp(-log_s)
+        return self._merge(a, xb)

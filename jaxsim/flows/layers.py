@@ -52,15 +52,10 @@ ACTNORM_REL_FLOOR = 1e-3
 
 
 class FlowOutput(flax.struct.PyTreeNode):
-    """Result of a bijector's forward pass; unpacks like a tuple: `z, logdet = out`.
+    """Result of a bijector's forward pass; unpacks like a tuple: `z, logdet = out`."""
 
-    Attributes:
-      z: [batch, dim] the transformed rows.
-      logdet: [batch] log|det dz/dx| of each row.
-    """
-
-    z: jax.Array
-    logdet: jax.Array
+    z: jax.Array  # [batch, dim] the transformed rows
+    logdet: jax.Array  # [batch] log|det dz/dx| of each row
 
     def __iter__(self) -> Iterator[jax.Array]:
         yield self.z
@@ -77,20 +72,10 @@ def tf_default_uniform(fan_out: int):
 
     `tf.get_variable` without an initializer draws U(-l, l) with l = sqrt(6 / (fan_in +
     fan_out)); for Glow's (1, 1, 1, C) actnorm variables fan_in = 1 and fan_out = C. Drawn on
-    the host (see `host_normal`).
+    the host (see `_host_init`).
     """
     limit = math.sqrt(6.0 / (1 + fan_out))
-
-    def init(key, shape, dtype=jnp.float32):
-        del dtype
-
-        def host(kd):
-            return _host_rng(kd).uniform(-limit, limit, shape).astype(np.float32)
-
-        return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, jnp.float32),
-                                 jax.random.key_data(key))
-
-    return init
+    return _host_init(lambda rng, shape: rng.uniform(-limit, limit, shape))
 
 
 ACTNORM_INITS = ('data', 'zeros', 'tf_default')
@@ -142,9 +127,7 @@ class ActNorm(nn.Module):
     def inverse(self, z: jax.Array) -> jax.Array:
         """z: [batch, dim] -> x [batch, dim]."""
         s = self.logscale_factor * self.logs
-        if self.bias == 'input':
-            return z * jnp.exp(-s) - self.b
-        return (z - self.b) * jnp.exp(-s)
+        return z * jnp.exp(-s) - self.b if self.bias == 'input' else (z - self.b) * jnp.exp(-s)
 
     def init_from_batch(self, x: jax.Array) -> FlowOutput:
         """Sets b/logs so this batch comes out zero-mean, unit-variance per channel.
@@ -182,9 +165,6 @@ class Reverse(nn.Module):
 
     This is what BERT-flow's `invertible_1x1_conv(permutation=True)` executes (its configs all
     set "permutation": true): a non-trainable 1x1 conv whose kernel is the anti-identity.
-
-    Attributes:
-      features: number of channels `dim`.
     """
 
     features: int
@@ -200,11 +180,7 @@ class Reverse(nn.Module):
 
 @FLOW_LAYERS.register('linear')
 class InvertibleLinear(nn.Module):
-    """z = x @ W with a dense invertible W (Glow's 1x1 conv on a 1x1 image); O(D^3) logdet.
-
-    Attributes:
-      features: number of channels `dim`.
-    """
+    """z = x @ W with a dense invertible W (Glow's 1x1 conv on a 1x1 image); O(D^3) logdet."""
 
     features: int
 
@@ -224,8 +200,8 @@ class InvertibleLinear(nn.Module):
 
 
 def single_threaded_blas():
-    """Limits host BLAS to one thread: on a busy machine OpenBLAS's thread pool makes a 384x384
-    QR 50x slower (seconds instead of milliseconds). No-op without threadpoolctl."""
+    """Limits host BLAS to one thread (its pool slows a small QR on a busy machine; figures in
+    docs/performance.md). No-op without threadpoolctl."""
     try:
         import threadpoolctl
     except ImportError:
@@ -237,50 +213,46 @@ def _host_rng(key_data) -> np.random.Generator:
     return np.random.default_rng(np.asarray(key_data).astype(np.uint64))
 
 
-def _host_rotation(key_data: np.ndarray, features: int) -> np.ndarray:
-    """A Haar-random rotation [features, features] drawn on the host from raw key data."""
-    with single_threaded_blas():
-        q, r = np.linalg.qr(_host_rng(key_data).standard_normal((features, features)))
-    return q * np.sign(np.diag(r))
-
-
-def _random_rotation(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
-    """Initializer: a random rotation computed with NumPy through `pure_callback`.
-
-    XLA needs seconds to compile a QR (and an LU) per layer on CPU; on the host it is
-    milliseconds, which keeps flow fitting cheap next to encoding.
-    """
-    del dtype
-    return jax.pure_callback(
-        lambda kd: _host_rotation(kd, shape[0]).astype(np.float32),
-        jax.ShapeDtypeStruct(shape, jnp.float32), jax.random.key_data(key))
-
-
-def host_normal(stddev: float | None = None):
-    """Initializer: N(0, stddev^2) drawn on the host (default stddev 1/sqrt(fan_in)).
-
-    Host-side for the same reason as `_random_rotation`: no per-layer RNG kernels to compile.
-    """
+def _host_init(draw):
+    """Initializer computing `draw(generator, shape)` with NumPy through `pure_callback`, as
+    float32: nothing per layer for XLA to compile (docs/performance.md, flow fit)."""
 
     def init(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
         del dtype
-        std = stddev if stddev is not None else 1.0 / math.sqrt(shape[0])
-
-        def host(kd):
-            return (_host_rng(kd).standard_normal(shape) * std).astype(np.float32)
-
-        return jax.pure_callback(host, jax.ShapeDtypeStruct(shape, jnp.float32),
+        return jax.pure_callback(lambda kd: draw(_host_rng(kd), shape).astype(np.float32),
+                                 jax.ShapeDtypeStruct(shape, jnp.float32),
                                  jax.random.key_data(key))
 
     return init
+
+
+def _host_rotation(rng: np.random.Generator, features: int) -> np.ndarray:
+    """A Haar-random rotation [features, features] drawn on the host."""
+    with single_threaded_blas():
+        q, r = np.linalg.qr(rng.standard_normal((features, features)))
+    return q * np.sign(np.diag(r))
+
+
+# Initializer: a random rotation (invertible, logdet 0).
+_random_rotation = _host_init(lambda rng, shape: _host_rotation(rng, shape[0]))
+
+
+def host_normal(stddev: float | None = None):
+    """Initializer: N(0, stddev^2) drawn on the host (default stddev 1/sqrt(fan_in))."""
+
+    def draw(rng: np.random.Generator, shape) -> np.ndarray:
+        return rng.standard_normal(shape) * (stddev if stddev is not None
+                                             else 1.0 / math.sqrt(shape[0]))
+
+    return _host_init(draw)
 
 
 def _lu_init(key: jax.Array, features: int) -> dict[str, jax.Array]:
     """LU parameters of a random rotation: W = P L (U + diag(sign * exp(log_s)))."""
 
     def host(key_data):
-        w = _host_rotation(key_data, features)
-        import scipy.linalg  # on first use: ~0.15 s of every command's start-up otherwise
+        w = _host_rotation(_host_rng(key_data), features)
+        import scipy.linalg  # on first use, not at every command's start-up
         with single_threaded_blas():
             p, lower, u = scipy.linalg.lu(w)
         s = np.diag(u)
@@ -293,11 +265,10 @@ def _lu_init(key: jax.Array, features: int) -> dict[str, jax.Array]:
         }
         return {k: v.astype(np.float32) for k, v in out.items()}
 
-    mat, vec = (features, features), (features,)
-    shapes = {'perm': mat, 'lower': mat, 'upper': mat, 'log_s': vec, 'sign_s': vec}
-    return jax.pure_callback(
-        host, {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in shapes.items()},
-        jax.random.key_data(key))
+    mat = jax.ShapeDtypeStruct((features, features), jnp.float32)
+    vec = jax.ShapeDtypeStruct((features,), jnp.float32)
+    return jax.pure_callback(host, {'perm': mat, 'lower': mat, 'upper': mat, 'log_s': vec,
+                                    'sign_s': vec}, jax.random.key_data(key))
 
 
 @FLOW_LAYERS.register('linear_lu')
@@ -306,9 +277,6 @@ class InvertibleLinearLU(nn.Module):
 
     The permutation and the signs of the diagonal are fixed at init; they sit in the params tree
     (so they are saved) behind `stop_gradient`, so the optimizer never moves them.
-
-    Attributes:
-      features: number of channels `dim`.
     """
 
     features: int
@@ -317,10 +285,9 @@ class InvertibleLinearLU(nn.Module):
         self.lu = self.param('lu', _lu_init, self.features)
 
     def _factors(self):
-        d = self.features
         perm = jax.lax.stop_gradient(self.lu['perm'])
         sign_s = jax.lax.stop_gradient(self.lu['sign_s'])
-        eye = jnp.eye(d, dtype=jnp.float32)
+        eye = jnp.eye(self.features, dtype=jnp.float32)
         lower = jnp.tril(self.lu['lower'], -1) + eye  # unit lower triangular
         upper = jnp.triu(self.lu['upper'], 1) + jnp.diag(sign_s * jnp.exp(self.lu['log_s']))
         return perm, lower, upper

@@ -20,12 +20,8 @@ def step_keys(config: FlowConfig) -> list[str]:
 
 
 class Step(nn.Module):
-    """One flow step: the config's `step` layers applied in order on `features` channels.
-
-    Attributes:
-      config: the flow config.
-      features: channels at this level.
-    """
+    """One flow step: the config's `step` layers applied in order on `features` channels (those
+    of its level)."""
 
     config: FlowConfig
     features: int
@@ -38,10 +34,8 @@ class Step(nn.Module):
         logdet = jnp.zeros(x.shape[:1], jnp.float32)
         for key in step_keys(self.config):
             layer = self.layers[key]
-            if init and hasattr(layer, 'init_from_batch'):
-                x, ld = layer.init_from_batch(x)
-            else:
-                x, ld = layer.forward(x)
+            init_here = init and hasattr(layer, 'init_from_batch')
+            x, ld = layer.init_from_batch(x) if init_here else layer.forward(x)
             logdet = logdet + jnp.broadcast_to(ld, x.shape[:1])
         return FlowOutput(x, logdet)
 

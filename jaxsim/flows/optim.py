@@ -68,18 +68,16 @@ def make_optimizer(config: FlowConfig, mask: Any = None) -> optax.GradientTransf
     parts = []
     if config.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(config.clip_norm))
-    if config.optimizer == 'bert_adamw':
-        parts.append(scale_by_adam_no_bias_correction(eps=config.adam_eps))
-    else:
-        parts.append(optax.scale_by_adam(eps=config.adam_eps))
+    adam = (scale_by_adam_no_bias_correction if config.optimizer == 'bert_adamw'
+            else optax.scale_by_adam)
+    parts.append(adam(eps=config.adam_eps))
     if config.weight_decay > 0:
-        exclude = config.weight_decay_exclude
         if mask is not None:  # elementwise rate: decay * 1 where it applies, * 0 elsewhere
             # NumPy, not jnp: building the optimizer must not run (and compile) device ops.
             parts.append(optax.add_decayed_weights(
                 config.weight_decay * np.asarray(mask, np.float32)))
         else:
             parts.append(optax.add_decayed_weights(
-                config.weight_decay, mask=lambda p: decay_mask(p, exclude)))
+                config.weight_decay, mask=lambda p: decay_mask(p, config.weight_decay_exclude)))
     parts.append(optax.scale(-config.learning_rate))
     return optax.chain(*parts)

@@ -15,15 +15,8 @@ def standard_normal_logprob(z: jax.Array) -> jax.Array:
 
 
 def nll_nats(z: jax.Array, logdet: jax.Array) -> jax.Array:
-    """-log p(x) = -(log p_Z(z) + log|det dz/dx|) per row, in nats.
-
-    Args:
-      z: [batch, dim] latents f(x).
-      logdet: [batch] log|det dz/dx|.
-
-    Returns:
-      [batch] negative log-likelihood in nats.
-    """
+    """-log p(x) = -(log p_Z(z) + log|det dz/dx|) per row, in nats: latents z = f(x)
+    [batch, dim] and logdet [batch] -> [batch]."""
     return -(standard_normal_logprob(z) + logdet)
 
 

@@ -11,6 +11,7 @@ dropout-noise keys) derives from one explicit PRNG key.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import math
@@ -66,27 +67,17 @@ class FitResult:
 
 
 def _row_nll(model, params, x):
-    z, logdet = model.apply({'params': params}, x, method='forward')
-    return nll_nats(z, logdet)  # [rows] nats
+    return nll_nats(*model.apply({'params': params}, x, method='forward'))  # [rows] nats
 
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """The jitted programs of a fit, for one config, size and mesh.
+    """The jitted programs of a fit, for one config, size and mesh."""
 
-    Attributes:
-      flat: the params tree <-> flat vector map.
-      init: (key, x_init [rows, dim]) -> (params, opt_state).
-      step: (params, opt_state, batch [batch, dim]) -> (params, opt_state, mean NLL).
-      eval_nll: (params, x [rows, dim], mask [rows]) -> mean NLL of the unmasked rows.
-      state: ShapeDtypeStructs of (params, opt_state).
-    """
-
-    flat: 'FlatParams'
-    init: Callable
-    step: Callable
-    eval_nll: Callable
-    state: Any
+    init: Callable  # (key, x_init [rows, dim]) -> (params, opt_state)
+    step: Callable  # (params, opt_state, batch [batch, dim]) -> (params, opt_state, mean NLL)
+    eval_nll: Callable  # (params, x [rows, dim], mask [rows]) -> mean NLL of the unmasked rows
+    state: Any  # ShapeDtypeStructs of (params, opt_state)
 
 
 def compiled(config: FlowConfig, dim: int, mesh: Mesh) -> Programs:
@@ -99,13 +90,8 @@ def compiled(config: FlowConfig, dim: int, mesh: Mesh) -> Programs:
 
 
 class FlatParams:
-    """The params tree <-> one flat float32 vector.
-
-    The optimizer runs on the flat vector: one clip/Adam/decay chain instead of one per leaf (a
-    flow has ~100 small leaves), which cuts the fit's compile time by a third. The model itself
-    takes the tree (slicing params out of a vector inside the forward pass triples the compile
-    time of the evaluation).
-    """
+    """The params tree <-> one flat float32 vector: the optimizer runs on the vector (one
+    clip/Adam/decay chain, not one per leaf), the model on the tree (docs/performance.md)."""
 
     def __init__(self, abstract: Any):
         self.leaves, self.treedef = jax.tree.flatten(abstract)
@@ -125,12 +111,12 @@ class FlatParams:
 @functools.lru_cache(maxsize=16)
 def _compiled(config: FlowConfig, dim: int, mesh: Mesh):
     model = make_flow(config, dim)
-    flat = FlatParams(jax.eval_shape(lambda: model.init(
-        jax.random.key(0), jnp.zeros((1, dim), jnp.float32), method='forward'))['params'])
-    mask = decay_mask(jax.tree.unflatten(flat.treedef, [0] * len(flat.leaves)),
-                      config.weight_decay_exclude)
-    flat_mask = np.concatenate([np.full(n, m) for n, m in zip(flat.sizes, jax.tree.leaves(mask))])
-    tx = make_optimizer(config, mask=flat_mask)
+    abstract = jax.eval_shape(lambda: model.init(
+        jax.random.key(0), jnp.zeros((1, dim), jnp.float32), method='forward'))['params']
+    flat = FlatParams(abstract)
+    mask = jax.tree.leaves(decay_mask(abstract, config.weight_decay_exclude))
+    tx = make_optimizer(config, mask=np.concatenate([np.full(n, m)
+                                                     for n, m in zip(flat.sizes, mask)]))
     rep = NamedSharding(mesh, PartitionSpec())
     rows = sharding.batch_sharding(mesh, 2)  # [batch, dim]: batch over the data axes
     per_row = (1.0 / (dim * math.log(2.0))) if config.objective == 'bits_per_dim' else 1.0
@@ -162,11 +148,9 @@ def _compiled(config: FlowConfig, dim: int, mesh: Mesh):
     devices = list(mesh.devices.flat)
     light = compile_options.for_effort(devices, 'light')
     once = compile_options.for_effort(devices, 'none')
-    abstract = jax.tree.unflatten(flat.treedef, flat.leaves)
     state = (abstract, jax.eval_shape(tx.init, jax.ShapeDtypeStruct((sum(flat.sizes),),
                                                                    jnp.float32)))
     return Programs(
-        flat=flat,
         init=jax.jit(init, out_shardings=rep, compiler_options=once),
         step=jax.jit(train_step, in_shardings=(rep, rep, rows), out_shardings=rep,
                      compiler_options=light),
@@ -195,15 +179,11 @@ def _run_once(calls: list[tuple[Callable, tuple]]) -> None:
         jax.block_until_ready(fn(*args))
 
 
-def _padded_rows(n: int) -> int:
-    return -(-n // _EVAL_ROWS) * _EVAL_ROWS
-
-
 def _padded(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [n, dim] with zero rows up to a multiple of _EVAL_ROWS, and the mask of its rows."""
     n = x.shape[0]
-    total = _padded_rows(n)
-    mask = np.arange(total) < n
-    return np.concatenate([x, np.zeros((total - n, x.shape[1]), x.dtype)]), mask
+    total = -(-n // _EVAL_ROWS) * _EVAL_ROWS
+    return np.concatenate([x, np.zeros((total - n, x.shape[1]), x.dtype)]), np.arange(total) < n
 
 
 def _plan(n: int, config: FlowConfig, shards: int) -> tuple[int, int, int, str]:
@@ -265,10 +245,8 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
     warm_ups = [(programs.step, (*_zeros(programs.state, mesh),
                                  np.zeros((batch, dim), np.float32)))]
     if num_val:
-        rows = _padded_rows(num_val)
         warm_ups.append((programs.eval_nll, (_zeros(programs.state[0], mesh),
-                                             np.zeros((rows, dim), np.float32),
-                                             np.zeros(rows, bool))))
+                                             *_padded(np.zeros((num_val, dim), np.float32)))))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         warm = pool.submit(_run_once, warm_ups)
         split_key, init_key, param_key, shuffle_key, noise_key = jax.random.split(key, 5)
@@ -294,7 +272,7 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
     # Without held-out rows the first step's NLL (taken before its update) is the NLL at
     # initialisation: no evaluation program to compile for a fit that never evaluates.
     init_nll = float(programs.eval_nll(params, eval_x, eval_mask)) if num_val else None
-    if init_nll is not None and not math.isfinite(init_nll):
+    if init_nll is not None:  # at its own start it can only be non-finite
         check_not_diverged(init_nll, init_nll, x, config, 'at initialisation')
 
     evals = {min(steps, round((i + 1) * steps / config.evals_per_epoch))
@@ -304,8 +282,7 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
     stopped_early, bad_evals, step = False, 0, 0
     bar = progress_bar(config.max_epochs * steps, 'flow fit', unit='step', enable=progress,
                        leave=False)
-    tb = optional_writer(tb_dir)
-    try:
+    with bar, optional_writer(tb_dir) or contextlib.nullcontext() as tb:
         for epoch in range(config.max_epochs):
             if epoch:
                 train_x = epoch_rows(epoch)
@@ -319,8 +296,7 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
                 bar.update(1)
                 if init_nll is None:
                     init_nll = float(nll)
-                    if not math.isfinite(init_nll):
-                        check_not_diverged(init_nll, init_nll, x, config, 'at initialisation')
+                    check_not_diverged(init_nll, init_nll, x, config, 'at initialisation')
                 if k + 1 not in evals:
                     continue
                 train_nll = float(np.mean(jax.device_get(nlls)))
@@ -349,9 +325,5 @@ def fit_flow(x: Any, config: FlowConfig, key: jax.Array, *, embed: Optional[Embe
                         break
             if stopped_early:
                 break
-    finally:
-        bar.close()
-        if tb is not None:
-            tb.close()
     return FitResult(params=jax.device_get(best[1]), history=history, best_step=best[2],
                      stopped_early=stopped_early, init_nll=init_nll, note=note)

@@ -7,8 +7,7 @@ return float32. Their VJPs take the float32 cotangent in the operands' dtype, as
 where JAX's own transpose multiplied the float32 cotangent with operands converted to float32
 (float32 copies of q, k, v and the probabilities, and slower dot kernels on XLA:CPU).
 
-Written for XLA:CPU, these VJPs run on every backend: on TPU they neither add nor remove HBM
-traffic and add no collectives (see `jaxsim.models.ops`; figures in docs/performance.md).
+The CPU form of attention (`jaxsim.models.kernels`); figures in docs/performance.md.
 """
 from __future__ import annotations
 
@@ -58,9 +57,6 @@ def _attention_scores_fwd(q, k):
 
 
 def _attention_scores_bwd(residuals, g):
-    # As matmul's VJP: the float32 cotangent in the operands' dtype keeps both gradient products
-    # bf16 x bf16 -> float32 under bf16 compute, where JAX's own transpose multiplies it with
-    # the operand converted to float32 (copies of q and k in float32, slower dot kernels).
     q, k = residuals
     g = g.astype(q.dtype)
     return _batched(g, k, 3, 2).astype(q.dtype), _batched(g, q, 2, 2).astype(k.dtype)

@@ -74,22 +74,18 @@ class BertConfig:
         return self.hidden_size // self.num_attention_heads
 
     @property
-    def position_offset(self) -> int:
-        """RoBERTa counts positions from pad_token_id + 1; BERT from 0."""
-        return self.pad_token_id + 1 if self.model_type == "roberta" else 0
-
-    @property
     def max_length(self) -> int:
-        """Longest token sequence the position table allows."""
-        return self.max_position_embeddings - self.position_offset
+        """Longest token sequence the position table allows (RoBERTa counts positions from
+        pad_token_id + 1; BERT from 0)."""
+        offset = self.pad_token_id + 1 if self.model_type == "roberta" else 0
+        return self.max_position_embeddings - offset
 
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> "BertConfig":
         """Builds a config from a Hugging Face config dict; unknown keys are ignored."""
         if "model_type" not in d:
             raise ConfigError("config has no 'model_type' (expected 'bert' or 'roberta')")
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
         if "vocab_size" not in kwargs:
             raise ConfigError("config has no 'vocab_size'")
         if kwargs.get("pad_token_id") is None:
@@ -106,21 +102,15 @@ class BertConfig:
 
     def to_hf_dict(self) -> dict:
         """The Hugging Face `config.json` content for this architecture."""
-        d = dataclasses.asdict(self)
         arch = "RobertaModel" if self.model_type == "roberta" else "BertModel"
-        d.update(architectures=[arch], position_embedding_type="absolute",
-                 initializer_range=0.02, layer_norm_eps=self.layer_norm_eps)
-        return d
+        return {**dataclasses.asdict(self), "architectures": [arch],
+                "position_embedding_type": "absolute", "initializer_range": 0.02}
 
 
 class BertOutput(flax.struct.PyTreeNode):
-    """Encoder outputs.
-
-    Attributes:
-      hidden_states: num_hidden_layers + 1 arrays [batch, len, hidden]; index 0 is the embedding
-        output, index -1 the last layer (Hugging Face's `output_hidden_states=True` convention).
-      pooler_output: [batch, hidden] dense+tanh over CLS, or None for a model without a pooler.
-    """
+    """Encoder outputs: num_hidden_layers + 1 `hidden_states` [batch, len, hidden] (index 0 the
+    embedding output, -1 the last layer: Hugging Face's `output_hidden_states=True` convention)
+    and the `pooler_output` [batch, hidden] (dense+tanh over CLS; None without a pooler)."""
 
     hidden_states: Tuple[jax.Array, ...]
     pooler_output: Optional[jax.Array]
@@ -128,17 +118,6 @@ class BertOutput(flax.struct.PyTreeNode):
     @property
     def last_hidden_state(self) -> jax.Array:
         return self.hidden_states[-1]
-
-
-# The name tests and callers know for flax Dense's bf16 contraction.
-_mixed_precision_dot_general = ops.mixed_precision_dot_general
-
-
-def _dense(features: int, dtype, name: str) -> nn.Dense:
-    low_precision = jnp.dtype(dtype) != jnp.float32
-    return nn.Dense(features, dtype=dtype, param_dtype=jnp.float32,
-                    dot_general=_mixed_precision_dot_general if low_precision else None,
-                    kernel_init=nn.initializers.normal(0.02), name=name)
 
 
 class DenseParams(nn.Module):
@@ -177,6 +156,14 @@ def position_ids_for(config: BertConfig, input_ids: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
 
 
+class _Part(nn.Module):
+    """The fields every part of the encoder takes: architecture, compute dtype, kernel form."""
+
+    config: BertConfig
+    dtype: Any = jnp.float32
+    kernels: str = "auto"  # see jaxsim.models.kernels
+
+
 class RowCastEmbed(nn.Embed):
     """`nn.Embed` that gathers the rows from the float32 table and casts only those to the
     compute dtype. `nn.Embed` casts the whole table first: under bf16 a [vocab, hidden] read and
@@ -192,17 +179,13 @@ class RowCastEmbed(nn.Embed):
         return rows.astype(self.dtype)
 
 
-class BertEmbeddings(nn.Module):
-    config: BertConfig
-    dtype: Any = jnp.float32
-
+class BertEmbeddings(_Part):
     @nn.compact
     def __call__(self, input_ids, token_type_ids, deterministic: bool, position_ids=None):
         cfg = self.config
-        init = nn.initializers.normal(0.02)
 
         def embed(n, size):
-            return RowCastEmbed(size, cfg.hidden_size, embedding_init=init,
+            return RowCastEmbed(size, cfg.hidden_size, embedding_init=nn.initializers.normal(0.02),
                                 param_dtype=jnp.float32, dtype=self.dtype, name=n)
 
         if position_ids is None:
@@ -214,11 +197,7 @@ class BertEmbeddings(nn.Module):
         return _dropout(self, x, cfg.hidden_dropout_prob, deterministic)
 
 
-class BertSelfAttention(nn.Module):
-    config: BertConfig
-    dtype: Any = jnp.float32
-    kernels: str = "auto"  # see jaxsim.models.kernels
-
+class BertSelfAttention(_Part):
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
         cfg = self.config
@@ -275,12 +254,8 @@ class BertSelfAttention(nn.Module):
         return out.reshape(batch, length, cfg.hidden_size)
 
 
-class BertResidualOutput(nn.Module):
+class BertResidualOutput(_Part):
     """dense -> dropout -> LayerNorm(x + residual): HF's `BertSelfOutput` and `BertOutput`."""
-
-    config: BertConfig
-    dtype: Any = jnp.float32
-    kernels: str = "auto"  # see jaxsim.models.kernels
 
     @nn.compact
     def __call__(self, x, residual, deterministic: bool):
@@ -290,11 +265,7 @@ class BertResidualOutput(nn.Module):
         return _layer_norm(self.config, self.dtype)(x + residual)
 
 
-class BertAttention(nn.Module):
-    config: BertConfig
-    dtype: Any = jnp.float32
-    kernels: str = "auto"  # see jaxsim.models.kernels
-
+class BertAttention(_Part):
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
         attended = BertSelfAttention(self.config, self.dtype, self.kernels, name="self")(
@@ -303,11 +274,7 @@ class BertAttention(nn.Module):
             attended, x, deterministic)
 
 
-class BertIntermediate(nn.Module):
-    config: BertConfig
-    dtype: Any = jnp.float32
-    kernels: str = "auto"  # see jaxsim.models.kernels
-
+class BertIntermediate(_Part):
     @nn.compact
     def __call__(self, x):
         kernel, bias = DenseParams(self.config.intermediate_size, name="dense")(x.shape[-1])
@@ -317,11 +284,7 @@ class BertIntermediate(nn.Module):
         return _ACTIVATIONS[self.config.hidden_act](d + bias.astype(d.dtype))
 
 
-class BertLayer(nn.Module):
-    config: BertConfig
-    dtype: Any = jnp.float32
-    kernels: str = "auto"  # see jaxsim.models.kernels
-
+class BertLayer(_Part):
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
         x = BertAttention(self.config, self.dtype, self.kernels, name="attention")(
@@ -354,11 +317,8 @@ def remat_layer(remat: str) -> type:
     return nn.remat(BertLayer, static_argnums=(3,), policy=REMAT_POLICIES[remat])
 
 
-class BertEncoder(nn.Module):
-    config: BertConfig
-    dtype: Any = jnp.float32
+class BertEncoder(_Part):
     remat: str = "none"
-    kernels: str = "auto"
 
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
@@ -371,15 +331,16 @@ class BertEncoder(nn.Module):
         return tuple(states)
 
 
-class BertPooler(nn.Module):
+class BertPooler(_Part):
     """dense + tanh over the first ([CLS]) token."""
-
-    config: BertConfig
-    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, last_hidden):
-        return jnp.tanh(_dense(self.config.hidden_size, self.dtype, "dense")(last_hidden[:, 0]))
+        low_precision = jnp.dtype(self.dtype) != jnp.float32
+        dense = nn.Dense(self.config.hidden_size, dtype=self.dtype, param_dtype=jnp.float32,
+                         dot_general=ops.mixed_precision_dot_general if low_precision else None,
+                         kernel_init=nn.initializers.normal(0.02), name="dense")
+        return jnp.tanh(dense(last_hidden[:, 0]))
 
 
 class BertModel(nn.Module):
@@ -429,12 +390,10 @@ class BertModel(nn.Module):
                 input_ids, token_type_ids)), deterministic, position_ids=packed.gather_packed(
                     position_ids_for(self.config, input_ids), pack_index))
             attention_bias = packed.packed_attention_bias(pack_index, input_ids.shape[1])
-        states = BertEncoder(self.config, self.dtype, self.remat, self.kernels, name="encoder")(
+        states = BertEncoder(self.config, self.dtype, self.kernels, self.remat, name="encoder")(
             x, attention_bias, deterministic)
         if packing is not None:
-            shards = pack_index.shape[0]
-            states = tuple(packed.unpack(h, unpack_index, shards) for h in states)
-        pooled = None
-        if self.add_pooler:
-            pooled = BertPooler(self.config, self.dtype, name="pooler")(states[-1])
+            states = tuple(packed.unpack(h, unpack_index, pack_index.shape[0]) for h in states)
+        pooled = (BertPooler(self.config, self.dtype, name="pooler")(states[-1])
+                  if self.add_pooler else None)
         return BertOutput(hidden_states=states, pooler_output=pooled)

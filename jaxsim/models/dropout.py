@@ -86,11 +86,10 @@ def _hash(data: jax.Array, counter: jax.Array) -> tuple[jax.Array, jax.Array]:
                                               counter)
 
 
-def _pick_word(low: jax.Array, high: jax.Array, part: jax.Array) -> jax.Array:
-    return jnp.where(part == 0, low, high)
-
-
-def _pick_half(low: jax.Array, high: jax.Array, part: jax.Array) -> jax.Array:
+def _pick(low: jax.Array, high: jax.Array, part: jax.Array, words: int) -> jax.Array:
+    """Each element's share of its hash: a whole word (2 parts) or a 16-bit half (4 parts)."""
+    if words == 2:
+        return jnp.where(part == 0, low, high)
     word = jnp.where(part < 2, low, high)
     return (word >> ((part & np.uint32(1)) * np.uint32(16))) & np.uint32(0xFFFF)
 
@@ -103,8 +102,7 @@ def word_bits_broadcast(data: jax.Array, shape: tuple[int, ...], words: int) -> 
     counter = _row_shifted(_flat_index(counter_shape), math.prod(counter_shape[1:]))
     low, high = _hash(data, counter)
     part = lax.broadcasted_iota(jnp.uint32, (*lead, words, last // words), len(lead))
-    pick = _pick_word if words == 2 else _pick_half
-    return pick(low, high, part).reshape(shape)
+    return _pick(low, high, part, words).reshape(shape)
 
 
 def word_bits_elementwise(data: jax.Array, shape: tuple[int, ...], words: int) -> jax.Array:
@@ -114,7 +112,7 @@ def word_bits_elementwise(data: jax.Array, shape: tuple[int, ...], words: int) -
     holds the TPU compile to that)."""
     counter, part = _word_counters(tuple(shape), words)
     low, high = _hash(data, counter)
-    return (_pick_word if words == 2 else _pick_half)(low, high, part)
+    return _pick(low, high, part, words)
 
 
 def _word_bits(data: jax.Array, shape: tuple[int, ...], words: int) -> jax.Array:
@@ -140,13 +138,6 @@ def _threefry_bits(key_data: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return _word_bits(key_data, tuple(shape), 2)
 
 
-def _threefry_quarter_bits(key_data: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """uint32 values below 2**16 for `shape` (last axis divisible by 4): one threefry2x32 hash
-    of (0, i) per index i of the first quarter of the last axis; its two words give four 16-bit
-    halves, one for the element in each quarter."""
-    return _word_bits(key_data, tuple(shape), 4)
-
-
 # Rates (and keep probabilities) of at least this use 16-bit draws: the keep probability is
 # then off by at most 2**-17, under 0.8% of the rate. Smaller ones take full 32-bit words.
 _MIN_RATE_16_BITS = 2.0 ** -10
@@ -165,7 +156,7 @@ def keep_mask(key: jax.Array, shape: tuple[int, ...], keep_prob: float) -> jax.A
             else key
         if shape and shape[-1] % 4 == 0 and min(keep_prob, 1.0 - keep_prob) >= _MIN_RATE_16_BITS:
             threshold = np.uint32(int(round(keep_prob * 2.0 ** 16)))
-            return _threefry_quarter_bits(data, tuple(shape)) < threshold
+            return _word_bits(data, tuple(shape), 4) < threshold
         bits = _threefry_bits(data, tuple(shape))
     else:
         bits = jax.random.bits(key, tuple(shape), jnp.uint32)
@@ -180,5 +171,4 @@ def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
     if rate >= 1.0:
         return jnp.zeros_like(x)
     keep_prob = 1.0 - rate
-    keep = keep_mask(key, x.shape, keep_prob)
-    return lax.select(keep, x / keep_prob, jnp.zeros_like(x))
+    return lax.select(keep_mask(key, x.shape, keep_prob), x / keep_prob, jnp.zeros_like(x))

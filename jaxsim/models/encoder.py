@@ -107,17 +107,14 @@ def param_shapes(encoder: SentenceEncoder) -> dict:
     return jax.eval_shape(lambda: encoder.init(jax.random.key(0), ids, ids))["params"]
 
 
-def check_params(encoder: SentenceEncoder, params: Mapping, source: str) -> None:
-    """Raises PoolerError naming every missing, unexpected or mis-shaped parameter.
+def check_params(encoder: SentenceEncoder, params: Mapping, source: str,
+                 shapes: Optional[Mapping] = None) -> None:
+    """Raises PoolerError naming every missing, unexpected or mis-shaped parameter (against
+    `shapes`, the encoder's param_shapes when already computed).
 
     A pooler with parameters (e.g. 'cls') on a model that has none is reported as such.
     """
-    _check_shapes(encoder, param_shapes(encoder), params, source)
-
-
-def _check_shapes(encoder: SentenceEncoder, shapes: Mapping, params: Mapping,
-                  source: str) -> None:
-    """check_params against `shapes`, the encoder's param_shapes (already computed)."""
+    shapes = param_shapes(encoder) if shapes is None else shapes
     expected = traverse_util.flatten_dict(dict(shapes), sep="/")
     got = traverse_util.flatten_dict(dict(params), sep="/")
     missing = [k for k in expected if k not in got]
@@ -158,10 +155,9 @@ def init_fn(encoder: SentenceEncoder, skip: Sequence[str] = ()) -> Callable[[jax
 def _place(values: Mapping, shardings: Optional[Mapping]) -> dict:
     """Places host arrays (held in full by every process) with `shardings` (None: default
     device), as float32."""
-    flat = traverse_util.flatten_dict(dict(values))
     where = traverse_util.flatten_dict(dict(shardings)) if shardings is not None else {}
     placed = {}
-    for path, value in flat.items():
+    for path, value in traverse_util.flatten_dict(dict(values)).items():
         host = np.asarray(value, np.float32)
         placed[path] = (jax.device_put(host) if shardings is None else
                         jax.make_array_from_callback(host.shape, where[path],
@@ -191,13 +187,9 @@ def init_params(encoder: SentenceEncoder, key: jax.Array, shardings: Optional[An
       PoolerError: supplied weights that do not fit the model.
     """
     shapes = param_shapes(encoder)
-    supplied = {}
-    if bert_params is not None:
-        supplied["bert"] = bert_params
-    if mlm_params is not None and "mlm_head" in shapes:
-        supplied["mlm_head"] = mlm_params
-    if supplied:
-        _check_shapes(encoder, shapes, {**shapes, **supplied}, "pretrained encoder")
+    supplied = {name: tree for name, tree in (("bert", bert_params), ("mlm_head", mlm_params))
+                if tree is not None and name in shapes}
+    check_params(encoder, {**shapes, **supplied}, "pretrained encoder", shapes)
     drawn = [name for name in shapes if name not in supplied]
     params = {}
     if drawn:

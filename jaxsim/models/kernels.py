@@ -25,17 +25,11 @@ from jaxsim.models import ops
 KERNELS = ('auto', 'xla', 'cpu')
 
 
-def check(kernels: str) -> str:
-    if kernels not in KERNELS:
-        raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
-    return kernels
-
-
 def use_cpu_forms(kernels: str) -> bool:
     """True where the layer runs the custom-VJP CPU forms."""
-    if check(kernels) == 'auto':
-        return jax.default_backend() == 'cpu'
-    return kernels == 'cpu'
+    if kernels not in KERNELS:
+        raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    return jax.default_backend() == 'cpu' if kernels == 'auto' else kernels == 'cpu'
 
 
 def dense_bias(x: jax.Array, w: jax.Array, b: jax.Array, dtype, kernels: str) -> jax.Array:

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxsim.models.bert import _ACTIVATIONS, BertConfig
+from jaxsim.models.bert import _ACTIVATIONS, BertConfig, _layer_norm
 
 IGNORE = -100  # label of positions that carry no MLM loss
 
@@ -38,8 +38,7 @@ class MlmHead(nn.Module):
         # RoBERTa's head always uses exact GELU; BERT's uses the config's activation.
         act = "gelu" if cfg.model_type == "roberta" else cfg.hidden_act
         x = _ACTIVATIONS[act](x)
-        x = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=self.dtype, param_dtype=jnp.float32,
-                         name="LayerNorm")(x)
+        x = _layer_norm(cfg, self.dtype)(x)
         bias = self.param("bias", nn.initializers.zeros, (cfg.vocab_size,), jnp.float32)
         logits = jnp.einsum("blh,vh->blv", x.astype(jnp.float32),
                             word_embeddings.astype(jnp.float32))

@@ -1,27 +1,9 @@
-"""The encoder's hot operations, written for fewer passes over memory on XLA.
+"""The encoder's hot operations in their CPU form (`jaxsim.models.kernels`), written for fewer
+passes over memory on XLA:CPU.
 
 Each function computes what the plain JAX expression would (same dtypes; same formulas up to
 float32 rounding); they differ in what is stored for the backward pass and how the work is
-laid out:
-
-  matmul        x [..., in] @ w [in, *out] in float32, or with bf16 operands, float32
-                accumulation and float32 output. Its VJP lays the weight gradient out itself:
-                XLA's own choice transposed the [tokens, out] cotangent and ran the product on
-                a slower dot path (in float32 even for bf16 operands); transposing the
-                narrower operand moves fewer bytes and keeps the product on the fast one.
-  bias_gelu     exact (erf) GELU of `d + b`, evaluated through erf (one polynomial) rather
-                than erfc (exp and division branches). The custom VJP keeps only `d` and `b` as
-                residuals and recomputes the derivative in one backward elementwise pass.
-  dense_bias    matmul(x, w, dtype) + b whose VJP, under low-precision compute, rounds the
-                incoming gradient once for both products and the bias sum.
-  dense_bias_gelu
-                bias_gelu(matmul(x, w, dtype), b) with its result in `dtype` and, under
-                low-precision compute, a VJP that writes the pre-activation gradient in that
-                dtype only (its products and the bias gradient read it there).
-
-The VJPs were written for XLA:CPU and run on every backend: on TPU they neither add nor remove
-HBM traffic and add no collectives (XLA's TPU compile of one BERT-base layer accesses the same
-bytes with and without them), so one form serves every platform. Figures: docs/performance.md.
+laid out, as each docstring says. Figures: docs/performance.md.
 """
 from __future__ import annotations
 
@@ -34,9 +16,7 @@ _SQRT_HALF = float(np.sqrt(0.5))
 _INV_SQRT_2PI = float(1.0 / np.sqrt(2.0 * np.pi))
 
 
-# ---------------------------------------------------------------------------------------------
-# Products.
-# ---------------------------------------------------------------------------------------------
+# ---- Products
 
 def _product(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out], accumulated and returned in float32."""
@@ -122,9 +102,7 @@ def mixed_precision_dot_general(lhs, rhs, dimension_numbers, precision=None,
                            preferred_element_type=jnp.float32)
 
 
-# ---------------------------------------------------------------------------------------------
-# Exact GELU with the bias add.
-# ---------------------------------------------------------------------------------------------
+# ---- Exact GELU with the bias add
 
 def _phi_cdf(h: jax.Array) -> jax.Array:
     # Phi(h) = (1 + erf(h / sqrt(2))) / 2, PyTorch's formula. XLA evaluates erf as one rational
@@ -222,12 +200,9 @@ def _dense_gelu_bwd(residuals, g):
     d, b = lax.optimization_barrier((d, b))  # recompute Phi here (see _bias_gelu_bwd)
     h = d + b
     dh = g.astype(jnp.float32) * _gelu_derivative(h)
-    dh = dh.astype(x.dtype)
-    rows = dh.reshape(-1, dh.shape[-1])
     # The bias gradient sums the rounded gradient (float32 accumulation): the reduction reads
     # the bf16 copy the products read, instead of a float32 one written for it alone.
-    db = jnp.sum(rows.astype(jnp.float32), axis=0)
-    dx, dw = _matmul_2d_bwd((x, w), dh)
+    dx, dw, db = _dense_bias_bwd((x, w), dh)
     return dx, dw, db.astype(b.dtype)
 
 

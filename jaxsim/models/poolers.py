@@ -131,12 +131,10 @@ def masked_mean(hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------ sentence-transformers rules
-def _export_mean(params, config, use_head):
-    return [st_pooling(config.hidden_size, "mean")]
-
-
-def _export_cls_token(params, config, use_head):
-    return [st_pooling(config.hidden_size, "cls")]
+def _export_pooling(mode: str) -> ExportRule:
+    def rule(params, config, use_head):
+        return [st_pooling(config.hidden_size, mode)]
+    return rule
 
 
 def _export_cls(params, config, use_head):
@@ -145,13 +143,6 @@ def _export_cls(params, config, use_head):
         dense = params["dense"]
         modules.append(st_dense(dense["kernel"], dense["bias"], TANH))
     return modules
-
-
-def _export_layer_average(first: int, second: int) -> ExportRule:
-    def rule(params, config, use_head):
-        return [st_layer_average(config.hidden_size, config.num_hidden_layers, first, second),
-                st_pooling(config.hidden_size, "mean")]
-    return rule
 
 
 # ------------------------------------------------------------------------ the built-in poolers
@@ -175,31 +166,35 @@ class ClsPooler(nn.Module):
         return cls.astype(jnp.float32)
 
 
-@register_pooler("cls_before_pooler", export=_export_cls_token)
+@register_pooler("cls_before_pooler", export=_export_pooling("cls"))
 def cls_before_pooler(output: BertOutput, attention_mask):
     """The last layer's [CLS] vector."""
     return output.hidden_states[-1][:, 0]
 
 
-@register_pooler("avg", export=_export_mean)
+@register_pooler("avg", export=_export_pooling("mean"))
 def avg(output: BertOutput, attention_mask):
     """Mean of the last layer over real tokens."""
     return masked_mean(output.hidden_states[-1], attention_mask)
 
 
-def _layer_average(first: int, second: int):
+def _register_layer_average(name: str, first: int, second: int) -> None:
     def pool(output: BertOutput, attention_mask):
         # Average of the two layers' token states, then the masked mean (SimCSE's order).
         states = output.hidden_states
         mixed = (states[first].astype(jnp.float32) + states[second].astype(jnp.float32)) / 2.0
         return masked_mean(mixed, attention_mask)
-    return pool
+
+    def export(params, config, use_head):
+        return [st_layer_average(config.hidden_size, config.num_hidden_layers, first, second),
+                st_pooling(config.hidden_size, "mean")]
+
+    register_pooler(name, export=export)(pool)
 
 
 for _name, (_first, _second) in {"avg_top2": (-2, -1), "avg_first_last": (1, -1),
                                  "avg_embed_last": (0, -1)}.items():
-    register_pooler(_name, export=_export_layer_average(_first, _second))(
-        _layer_average(_first, _second))
+    _register_layer_average(_name, _first, _second)
 
 # The poolers jaxsim itself defines (the registry may grow with user registrations).
 BUILTIN_POOLERS = POOLERS.names()

@@ -106,32 +106,26 @@ def apply_head(head: Sequence, x: np.ndarray) -> np.ndarray:
 
 HEAD_KEY = "st_head"
 
-# The JAX form of each activation a Dense module may name (ACTIVATIONS is the NumPy form).
-_JAX_ACTIVATIONS = {
-    "torch.nn.modules.linear.Identity": "identity",
-    "torch.nn.modules.activation.Tanh": "tanh",
-    "torch.nn.modules.activation.ReLU": "relu",
-    "torch.nn.modules.activation.Sigmoid": "sigmoid",
-    "torch.nn.modules.activation.GELU": "gelu",
-}
-
-
 def jax_activation(name: str) -> Callable:
-    """The JAX function of the activation `name` (a torch class path in _JAX_ACTIVATIONS)."""
+    """The JAX form of the activation `name` (a torch class path of ACTIVATIONS, the NumPy
+    form)."""
     import jax
     import jax.numpy as jnp
 
-    return {"identity": lambda v: v, "tanh": jnp.tanh, "relu": jax.nn.relu,
-            "sigmoid": jax.nn.sigmoid,
-            "gelu": lambda v: jax.nn.gelu(v, approximate=False)}[_JAX_ACTIVATIONS[name]]
+    return {"torch.nn.modules.linear.Identity": lambda v: v,
+            "torch.nn.modules.activation.Tanh": jnp.tanh,
+            "torch.nn.modules.activation.ReLU": jax.nn.relu,
+            "torch.nn.modules.activation.Sigmoid": jax.nn.sigmoid,
+            "torch.nn.modules.activation.GELU": lambda v: jax.nn.gelu(v, approximate=False),
+            }[name]
 
 
 def check_jax_form(head: Sequence, where: str) -> None:
     """HeadError unless every module of `head` is a Dense or Normalize (what `apply_jax`
-    computes); `where` names the caller in the message."""
+    computes; a Dense's activation is one of ACTIVATIONS, each with a JAX form); `where` names
+    the caller in the message."""
     for module in head:
-        if not isinstance(module, (Dense, Normalize)) or (
-                isinstance(module, Dense) and module.activation not in _JAX_ACTIVATIONS):
+        if not isinstance(module, (Dense, Normalize)):
             raise HeadError(f"{where}: no JAX form of the head module {module!r}")
 
 
@@ -142,17 +136,17 @@ def head_weights(head: Sequence) -> dict:
             for i, m in enumerate(head) if isinstance(m, Dense)}
 
 
+def _dense(w: dict, activation: str) -> Dense:
+    """A Dense module from one entry of a `head_weights` tree."""
+    return Dense(np.asarray(w["weight"], np.float32),
+                 np.asarray(w["bias"], np.float32) if "bias" in w else None, activation)
+
+
 def with_weights(head: Sequence, weights: Optional[dict]) -> tuple:
     """`head` with its Dense modules' weights replaced by those of `weights` (a `head_weights`
     tree, e.g. trained)."""
-    out = []
-    for i, m in enumerate(head):
-        if isinstance(m, Dense) and weights:
-            w = weights[str(i)]
-            m = Dense(np.asarray(w["weight"], np.float32),
-                      None if "bias" not in w else np.asarray(w["bias"], np.float32), m.activation)
-        out.append(m)
-    return tuple(out)
+    return tuple(_dense(weights[str(i)], m.activation) if isinstance(m, Dense) and weights else m
+                 for i, m in enumerate(head))
 
 
 def split_weights(params: dict) -> tuple[dict, dict]:
@@ -204,9 +198,7 @@ def head_from_record(record: Any, weights: dict, source: str) -> tuple:
                     ("bias" in w) != bool(entry.get("bias"))):
                 raise HeadError(f"{source}: the checkpoint has no Dense module {i} of shape "
                                 f"{shape} (bias {bool(entry.get('bias'))}) as the head record says")
-            head.append(Dense(np.asarray(w["weight"], np.float32),
-                              np.asarray(w["bias"], np.float32) if "bias" in w else None,
-                              str(entry.get("activation"))))
+            head.append(_dense(w, str(entry.get("activation"))))
         else:
             raise HeadError(f"{source}: head module {i}: unknown type {kind!r}")
     return tuple(head)

@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsim.models.bert import BertConfig, _mixed_precision_dot_general
+from jaxsim.models.bert import BertConfig
 from jaxsim.models.encoder import SentenceEncoder, init_params
+from jaxsim.models.ops import mixed_precision_dot_general
 from jaxsim.objectives import get_objective
 from jaxsim.train.step import compiler_options, make_loss_fn
 
@@ -24,8 +25,8 @@ def test_mixed_precision_dense_matches_float32_forward_and_backward():
 
     def loss(x, w, low):
         if low:
-            out = _mixed_precision_dot_general(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
-                                               DENSE_DIMS)
+            out = mixed_precision_dot_general(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                                              DENSE_DIMS)
             assert out.dtype == jnp.float32  # accumulated and returned in float32
         else:
             out = jax.lax.dot_general(x, w, DENSE_DIMS)
@@ -43,7 +44,7 @@ def test_mixed_precision_dense_matches_float32_forward_and_backward():
 def test_other_contractions_fall_back_to_float32_output():
     a = jnp.ones((3, 4), jnp.bfloat16)
     b = jnp.ones((5, 4), jnp.bfloat16)
-    out = _mixed_precision_dot_general(a, b, (((1,), (1,)), ((), ())))
+    out = mixed_precision_dot_general(a, b, (((1,), (1,)), ((), ())))
     assert out.dtype == jnp.float32 and out.shape == (3, 5) and float(out[0, 0]) == 4.0
 
 
