@@ -1,32 +1,15 @@
-"""The export workflow: a `SentenceModel` as a Hugging Face or sentence-transformers folder.
+"""The export workflow: a `SentenceModel` as a Hugging Face or sentence-transformers folder
+(docs/export.md).
 
 It sits above encode and calibrate (it encodes fit sentences and fits a calibration to bake
 in) and writes through jaxsim/formats/: hf.py (PyTorch names), st_folder.py (modules.json and
-the module folders), st_flow.py (a flow's PyTorch form).
-
-`hf` writes `config.json`, `model.safetensors` (PyTorch `BertModel`/`RobertaModel` names and
-layouts) and the tokenizer, so `transformers.AutoModel.from_pretrained(DIR)` gives jaxsim's
-hidden states. BERT's pooler layer is written for a pooler whose parameters ARE that layer
-(`Pooler.hf_pooler`, e.g. 'cls': a SimCSE head becomes `pooler.dense`, so `pooler_output` is
-jaxsim's 'cls' vector and the SimCSE tool's `pooler="cls"` reads it), and whenever the model
-carries the layer unused (the source checkpoint's, under 'avg'): it is part of the checkpoint,
-and transformers would report it missing on every load. A pooler with parameters of its own
-(a user's, not `hf_pooler`) has no place in a Hugging Face folder: `hf` refuses it.
-
-`sentence-transformers` adds, after the Transformer module, the modules the pooler's export
-rule returns (`jaxsim.models.poolers`: stock modules only, each exact), then an optional Dense
-carrying an affine calibration z = (x - mu) W (weight W^T, bias -mu W, identity activation)
-or a flow as a PyTorch module file in the folder (`jaxsim.formats.st_flow`, loaded with
-`trust_remote_code=True`), and an optional Normalize, so `SentenceTransformer(DIR).encode`
-returns jaxsim's vectors. A pooler's own parameters also go, as jaxsim names them, into
-`jaxsim_pooler.safetensors` (a rule has no inverse), which `jaxsim.load_pretrained` reads back.
-
-Every export records its choices in `jaxsim_export.json` (pooler, mlp_only_train, the pooler's
-parameters file, calibration, normalize) and where it came from (`provenance`: source, workdir
-step, selection metric and value), which `jaxsim.load_pretrained` reads back. The folder is
-built next to its final place and swapped in (`jaxsim.storage.store.replace_dir`), so a
-failure or an interrupt never leaves half an export; folders get mode 0777 and files 0666 less
-the umask, like any file the user writes.
+the module folders), st_flow.py (a flow's PyTorch form). `hf` writes BERT's pooler layer for a
+pooler whose parameters ARE that layer (`Pooler.hf_pooler`) and whenever the model carries it
+unused, and refuses a pooler with parameters of its own. `sentence-transformers` adds the
+pooler's export rule's modules, the model's head, a calibration (a Dense for an affine one, a
+PyTorch module file for a flow) and Normalize; a pooler's own parameters also go, as jaxsim
+names them, into `jaxsim_pooler.safetensors` (a rule has no inverse). Every export records its
+choices and provenance in `jaxsim_export.json`, which `jaxsim.load_pretrained` reads back.
 """
 from __future__ import annotations
 
@@ -87,7 +70,7 @@ class ExportError(JaxsimError):
 # ------------------------------------------------------------------------------ the output
 def _is_previous_export(folder) -> None:
     """The only non-empty folder `overwrite` replaces: a previous export."""
-    if any(True for _ in folder.iterdir()) and not (folder / RECORD_FILE).exists():
+    if any(folder.iterdir()) and not (folder / RECORD_FILE).exists():
         raise ExportError(f"--out {folder} is not empty and holds no {RECORD_FILE}: not a "
                           f"previous export, so --overwrite will not delete it")
 
@@ -107,7 +90,7 @@ def check_out(out: Union[str, os.PathLike], overwrite: bool,
     store.refuse_existing(target, overwrite, "--out")
     if target.exists() and not target.is_dir():
         raise ExportError(f"--out {target} exists and is not a folder")
-    if target.exists() and any(True for _ in target.iterdir()):
+    if target.exists():
         _is_previous_export(target)
     store.check_reachable(target, "--out")
     return target
@@ -161,8 +144,7 @@ def affine_of(calibration: calibrate.Calibration) -> tuple[np.ndarray, np.ndarra
         raise ExportError(f"calibration {calibration.describe()!r} is not affine: "
                           f"sentence-transformers has no stock module for it; export accepts "
                           f"{', '.join(exportable_calibrations())}")
-    mu, w = (np.asarray(a, np.float64) for a in pair)
-    return mu, w
+    return tuple(np.asarray(a, np.float64) for a in pair)
 
 
 def calibration_module(calibration: calibrate.Calibration, dim: int) -> StModule:

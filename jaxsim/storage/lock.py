@@ -32,16 +32,20 @@ def _start_time(pid: int) -> Optional[str]:
         return None
 
 
-def _alive(holder: dict) -> bool:
-    pid = holder.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return False
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True  # exists, owned by someone else
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _alive(holder: dict) -> bool:
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid <= 0 or not pid_alive(pid):
+        return False
     started = holder.get("proc_start")
     return started is None or _start_time(pid) in (None, started)
 

@@ -17,6 +17,7 @@ and TensorBoard applies purges in file order).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import math
@@ -42,10 +43,9 @@ class _WithoutTorch(importlib.abc.MetaPathFinder):
 def summary_writer_class():
     """tensorboardX's SummaryWriter, imported without torch unless torch is already loaded.
 
-    tensorboardX imports torch whenever it is installed, only to accept torch tensors as values;
-    in a JAX training process that is ~220 MB resident for nothing (scalars here are floats).
-    Imported by the first writer: ~0.3 s that every command's start-up (most of which write no
-    event file) spares.
+    tensorboardX imports torch whenever it is installed, only to accept torch tensors as values,
+    which would cost a JAX process its memory (docs/performance.md, "Figures the code relies
+    on"); scalars here are floats. Imported by the first writer, not at start-up.
     """
     if 'torch' in sys.modules or 'tensorboardX' in sys.modules:
         from tensorboardX import SummaryWriter
@@ -59,7 +59,7 @@ def summary_writer_class():
     return SummaryWriter
 
 
-class ScalarWriter:
+class ScalarWriter(contextlib.AbstractContextManager):
     """Scalars by tag and step into the event files of `folder` (process 0, local only).
 
     Args:
@@ -91,9 +91,6 @@ class ScalarWriter:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-
-    def __enter__(self) -> 'ScalarWriter':
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
