@@ -151,10 +151,7 @@ def calibration_module(calibration: calibrate.Calibration, dim: int) -> StModule
     """A Dense module computing z = (x - mu) W = x W + (-mu W), exactly the calibration; a
     flow's PyTorch module for a flow."""
     if is_flow(type(calibration)):
-        try:
-            return st_flow.flow_module(calibration, dim)
-        except HeadError as e:
-            raise ExportError(str(e)) from None
+        return st_flow.flow_module(calibration, dim, ExportError)
     mu, w = affine_of(calibration)
     if mu.shape != (dim,) or w.ndim != 2 or w.shape[0] != dim:
         raise ExportError(f"the calibration maps {w.shape[0]}-dim vectors (mu {mu.shape}, W "
@@ -188,8 +185,7 @@ def hf_tensors(model: SentenceModel) -> dict[str, np.ndarray]:
     of the Hugging Face model, and without it transformers reports it missing and initializes
     it at random on every load. A pooler's own parameters are not that layer."""
     include = get_pooler(model.pooler).hf_pooler or (
-        own_pooler_params(model) is None and _is_bert_pooler_layer(model.params,
-                                                                   model.hidden_size))
+        own_pooler_params(model) is None and _is_bert_pooler_layer(model.params, model.hidden_size))
     return encoder_params_to_hf(model.params, model.config, include_pooler=include)
 
 
@@ -244,8 +240,7 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
     out = check_out(out, overwrite, sources)
     max_length = model.max_length() if max_length is None else int(max_length)
     if not 2 <= max_length <= model.config.max_length:
-        raise ExportError(f"max_length must be in [2, {model.config.max_length}], "
-                          f"got {max_length}")
+        raise ExportError(f"max_length must be in [2, {model.config.max_length}], got {max_length}")
     # Everything that can fail on bad input is computed before anything is written.
     tensors = hf_tensors(model)
     modules = st_modules(model, calibration, normalize) if format != "hf" else []
@@ -259,7 +254,6 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
               "max_seq_length": max_length,
               # The modules after the pooler's own (head, calibration, Normalize), for loading.
               "head_modules": len(modules) - len(pooler_modules(model)) if modules else 0}
-
     if own is not None:  # jaxsim's copy: the rule's modules cannot be read back as parameters
         record["pooler_params"] = POOLER_FILE
     if provenance:
@@ -290,8 +284,7 @@ def exportable_calibrations() -> list[str]:
         cls = calibrate.CALIBRATIONS.get(name)
         if not _exportable(cls):
             continue
-        arg = ("CONFIG" if is_flow(cls) else
-               "K" if getattr(cls, "arg_type", int) is int else "ARG")
+        arg = "CONFIG" if is_flow(cls) else "K" if getattr(cls, "arg_type", int) is int else "ARG"
         accepted.append({"none": name, "optional": f"{name}[:{arg}]"}.get(
             getattr(cls, "arg", "none"), f"{name}:{arg}"))
     return accepted
@@ -380,10 +373,7 @@ def export_source(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
             raise ExportError("--calibration needs --format sentence-transformers")
         loaded = calibrate.load(calibration)
         if is_flow(type(loaded)):  # a flow with PyTorch layers, else an error
-            try:
-                st_flow.check_layers(loaded.config, f"--calibration {calibration}")
-            except HeadError as e:
-                raise ExportError(str(e)) from None
+            st_flow.check_layers(loaded.config, f"--calibration {calibration}", ExportError)
         else:
             affine_of(loaded)  # an affine one, or a clear error before the model is loaded
     if normalize and format == "hf":

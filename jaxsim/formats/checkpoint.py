@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -179,8 +180,7 @@ def _damaged_file(folder: store.Path, error: BaseException) -> Optional[str]:
     if store.is_remote(folder) or not folder.is_dir():
         return None
     files = [p for p in Path(os.fspath(folder)).rglob("*") if p.is_file()]
-    texts = _messages(error)
-    for text in texts:
+    for text in _messages(error):
         for named in re.findall(r'local file "([^"]+)"', text):
             if Path(named).is_file():  # e.g. a manifest that fails to decode
                 return named
@@ -233,8 +233,7 @@ class Checkpointer(contextlib.AbstractContextManager):
         policies = [ocp.checkpoint_managers.LatestN(n=options.max_to_keep)]
         best_fn = None
         if options.best_metric is not None:
-            metric = options.best_metric
-            best_fn = lambda m: float(m[metric])  # noqa: E731
+            best_fn = lambda m: float(m[options.best_metric])  # noqa: E731
             if options.keep_best:
                 # BestN keeps the LAST n after an ascending sort, hence reverse for 'min'.
                 policies.append(ocp.checkpoint_managers.BestN(
@@ -246,15 +245,13 @@ class Checkpointer(contextlib.AbstractContextManager):
             enable_async_checkpointing=options.async_save,
             # A crash mid-save leaves `<step>.orbax-checkpoint-tmp-*`; remove it on open.
             cleanup_tmp_directories=not read_only, read_only=read_only,
-            save_interval_steps=0 if read_only else 1,
-            create=not read_only)
+            save_interval_steps=0 if read_only else 1, create=not read_only)
         # Reads of a damaged checkpoint fail on orbax's private asyncio loop; the reads still in
         # flight then report into the closed loop (see jaxsim.runtime). Drop only those reports.
         runtime.ignore_orphaned_loop_callbacks()
         # orbax logs a warning each time a folder is opened read-only, i.e. at every load.
         with runtime.quiet_absl_messages("Given directory is read only"):
-            self._manager = ocp.CheckpointManager(
-                self.directory, options=manager_options,
+            self._manager = ocp.CheckpointManager(self.directory, options=manager_options,
                 item_handlers={"state": ocp.StandardCheckpointHandler(),
                                "data": ocp.JsonCheckpointHandler(),
                                "config": ocp.JsonCheckpointHandler()})
@@ -277,8 +274,7 @@ class Checkpointer(contextlib.AbstractContextManager):
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Any, data: Optional[Mapping] = None,
-             config: Optional[Mapping] = None, metrics: Optional[Mapping] = None,
-             force: bool = True) -> bool:
+             config: Optional[Mapping] = None, metrics: Optional[Mapping] = None) -> bool:
         """Starts saving `state` (+ iterator position + config) as checkpoint `step`.
 
         Args:
@@ -288,7 +284,6 @@ class Checkpointer(contextlib.AbstractContextManager):
           config: JSON-serializable train config.
           metrics: e.g. `{'stsb_dev': 81.2}`; must contain `best_metric` for the checkpoint
             to compete for "best".
-          force: save even if orbax's interval policy would skip this step.
 
         Returns:
           Whether a save was started. It completes in the background when `async_save`.
@@ -298,11 +293,10 @@ class Checkpointer(contextlib.AbstractContextManager):
             if not np.isfinite(v):
                 raise ValueError(f"metric {k!r} is {v} at step {step}; refusing to rank by it")
         ocp = _orbax()
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(_to_json(data)),
-            config=ocp.args.JsonSave(_to_json(config)))
-        return self._manager.save(int(step), args=args, metrics=metrics, force=force)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  data=ocp.args.JsonSave(_to_json(data)),
+                                  config=ocp.args.JsonSave(_to_json(config)))
+        return self._manager.save(int(step), args=args, metrics=metrics, force=True)
 
     def wait_until_finished(self) -> None:
         """Blocks until any background save is committed to disk."""
@@ -343,8 +337,7 @@ class Checkpointer(contextlib.AbstractContextManager):
                                "metadata (corrupt or incomplete)", e) from e
         if meta is None:
             raise CheckpointError(f"{self.directory}/{step}: no 'state' item")
-        tree = getattr(meta, "tree", meta)
-        return abstract_target(tree, sharding)
+        return abstract_target(getattr(meta, "tree", meta), sharding)
 
     def restore(self, step: Union[str, int, None] = None, target: Any = None) -> Restored:
         """Restores a checkpoint.
@@ -367,8 +360,7 @@ class Checkpointer(contextlib.AbstractContextManager):
     def _read(self, which: Union[str, int, None], read: Callable[[int], Any]) -> Any:
         """`read(step)` of the step `which` names; a damaged checkpoint is reported with what
         to do (`_damaged`), one removed while it was read is read again as it now stands."""
-        rereads = 0
-        while True:
+        for rereads in itertools.count():
             step = self.resolve_step(which)
             try:
                 return read(step)
@@ -380,7 +372,6 @@ class Checkpointer(contextlib.AbstractContextManager):
                         f"{self.directory / str(step)}: removed while it was read (a run "
                         f"still training here keeps only its newest checkpoints); read it "
                         f"again, or a step it keeps (have {self._reload()})") from e
-                rereads += 1
                 self._reload()
 
     def _reload(self) -> list[int]:
@@ -394,8 +385,7 @@ class Checkpointer(contextlib.AbstractContextManager):
         ocp = _orbax()
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target),
-                data=ocp.args.JsonRestore(),
+                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(),
                 config=ocp.args.JsonRestore()))
         except Exception as e:  # orbax raises many types; name the checkpoint, keep the cause
             raise _read_failed(
@@ -443,8 +433,7 @@ class Checkpointer(contextlib.AbstractContextManager):
         ocp = _orbax()
         try:
             with ocp.PyTreeCheckpointer() as reader:
-                args = ocp.args.PyTreeRestore(
-                    item=target, partial_restore=True,
+                args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
                     restore_args=ocp.checkpoint_utils.construct_restore_args(target))
                 out = reader.restore(self.directory / str(step) / "state", args=args)
         except Exception as e:  # name the checkpoint, keep the cause
@@ -460,6 +449,4 @@ def restore_or_none(directory: Union[str, os.PathLike], target: Any,
     if not directory.is_dir():
         return None
     with Checkpointer(directory, read_only=True) as ckpt:
-        if not ckpt.all_steps():
-            return None
-        return ckpt.restore(step, target)
+        return ckpt.restore(step, target) if ckpt.all_steps() else None

@@ -72,8 +72,7 @@ def normalize_hf_names(state_dict: Mapping[str, np.ndarray]
     for name, value in state_dict.items():
         name = _BASE_PREFIX.sub("", name, count=1)
         for old, new in _LEGACY_SUFFIX.items():
-            if name.endswith(old):
-                name = name[: -len(old)] + new
+            name = name.removesuffix(old) + new if name.endswith(old) else name
         if _IGNORED.search(name):
             ignored.append(name)
         else:
@@ -97,8 +96,7 @@ def hf_to_params(state_dict: Mapping[str, np.ndarray], config: BertConfig,
       CheckpointMismatchError: naming every missing, unexpected or mis-shaped tensor.
     """
     tensors, ignored = normalize_hf_names(state_dict)
-    has_pooler = any(name.startswith("pooler.") for name in tensors)
-    expected = param_shapes(config, add_pooler=has_pooler)
+    expected = param_shapes(config, add_pooler=any(n.startswith("pooler.") for n in tensors))
     problems, flat = [], {}
     for path, shape in expected.items():
         name = flax_to_hf_name(path)
@@ -120,14 +118,12 @@ def hf_to_params(state_dict: Mapping[str, np.ndarray], config: BertConfig,
             f"{source} does not match the {config.model_type} architecture "
             f"({config.num_hidden_layers} layers, hidden {config.hidden_size}):\n  "
             + "\n  ".join(problems))
-    params = flax.traverse_util.unflatten_dict(flat)
-    return params, ImportReport(ignored=tuple(sorted(ignored)))
+    return flax.traverse_util.unflatten_dict(flat), ImportReport(ignored=tuple(sorted(ignored)))
 
 
 def params_to_hf(params: Mapping, config: BertConfig) -> Dict[str, np.ndarray]:
     """Flax parameters -> PyTorch `BertModel`/`RobertaModel` state dict (contiguous float32)."""
-    has_pooler = "pooler" in params
-    expected = param_shapes(config, add_pooler=has_pooler)
+    expected = param_shapes(config, add_pooler="pooler" in params)
     flat = flax.traverse_util.flatten_dict(dict(params))
     if set(flat) != set(expected):
         missing = sorted("/".join(p) for p in set(expected) - set(flat))
@@ -159,14 +155,8 @@ def hf_to_encoder_params(state_dict: Mapping[str, np.ndarray], config: BertConfi
 
 def encoder_params_to_hf(params: Mapping, config: BertConfig,
                          include_pooler: bool = True) -> Dict[str, np.ndarray]:
-    """A `SentenceEncoder` tree -> a PyTorch `BertModel`/`RobertaModel` state dict.
-
-    Args:
-      params: {'bert': ..., 'pooler': ...}.
-      config: the architecture.
-      include_pooler: write params['pooler'] as BERT's pooler layer (only for poolers whose
-        parameters are that layer, e.g. 'cls').
-    """
+    """A `SentenceEncoder` tree {'bert', 'pooler'} -> a PyTorch `BertModel`/`RobertaModel`
+    state dict; `include_pooler` writes params['pooler'] as BERT's pooler layer."""
     tree = dict(params["bert"])
     if include_pooler and "pooler" in params:
         tree["pooler"] = params["pooler"]

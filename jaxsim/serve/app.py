@@ -98,9 +98,8 @@ def _validation_error(exc: RequestValidationError) -> JsonResponse:
     for part in first.get("loc", ())[1:]:  # loc[0] is "body"
         field += f"[{part}]" if isinstance(part, int) else f".{part}" if field else str(part)
     field = field or "body"
-    if first.get("type") == "extra_forbidden":
-        return _error(422, f"{field}: unknown field", field)
-    return _error(422, f"{field}: {first.get('msg', 'invalid')}", field)
+    why = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")
+    return _error(422, f"{field}: {why}", field)
 
 
 class _BodyLimit:
@@ -139,16 +138,12 @@ class _BodyLimit:
         await self.app(scope, replay, send)
 
 
-def _page() -> str:
-    return (importlib.resources.files("jaxsim.serve") / "static" / "index.html").read_text(
-        encoding="utf-8")
-
-
 def create_app(service: SearchService) -> FastAPI:
     """The FastAPI app serving `service`; starting the app starts the service's batcher and
     stopping it fails the requests still queued (clients get 503, never a hang)."""
     limits = service.limits
-    page = _page()  # read once: no route reads files
+    page = (importlib.resources.files("jaxsim.serve") / "static" / "index.html").read_text(
+        encoding="utf-8")  # read once: no route reads files
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -214,8 +209,7 @@ def create_app(service: SearchService) -> FastAPI:
     async def encode(request: EncodeRequest):
         _check_sentences(limits, sentences=request.sentences)
         vectors = await service.encode(request.sentences, request.normalize)
-        return JsonResponse({"dim": int(vectors.shape[1]),
-                             "vectors": vectors.astype(np.float64)})
+        return JsonResponse({"dim": int(vectors.shape[1]), "vectors": vectors.astype(np.float64)})
 
     @app.post("/similarity")
     async def similarity(request: SimilarityRequest):

@@ -188,14 +188,12 @@ class Batcher:
     def _serve(self, batch: list[_Request]) -> list[Result]:
         """One encode over every sentence of the batch, one top-k over the searching rows."""
         sentences = [s for r in batch for s in r.sentences]
-        vectors = self._encode(sentences)  # [n, dim]
-        parts = np.split(vectors, np.cumsum([len(r.sentences) for r in batch])[:-1])
+        parts = np.split(self._encode(sentences), np.cumsum([len(r.sentences) for r in batch])[:-1])
         searching = [i for i, r in enumerate(batch) if r.top_k > 0]
         results = [Result(p) for p in parts]
         if searching:
             k = max(batch[i].top_k for i in searching)
-            queries = np.concatenate([parts[i] for i in searching])
-            scores, rows = self._search(queries, k)
+            scores, rows = self._search(np.concatenate([parts[i] for i in searching]), k)
             cuts = np.cumsum([len(parts[i]) for i in searching])[:-1]
             for i, s, r in zip(searching, np.split(scores, cuts), np.split(rows, cuts)):
                 results[i] = Result(parts[i], s[:, :batch[i].top_k], r[:, :batch[i].top_k])

@@ -99,15 +99,15 @@ class WorkdirLock:
         self._fd = fd
 
     def _acquire_remote(self) -> None:
-        if self.path.exists():
-            holder = _parse_holder(self.path.read_text(encoding="utf-8"))
-            if holder and (holder.get("host") != self.record["host"] or _alive(holder)):
-                self._refuse(holder)
-            if holder:
-                self._taken_over(holder)
+        holder = _parse_holder(self.path.read_text(encoding="utf-8")) if self.path.exists() else {}
+        if holder and (holder.get("host") != self.record["host"] or _alive(holder)):
+            self._refuse(holder)
+        if holder:
+            self._taken_over(holder)
         self.path.write_text(json.dumps(self.record) + "\n", encoding="utf-8")
-        if _parse_holder(self.path.read_text(encoding="utf-8")) != self.record:
-            self._refuse(_parse_holder(self.path.read_text(encoding="utf-8")))
+        written = _parse_holder(self.path.read_text(encoding="utf-8"))
+        if written != self.record:  # another host wrote it at the same time
+            self._refuse(written)
 
     def acquire(self) -> "WorkdirLock":
         self.workdir.mkdir(parents=True, exist_ok=True)

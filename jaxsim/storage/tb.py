@@ -1,19 +1,13 @@
 """TensorBoard scalars: the one writer of event files (tensorboardX: no TensorFlow needed).
 
-Training writes WORKDIR/tb/ (the metrics.jsonl scalars and the final STS-B test score); flow
-fits write their NLL per evaluation (train and held-out) into a folder when given one. Only
-process 0 writes, and only to local folders (event files are appended to as the run goes,
-which object stores cannot do).
+Training and flow fits write here; only process 0 writes, and only to local folders (event
+files are appended to as the run goes, which object stores cannot do).
 
 Steps never show twice: a writer opened with `purge_step=S` marks its file so that
-TensorBoard drops the steps >= S that earlier writers left in the same folder. A resumed run
-opens at its checkpoint's step + 1 and continues its curves; a refit opens at 0 and replaces
-the earlier curve. Each writer gets its own file, named to sort in opening order (tensorboardX
-names files by the second: a second writer within the same second would truncate the first's,
-and TensorBoard applies purges in file order).
-
-  with ScalarWriter(folder, purge_step=0) as tb:
-      tb.write(step, {'train_nll': 3.2, 'val_nll': 3.4})
+TensorBoard drops the steps >= S that earlier writers left in the same folder (a resumed run
+opens at its checkpoint's step + 1, a refit at 0). Each writer gets its own file, named to sort
+in opening order (tensorboardX names files by the second: a second writer within the same
+second would truncate the first's, and TensorBoard applies purges in file order).
 """
 from __future__ import annotations
 
@@ -96,7 +90,6 @@ class ScalarWriter(contextlib.AbstractContextManager):
         self.close()
 
 
-def optional_writer(folder: Optional[store.PathLike], purge_step: int = 0
-                    ) -> Optional[ScalarWriter]:
-    """A ScalarWriter for `folder`, or None when no folder is given."""
-    return None if folder is None or str(folder) == '' else ScalarWriter(folder, purge_step)
+def optional_writer(folder: Optional[store.PathLike]) -> Optional[ScalarWriter]:
+    """A ScalarWriter for `folder` (a fresh curve: purge_step 0), or None when none is given."""
+    return None if folder is None or str(folder) == '' else ScalarWriter(folder)
