@@ -1,32 +1,15 @@
-"""The export workflow: a `SentenceModel` as a Hugging Face or sentence-transformers folder.
+"""The export workflow: a `SentenceModel` as a Hugging Face or sentence-transformers folder
+(docs/export.md).
 
 It sits above encode and calibrate (it encodes fit sentences and fits a calibration to bake
 in) and writes through jaxsim/formats/: hf.py (PyTorch names), st_folder.py (modules.json and
-the module folders), st_flow.py (a flow's PyTorch form).
-
-`hf` writes `config.json`, `model.safetensors` (PyTorch `BertModel`/`RobertaModel` names and
-layouts) and the tokenizer, so `transformers.AutoModel.from_pretrained(DIR)` gives jaxsim's
-hidden states. BERT's pooler layer is written for a pooler whose parameters ARE that layer
-(`Pooler.hf_pooler`, e.g. 'cls': a SimCSE head becomes `pooler.dense`, so `pooler_output` is
-jaxsim's 'cls' vector and the SimCSE tool's `pooler="cls"` reads it), and whenever the model
-carries the layer unused (the source checkpoint's, under 'avg'): it is part of the checkpoint,
-and transformers would report it missing on every load. A pooler with parameters of its own
-(a user's, not `hf_pooler`) has no place in a Hugging Face folder: `hf` refuses it.
-
-`sentence-transformers` adds, after the Transformer module, the modules the pooler's export
-rule returns (`jaxsim.models.poolers`: stock modules only, each exact), then an optional Dense
-carrying an affine calibration z = (x - mu) W (weight W^T, bias -mu W, identity activation)
-or a flow as a PyTorch module file in the folder (`jaxsim.formats.st_flow`, loaded with
-`trust_remote_code=True`), and an optional Normalize, so `SentenceTransformer(DIR).encode`
-returns jaxsim's vectors. A pooler's own parameters also go, as jaxsim names them, into
-`jaxsim_pooler.safetensors` (a rule has no inverse), which `jaxsim.load_pretrained` reads back.
-
-Every export records its choices in `jaxsim_export.json` (pooler, mlp_only_train, the pooler's
-parameters file, calibration, normalize) and where it came from (`provenance`: source, workdir
-step, selection metric and value), which `jaxsim.load_pretrained` reads back. The folder is
-built next to its final place and swapped in (`jaxsim.storage.store.replace_dir`), so a
-failure or an interrupt never leaves half an export; folders get mode 0777 and files 0666 less
-the umask, like any file the user writes.
+the module folders), st_flow.py (a flow's PyTorch form). `hf` writes BERT's pooler layer for a
+pooler whose parameters ARE that layer (`Pooler.hf_pooler`) and whenever the model carries it
+unused, and refuses a pooler with parameters of its own. `sentence-transformers` adds the
+pooler's export rule's modules, the model's head, a calibration (a Dense for an affine one, a
+PyTorch module file for a flow) and Normalize; a pooler's own parameters also go, as jaxsim
+names them, into `jaxsim_pooler.safetensors` (a rule has no inverse). Every export records its
+choices and provenance in `jaxsim_export.json`, which `jaxsim.load_pretrained` reads back.
 """
 from __future__ import annotations
 
@@ -87,7 +70,7 @@ class ExportError(JaxsimError):
 # ------------------------------------------------------------------------------ the output
 def _is_previous_export(folder) -> None:
     """The only non-empty folder `overwrite` replaces: a previous export."""
-    if any(True for _ in folder.iterdir()) and not (folder / RECORD_FILE).exists():
+    if any(folder.iterdir()) and not (folder / RECORD_FILE).exists():
         raise ExportError(f"--out {folder} is not empty and holds no {RECORD_FILE}: not a "
                           f"previous export, so --overwrite will not delete it")
 
@@ -107,7 +90,7 @@ def check_out(out: Union[str, os.PathLike], overwrite: bool,
     store.refuse_existing(target, overwrite, "--out")
     if target.exists() and not target.is_dir():
         raise ExportError(f"--out {target} exists and is not a folder")
-    if target.exists() and any(True for _ in target.iterdir()):
+    if target.exists():
         _is_previous_export(target)
     store.check_reachable(target, "--out")
     return target
@@ -161,18 +144,14 @@ def affine_of(calibration: calibrate.Calibration) -> tuple[np.ndarray, np.ndarra
         raise ExportError(f"calibration {calibration.describe()!r} is not affine: "
                           f"sentence-transformers has no stock module for it; export accepts "
                           f"{', '.join(exportable_calibrations())}")
-    mu, w = (np.asarray(a, np.float64) for a in pair)
-    return mu, w
+    return tuple(np.asarray(a, np.float64) for a in pair)
 
 
 def calibration_module(calibration: calibrate.Calibration, dim: int) -> StModule:
     """A Dense module computing z = (x - mu) W = x W + (-mu W), exactly the calibration; a
     flow's PyTorch module for a flow."""
     if is_flow(type(calibration)):
-        try:
-            return st_flow.flow_module(calibration, dim)
-        except HeadError as e:
-            raise ExportError(str(e)) from None
+        return st_flow.flow_module(calibration, dim, ExportError)
     mu, w = affine_of(calibration)
     if mu.shape != (dim,) or w.ndim != 2 or w.shape[0] != dim:
         raise ExportError(f"the calibration maps {w.shape[0]}-dim vectors (mu {mu.shape}, W "
@@ -206,8 +185,7 @@ def hf_tensors(model: SentenceModel) -> dict[str, np.ndarray]:
     of the Hugging Face model, and without it transformers reports it missing and initializes
     it at random on every load. A pooler's own parameters are not that layer."""
     include = get_pooler(model.pooler).hf_pooler or (
-        own_pooler_params(model) is None and _is_bert_pooler_layer(model.params,
-                                                                   model.hidden_size))
+        own_pooler_params(model) is None and _is_bert_pooler_layer(model.params, model.hidden_size))
     return encoder_params_to_hf(model.params, model.config, include_pooler=include)
 
 
@@ -262,8 +240,7 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
     out = check_out(out, overwrite, sources)
     max_length = model.max_length() if max_length is None else int(max_length)
     if not 2 <= max_length <= model.config.max_length:
-        raise ExportError(f"max_length must be in [2, {model.config.max_length}], "
-                          f"got {max_length}")
+        raise ExportError(f"max_length must be in [2, {model.config.max_length}], got {max_length}")
     # Everything that can fail on bad input is computed before anything is written.
     tensors = hf_tensors(model)
     modules = st_modules(model, calibration, normalize) if format != "hf" else []
@@ -277,7 +254,6 @@ def export_model(model: SentenceModel, out: Union[str, os.PathLike], format: str
               "max_seq_length": max_length,
               # The modules after the pooler's own (head, calibration, Normalize), for loading.
               "head_modules": len(modules) - len(pooler_modules(model)) if modules else 0}
-
     if own is not None:  # jaxsim's copy: the rule's modules cannot be read back as parameters
         record["pooler_params"] = POOLER_FILE
     if provenance:
@@ -308,8 +284,7 @@ def exportable_calibrations() -> list[str]:
         cls = calibrate.CALIBRATIONS.get(name)
         if not _exportable(cls):
             continue
-        arg = ("CONFIG" if is_flow(cls) else
-               "K" if getattr(cls, "arg_type", int) is int else "ARG")
+        arg = "CONFIG" if is_flow(cls) else "K" if getattr(cls, "arg_type", int) is int else "ARG"
         accepted.append({"none": name, "optional": f"{name}[:{arg}]"}.get(
             getattr(cls, "arg", "none"), f"{name}:{arg}"))
     return accepted
@@ -398,10 +373,7 @@ def export_source(source: Union[str, os.PathLike], out: Union[str, os.PathLike],
             raise ExportError("--calibration needs --format sentence-transformers")
         loaded = calibrate.load(calibration)
         if is_flow(type(loaded)):  # a flow with PyTorch layers, else an error
-            try:
-                st_flow.check_layers(loaded.config, f"--calibration {calibration}")
-            except HeadError as e:
-                raise ExportError(str(e)) from None
+            st_flow.check_layers(loaded.config, f"--calibration {calibration}", ExportError)
         else:
             affine_of(loaded)  # an affine one, or a clear error before the model is loaded
     if normalize and format == "hf":

@@ -1,6 +1,3 @@
 """On-disk model formats, each read and written by one module: Hugging Face and
-sentence-transformers folders, a train workdir's model record, orbax checkpoints.
-
-Above storage/ and models/, below every workflow: it imports none of encode, calibrate/,
-train/, eval/, cli/, search/, serve/, plan/, export (tests/layout_test.py).
-"""
+sentence-transformers folders, a train workdir's model record, orbax checkpoints. Above
+storage/ and models/, below every workflow (docs/layout.md)."""

@@ -17,7 +17,9 @@ checkpoint written on 8 devices restores onto 1 device or any other mesh.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -33,8 +35,8 @@ from jaxsim.storage import store
 
 
 def _orbax():
-    """orbax.checkpoint, imported when a checkpoint is opened: with tensorstore it keeps ~40 MB
-    resident, which a process that never opens one (encode, eval of a model folder) spares."""
+    """orbax.checkpoint, imported when a checkpoint is opened: a process that never opens one
+    (encode, eval of a model folder) spares tensorstore's memory (docs/performance.md)."""
     import orbax.checkpoint as ocp
     from orbax.checkpoint import checkpoint_managers  # noqa: F401  (ocp.checkpoint_managers)
     return ocp
@@ -94,13 +96,6 @@ class Restored:
     config: dict
 
 
-def replicated_sharding(devices=None) -> jax.sharding.NamedSharding:
-    """A sharding that replicates an array on every device (the default restore placement)."""
-    devices = np.asarray(devices if devices is not None else jax.devices())
-    mesh = jax.sharding.Mesh(devices.reshape(-1), ("data",))
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-
 def abstract_target(tree: Any, sharding: Any = None) -> Any:
     """Turns a pytree of arrays or ShapeDtypeStructs (`jax.eval_shape`) into a restore target.
 
@@ -112,8 +107,9 @@ def abstract_target(tree: Any, sharding: Any = None) -> Any:
     Returns:
       The same pytree with `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` leaves.
     """
-    if sharding is None:
-        sharding = replicated_sharding()
+    if sharding is None:  # replicated on every device
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     if isinstance(sharding, jax.sharding.Sharding):
         return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
@@ -184,8 +180,7 @@ def _damaged_file(folder: store.Path, error: BaseException) -> Optional[str]:
     if store.is_remote(folder) or not folder.is_dir():
         return None
     files = [p for p in Path(os.fspath(folder)).rglob("*") if p.is_file()]
-    texts = _messages(error)
-    for text in texts:
+    for text in _messages(error):
         for named in re.findall(r'local file "([^"]+)"', text):
             if Path(named).is_file():  # e.g. a manifest that fails to decode
                 return named
@@ -212,7 +207,7 @@ def _to_json(obj: Any) -> Any:
         raise TypeError(f"checkpoint data/config must be JSON-serializable: {e}") from None
 
 
-class Checkpointer:
+class Checkpointer(contextlib.AbstractContextManager):
     """Keeps the last K (+ best) training checkpoints of one run under `directory`.
 
     Usage:
@@ -238,8 +233,7 @@ class Checkpointer:
         policies = [ocp.checkpoint_managers.LatestN(n=options.max_to_keep)]
         best_fn = None
         if options.best_metric is not None:
-            metric = options.best_metric
-            best_fn = lambda m: float(m[metric])  # noqa: E731
+            best_fn = lambda m: float(m[options.best_metric])  # noqa: E731
             if options.keep_best:
                 # BestN keeps the LAST n after an ascending sort, hence reverse for 'min'.
                 policies.append(ocp.checkpoint_managers.BestN(
@@ -251,15 +245,13 @@ class Checkpointer:
             enable_async_checkpointing=options.async_save,
             # A crash mid-save leaves `<step>.orbax-checkpoint-tmp-*`; remove it on open.
             cleanup_tmp_directories=not read_only, read_only=read_only,
-            save_interval_steps=0 if read_only else 1,
-            create=not read_only)
+            save_interval_steps=0 if read_only else 1, create=not read_only)
         # Reads of a damaged checkpoint fail on orbax's private asyncio loop; the reads still in
         # flight then report into the closed loop (see jaxsim.runtime). Drop only those reports.
         runtime.ignore_orphaned_loop_callbacks()
         # orbax logs a warning each time a folder is opened read-only, i.e. at every load.
         with runtime.quiet_absl_messages("Given directory is read only"):
-            self._manager = ocp.CheckpointManager(
-                self.directory, options=manager_options,
+            self._manager = ocp.CheckpointManager(self.directory, options=manager_options,
                 item_handlers={"state": ocp.StandardCheckpointHandler(),
                                "data": ocp.JsonCheckpointHandler(),
                                "config": ocp.JsonCheckpointHandler()})
@@ -282,8 +274,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: Any, data: Optional[Mapping] = None,
-             config: Optional[Mapping] = None, metrics: Optional[Mapping] = None,
-             force: bool = True) -> bool:
+             config: Optional[Mapping] = None, metrics: Optional[Mapping] = None) -> bool:
         """Starts saving `state` (+ iterator position + config) as checkpoint `step`.
 
         Args:
@@ -293,22 +284,19 @@ class Checkpointer:
           config: JSON-serializable train config.
           metrics: e.g. `{'stsb_dev': 81.2}`; must contain `best_metric` for the checkpoint
             to compete for "best".
-          force: save even if orbax's interval policy would skip this step.
 
         Returns:
           Whether a save was started. It completes in the background when `async_save`.
         """
-        if metrics is not None:
-            metrics = {k: float(v) for k, v in metrics.items()}
-            for k, v in metrics.items():
-                if not np.isfinite(v):
-                    raise ValueError(f"metric {k!r} is {v} at step {step}; refusing to rank by it")
+        metrics = None if metrics is None else {k: float(v) for k, v in metrics.items()}
+        for k, v in (metrics or {}).items():
+            if not np.isfinite(v):
+                raise ValueError(f"metric {k!r} is {v} at step {step}; refusing to rank by it")
         ocp = _orbax()
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(_to_json(data)),
-            config=ocp.args.JsonSave(_to_json(config)))
-        return self._manager.save(int(step), args=args, metrics=metrics, force=force)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  data=ocp.args.JsonSave(_to_json(data)),
+                                  config=ocp.args.JsonSave(_to_json(config)))
+        return self._manager.save(int(step), args=args, metrics=metrics, force=True)
 
     def wait_until_finished(self) -> None:
         """Blocks until any background save is committed to disk."""
@@ -317,9 +305,6 @@ class Checkpointer:
     def close(self) -> None:
         """Waits for pending saves and releases the manager's threads."""
         self._manager.close()
-
-    def __enter__(self) -> "Checkpointer":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -352,8 +337,7 @@ class Checkpointer:
                                "metadata (corrupt or incomplete)", e) from e
         if meta is None:
             raise CheckpointError(f"{self.directory}/{step}: no 'state' item")
-        tree = getattr(meta, "tree", meta)
-        return abstract_target(tree, sharding)
+        return abstract_target(getattr(meta, "tree", meta), sharding)
 
     def restore(self, step: Union[str, int, None] = None, target: Any = None) -> Restored:
         """Restores a checkpoint.
@@ -376,8 +360,7 @@ class Checkpointer:
     def _read(self, which: Union[str, int, None], read: Callable[[int], Any]) -> Any:
         """`read(step)` of the step `which` names; a damaged checkpoint is reported with what
         to do (`_damaged`), one removed while it was read is read again as it now stands."""
-        rereads = 0
-        while True:
+        for rereads in itertools.count():
             step = self.resolve_step(which)
             try:
                 return read(step)
@@ -389,7 +372,6 @@ class Checkpointer:
                         f"{self.directory / str(step)}: removed while it was read (a run "
                         f"still training here keeps only its newest checkpoints); read it "
                         f"again, or a step it keeps (have {self._reload()})") from e
-                rereads += 1
                 self._reload()
 
     def _reload(self) -> list[int]:
@@ -403,8 +385,7 @@ class Checkpointer:
         ocp = _orbax()
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target),
-                data=ocp.args.JsonRestore(),
+                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore(),
                 config=ocp.args.JsonRestore()))
         except Exception as e:  # orbax raises many types; name the checkpoint, keep the cause
             raise _read_failed(
@@ -452,8 +433,7 @@ class Checkpointer:
         ocp = _orbax()
         try:
             with ocp.PyTreeCheckpointer() as reader:
-                args = ocp.args.PyTreeRestore(
-                    item=target, partial_restore=True,
+                args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
                     restore_args=ocp.checkpoint_utils.construct_restore_args(target))
                 out = reader.restore(self.directory / str(step) / "state", args=args)
         except Exception as e:  # name the checkpoint, keep the cause
@@ -469,6 +449,4 @@ def restore_or_none(directory: Union[str, os.PathLike], target: Any,
     if not directory.is_dir():
         return None
     with Checkpointer(directory, read_only=True) as ckpt:
-        if not ckpt.all_steps():
-            return None
-        return ckpt.restore(step, target)
+        return ckpt.restore(step, target) if ckpt.all_steps() else None

@@ -26,7 +26,7 @@ from jaxsim.models.bert import BertConfig, BertModel
 
 # Prefixes that wrap the base model in task checkpoints (BertForMaskedLM,
 # RobertaForSequenceClassification...).
-_BASE_PREFIXES = ("bert.", "roberta.", "model.")
+_BASE_PREFIX = re.compile(r"^(bert|roberta|model)\.")
 # Task heads and buffers that are not part of the encoder.
 _IGNORED = re.compile(r"^(cls|lm_head|classifier|qa_outputs|mlp|pre_classifier)\.|position_ids$")
 # Old TF-converted checkpoints call LayerNorm parameters gamma/beta.
@@ -42,7 +42,6 @@ class ImportReport:
     """What an import did besides the mapped tensors."""
 
     ignored: Tuple[str, ...]
-    has_pooler: bool
 
 
 def flax_to_hf_name(path: Tuple[str, ...]) -> str:
@@ -71,13 +70,9 @@ def normalize_hf_names(state_dict: Mapping[str, np.ndarray]
     """Strips base-model prefixes and legacy suffixes; splits off ignored heads and buffers."""
     kept, ignored = {}, []
     for name, value in state_dict.items():
-        for prefix in _BASE_PREFIXES:
-            if name.startswith(prefix):
-                name = name[len(prefix):]
-                break
+        name = _BASE_PREFIX.sub("", name, count=1)
         for old, new in _LEGACY_SUFFIX.items():
-            if name.endswith(old):
-                name = name[: -len(old)] + new
+            name = name.removesuffix(old) + new if name.endswith(old) else name
         if _IGNORED.search(name):
             ignored.append(name)
         else:
@@ -95,14 +90,13 @@ def hf_to_params(state_dict: Mapping[str, np.ndarray], config: BertConfig,
       source: file name used in error messages.
 
     Returns:
-      (params, report): params for `BertModel(config, add_pooler=report.has_pooler)`.
+      (params, report): params for `BertModel(config, add_pooler="pooler" in params)`.
 
     Raises:
       CheckpointMismatchError: naming every missing, unexpected or mis-shaped tensor.
     """
     tensors, ignored = normalize_hf_names(state_dict)
-    has_pooler = any(name.startswith("pooler.") for name in tensors)
-    expected = param_shapes(config, add_pooler=has_pooler)
+    expected = param_shapes(config, add_pooler=any(n.startswith("pooler.") for n in tensors))
     problems, flat = [], {}
     for path, shape in expected.items():
         name = flax_to_hf_name(path)
@@ -124,14 +118,12 @@ def hf_to_params(state_dict: Mapping[str, np.ndarray], config: BertConfig,
             f"{source} does not match the {config.model_type} architecture "
             f"({config.num_hidden_layers} layers, hidden {config.hidden_size}):\n  "
             + "\n  ".join(problems))
-    params = flax.traverse_util.unflatten_dict(flat)
-    return params, ImportReport(ignored=tuple(sorted(ignored)), has_pooler=has_pooler)
+    return flax.traverse_util.unflatten_dict(flat), ImportReport(ignored=tuple(sorted(ignored)))
 
 
 def params_to_hf(params: Mapping, config: BertConfig) -> Dict[str, np.ndarray]:
     """Flax parameters -> PyTorch `BertModel`/`RobertaModel` state dict (contiguous float32)."""
-    has_pooler = "pooler" in params
-    expected = param_shapes(config, add_pooler=has_pooler)
+    expected = param_shapes(config, add_pooler="pooler" in params)
     flat = flax.traverse_util.flatten_dict(dict(params))
     if set(flat) != set(expected):
         missing = sorted("/".join(p) for p in set(expected) - set(flat))
@@ -155,35 +147,26 @@ def hf_to_encoder_params(state_dict: Mapping[str, np.ndarray], config: BertConfi
     BERT's own pooler layer, when the checkpoint has one, lands under 'pooler' (the 'cls'
     pooler's dense + tanh), and its masked-LM head under 'mlm_head'.
     """
-    params, report = hf_to_params(state_dict, config, source)
-    params = dict(params)
-    tree = {"bert": {k: v for k, v in params.items() if k != "pooler"}}
-    if "pooler" in params:
-        tree["pooler"] = params["pooler"]
-    mlm = hf_to_mlm_params(state_dict, config)
-    if mlm is not None:
-        tree["mlm_head"] = mlm
-    return tree, report
+    bert, report = hf_to_params(state_dict, config, source)
+    pooler = bert.pop("pooler", None)
+    tree = {"bert": bert, "pooler": pooler, "mlm_head": hf_to_mlm_params(state_dict, config)}
+    return {k: v for k, v in tree.items() if v is not None}, report
 
 
 def encoder_params_to_hf(params: Mapping, config: BertConfig,
                          include_pooler: bool = True) -> Dict[str, np.ndarray]:
-    """A `SentenceEncoder` tree -> a PyTorch `BertModel`/`RobertaModel` state dict.
-
-    Args:
-      params: {'bert': ..., 'pooler': ...}.
-      config: the architecture.
-      include_pooler: write params['pooler'] as BERT's pooler layer (only for poolers whose
-        parameters are that layer, e.g. 'cls').
-    """
+    """A `SentenceEncoder` tree {'bert', 'pooler'} -> a PyTorch `BertModel`/`RobertaModel`
+    state dict; `include_pooler` writes params['pooler'] as BERT's pooler layer."""
     tree = dict(params["bert"])
     if include_pooler and "pooler" in params:
         tree["pooler"] = params["pooler"]
     return params_to_hf(tree, config)
 
 
-# Hugging Face names of the masked-LM head -> paths in `jaxsim.models.mlm.MlmHead`'s tree.
-# The decoder weight is tied to the word embeddings in both families, so it is not stored here.
+# Hugging Face names of the masked-LM head -> modules in `jaxsim.models.mlm.MlmHead`'s tree, and
+# their leaves. The decoder weight is tied to the word embeddings in both families, so it is not
+# stored here: the output bias has no weight.
+_MLM_LEAVES = {("dense",): ("kernel", "bias"), ("LayerNorm",): ("scale", "bias"), (): ("bias",)}
 _MLM_NAMES = {
     "bert": {"cls.predictions.transform.dense": ("dense",),
              "cls.predictions.transform.LayerNorm": ("LayerNorm",),
@@ -198,20 +181,11 @@ def hf_to_mlm_params(state_dict: Mapping[str, np.ndarray], config: BertConfig):
 
     Returns None unless every head tensor is present (a partial head is not a head).
     """
-    names = _MLM_NAMES[config.model_type]
     flat = {}
-    for hf_prefix, path in names.items():
-        for leaf in ("weight", "bias"):
-            if not path and leaf == "weight":
-                continue  # the output bias has no weight: the decoder is tied to embeddings
-            value = state_dict.get(f"{hf_prefix}.{leaf}")
+    for hf_prefix, module in _MLM_NAMES[config.model_type].items():
+        for leaf in _MLM_LEAVES[module]:
+            value = state_dict.get(f"{hf_prefix}.{flax_to_hf_name((leaf,))}")
             if value is None:
                 return None
-            value = np.asarray(value, np.float32)
-            if path and path[0] == "dense" and leaf == "weight":
-                flat[path + ("kernel",)] = value.T
-            elif path and path[0] == "LayerNorm" and leaf == "weight":
-                flat[path + ("scale",)] = value
-            else:
-                flat[path + ("bias",)] = value
+            flat[module + (leaf,)] = _to_hf((leaf,), np.asarray(value, np.float32))
     return flax.traverse_util.unflatten_dict(flat)

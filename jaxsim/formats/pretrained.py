@@ -37,16 +37,13 @@ def load_pretrained(name_or_path: Union[str, os.PathLike], pooler: Optional[str]
         raise ModelLoadError("the model path is empty; give a folder, a hub id or 'bundled'")
     if str(name_or_path) == "bundled":
         name_or_path = bundled_model_path()
-    if store.is_remote(name_or_path):  # gs://...: a workdir is read in place, a folder copied
-        path = store.as_path(name_or_path, "model")
-        if is_train_workdir(path):
-            model = load_workdir(path, which)
-            return model.with_pooler(pooler) if pooler else model
-        return load_hf_folder(store.local_copy(path, "model"), pooler)
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() and is_train_workdir(path):
+    remote = store.is_remote(name_or_path)  # gs://...: a workdir is read in place, a folder copied
+    path = store.as_path(name_or_path, "model") if remote else Path(name_or_path).expanduser()
+    if is_train_workdir(path):
         model = load_workdir(path, which)
         return model.with_pooler(pooler) if pooler else model
+    if remote:
+        return load_hf_folder(store.local_copy(path, "model"), pooler)
     if path.is_dir() and not any(
             (path / weights).is_file() for weights in ("model.safetensors", "pytorch_model.bin")):
         # Half a workdir: its config.json is a train config, which the HF reader would misname.

@@ -41,30 +41,28 @@ _NOT_OPTIONS = ("features", "parent", "name")
 FLOW_CALIBRATIONS: Registry[type] = Registry("flow calibration", error=HeadError)
 
 
-def check_layers(config: FlowConfig, what: str) -> None:
-    """Refuses a flow with a layer jaxsim_flow.py does not implement, naming it."""
+def check_layers(config: FlowConfig, what: str, error: type = HeadError) -> None:
+    """Refuses a flow with a layer jaxsim_flow.py does not implement, naming it (`error`: the
+    caller's error type)."""
     for spec in config.step:
         if TORCH_LAYERS.get(spec.layer) is not FLOW_LAYERS.get(spec.layer):
-            raise HeadError(f"{what}: flow layer {spec.layer!r} has no PyTorch form for the "
-                            f"sentence-transformers export (it has "
-                            f"{', '.join(TORCH_LAYERS)})")
+            raise error(f"{what}: flow layer {spec.layer!r} has no PyTorch form for the "
+                        f"sentence-transformers export (it has {', '.join(TORCH_LAYERS)})")
 
 
 def _layer_options(spec) -> dict[str, Any]:
     """Every option of a layer, defaults included, so the PyTorch side assumes none."""
-    cls = TORCH_LAYERS[spec.layer]
-    options = {f.name: f.default for f in dataclasses.fields(cls)
-               if f.name not in _NOT_OPTIONS and f.default is not dataclasses.MISSING}
-    options.update(spec.kwargs())
-    return options
+    defaults = {f.name: f.default for f in dataclasses.fields(TORCH_LAYERS[spec.layer])
+                if f.name not in _NOT_OPTIONS and f.default is not dataclasses.MISSING}
+    return {**defaults, **spec.kwargs()}
 
 
-def flow_module(calibration, dim: int) -> StModule:
+def flow_module(calibration, dim: int, error: type = HeadError) -> StModule:
     """The sentence-transformers module applying a fitted flow (a FlowCalibration: the export
-    workflow sends only flows here) to `dim`-dim vectors."""
-    check_layers(calibration.config, f"calibration {calibration.describe()!r}")
+    workflow sends only flows here) to `dim`-dim vectors; refusals raise `error`."""
+    check_layers(calibration.config, f"calibration {calibration.describe()!r}", error)
     if calibration.dim != dim:
-        raise HeadError(f"the flow maps {calibration.dim}-dim vectors; the model gives "
+        raise error(f"the flow maps {calibration.dim}-dim vectors; the model gives "
                         f"{dim}-dim vectors")
     meta, arrays = calibration.state()
     config = calibration.config
@@ -96,8 +94,7 @@ class FlowHead:
 def read_flow(module_dir: Path, read_state_dict: Callable) -> FlowHead:
     """The flow module of an exported folder (its config.json and weights) as a FlowHead."""
     config_file = module_dir / "config.json"
-    config = store.read_json(config_file, HeadError, "flow module config")
-    meta = config.get("jaxsim")
+    meta = store.read_json(config_file, HeadError, "flow module config").get("jaxsim")
     if not isinstance(meta, dict):
         raise HeadError(f"{config_file}: no 'jaxsim' entry (the flow as jaxsim saved it)")
     tensors, source = read_state_dict(module_dir)

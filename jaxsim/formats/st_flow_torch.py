@@ -105,10 +105,7 @@ def apply_layer(x, p, key, name, options):
         upper = torch.triu(p(f"{key}/lu/upper"), 1) + torch.diag(
             p(f"{key}/lu/sign_s") * torch.exp(p(f"{key}/lu/log_s")))
         return (x[:, torch.argmax(perm, dim=0)] @ lower) @ upper
-    if name in ("additive_coupling", "affine_coupling"):
-        return _coupling(x, p, key, name, options)
-    raise ValueError(f"jaxsim_flow: flow layer {name!r} has no PyTorch form here "
-                     f"(this module runs {', '.join(LAYERS)})")
+    return _coupling(x, p, key, name, options)  # JaxsimFlow refuses any other layer
 
 
 class JaxsimFlow(nn.Module):

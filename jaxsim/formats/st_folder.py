@@ -3,16 +3,9 @@ and written.
 
 sentence-transformers runs Transformer -> Pooling -> any Dense / Normalize modules; jaxsim's
 encoder and pooler cover the first two, and `head_of` reads the rest into
-`SentenceModel.head` (`jaxsim.models.st_head`) so `jaxsim.encode` gives the vectors
-`SentenceTransformer(folder).encode` gives. In a jaxsim export the pooler's own modules (e.g.
-'cls': Pooling + the head's Dense(tanh)) are the pooler; its record says which modules follow
-(a calibration's Dense or flow, Normalize). A jaxsim flow module (`jaxsim.formats.st_flow`) is read
-back as a `FlowHead` applying the same flow with jaxsim's code.
-
-Writing: `write_modules` lays out the module folders, modules.json and sentence-transformers'
-own config files for a list of `StModule`s (`jaxsim.formats.st_modules`); `head_modules` turns
-a loaded folder's head back into those modules. What goes into the list (pooler rule,
-calibration, Normalize) is the export workflow's choice (`jaxsim.export`).
+`SentenceModel.head` (`jaxsim.models.st_head`). In a jaxsim export the pooler's own modules are
+the pooler, and its record says which modules follow. `write_modules` lays out the module
+folders for a list of `StModule`s; what goes into the list is `jaxsim.export`'s choice.
 """
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ from safetensors.numpy import save as safetensors_bytes
 from jaxsim.formats import st_flow
 from jaxsim.formats.st_flow import MODULE_TYPE as FLOW_MODULE_TYPE
 from jaxsim.formats.st_flow import read_flow
-from jaxsim.formats.st_modules import NORMALIZE, StModule, st_dense, st_normalize
+from jaxsim.formats.st_modules import NORMALIZE, TANH, StModule, st_dense, st_normalize
 from jaxsim.models.st_head import Dense, HeadError, Normalize
 from jaxsim.storage import store
 
@@ -34,7 +27,9 @@ RECORD_FILE = "jaxsim_export.json"  # a jaxsim export's record
 # A pooler's own parameters (a user pooler's, not BERT's pooler layer), as jaxsim names them:
 # its export rule writes them into modules jaxsim cannot read back (a rule has no inverse).
 POOLER_FILE = "jaxsim_pooler.safetensors"
-_PREFIX = "sentence_transformers.models."
+# What to do about a jaxsim export changed since jaxsim wrote it.
+_REDO = (f"export it again with jaxsim, or delete {RECORD_FILE} to load the folder by "
+         f"{MODULES_FILE} alone")
 
 
 def read_modules(folder: Path) -> Optional[list[dict]]:
@@ -60,8 +55,7 @@ def has_normalize_module(folder: Path) -> bool:
 
 def _dense(folder: Path, entry: dict, read_state_dict: Callable) -> Dense:
     module_dir = folder / entry.get("path", "")
-    config_file = module_dir / "config.json"
-    config = store.read_json(config_file, HeadError, "Dense module config")
+    config = store.read_json(module_dir / "config.json", HeadError, "Dense module config")
     tensors, source = read_state_dict(module_dir)
     weight = np.asarray(tensors.get("linear.weight"), np.float32)
     bias = tensors.get("linear.bias")
@@ -70,8 +64,7 @@ def _dense(folder: Path, entry: dict, read_state_dict: Callable) -> Dense:
         raise HeadError(f"{source}: linear.weight has shape {weight.shape}, the module's "
                         f"config says {shape}")
     return Dense(weight=weight, bias=None if bias is None else np.asarray(bias, np.float32),
-                 activation=str(config.get("activation_function",
-                                           "torch.nn.modules.activation.Tanh")))
+                 activation=str(config.get("activation_function", TANH)))
 
 
 def _layout(entries: list[dict]) -> list[tuple[str, str]]:
@@ -88,8 +81,7 @@ def _recorded_head(folder: Path, entries: list[dict], record: dict) -> list[dict
         if record.get("format") == "hf":
             raise HeadError(f"{folder / MODULES_FILE}: written after jaxsim's hf export "
                             f"({folder / RECORD_FILE} records no sentence-transformers "
-                            f"modules); export it again with jaxsim, or delete {RECORD_FILE} "
-                            f"to load the folder by {MODULES_FILE} alone")
+                            f"modules); {_REDO}")
         if count is None:  # an export from before the record counted them
             count = int(record.get("post") is not None) + int(bool(record.get("normalize")))
         after = entries[1:]
@@ -99,24 +91,16 @@ def _recorded_head(folder: Path, entries: list[dict], record: dict) -> list[dict
         names = ", ".join(_kind(e) for e in entries)
         exported = ", ".join(_kind(e) for e in recorded[:own])
         raise HeadError(f"{folder / MODULES_FILE}: modules {names} do not begin with the "
-                        f"modules jaxsim exported ({exported}, {RECORD_FILE}); export it again "
-                        f"with jaxsim, or delete {RECORD_FILE} to load the folder by "
-                        f"{MODULES_FILE} alone")
+                        f"modules jaxsim exported ({exported}, {RECORD_FILE}); {_REDO}")
     return entries[own:]
 
 
-def head_of(folder: Path, read_state_dict: Callable,
-            record: Optional[dict] = None) -> tuple:
-    """The modules a sentence-transformers folder applies after pooling, as `st_head` modules.
+def head_of(folder: Path, read_state_dict: Callable, record: Optional[dict] = None) -> tuple:
+    """The modules a sentence-transformers folder applies after pooling, as `st_head` modules;
+    a HeadError for one jaxsim cannot reproduce, or a broken one.
 
-    Args:
-      folder: the model folder.
-      read_state_dict: `folder -> (tensors, file)` (the model loader's weight reader).
-      record: a jaxsim export's jaxsim_export.json, whose 'modules' and 'head_modules' say
-        which modules are the pooler's own; modules listed after them are applied too.
-
-    Raises:
-      HeadError: a module jaxsim cannot reproduce (named with its folder), or a broken one.
+    `read_state_dict`: `folder -> (tensors, file)`. `record`: a jaxsim export's record, whose
+    'modules' and 'head_modules' say which modules are the pooler's own.
     """
     entries = read_modules(folder)
     if not entries:
@@ -124,18 +108,16 @@ def head_of(folder: Path, read_state_dict: Callable,
     if _kind(entries[0]) != "Transformer":
         raise HeadError(f"{folder / MODULES_FILE}: the first module is {entries[0]['type']}, "
                         f"not a Transformer")
-    after = entries[1:]
     if record is not None:
         trailing = _recorded_head(folder, entries, record)
     else:
-        kinds = [_kind(e) for e in after]
+        kinds = [_kind(e) for e in entries[1:]]
         if "Pooling" not in kinds:
             raise HeadError(f"{folder / MODULES_FILE}: no Pooling module")
-        at = kinds.index("Pooling")
-        if at:
-            raise HeadError(f"{folder / MODULES_FILE}: module {after[0]['type']} before "
+        if kinds[0] != "Pooling":
+            raise HeadError(f"{folder / MODULES_FILE}: module {entries[1]['type']} before "
                             f"Pooling is not supported by jaxsim")
-        trailing = after[at + 1:]
+        trailing = entries[2:]
     head = []
     for entry in trailing:
         kind = _kind(entry)
@@ -157,8 +139,7 @@ def check_pooler_modules(folder: Path, record: dict, modules: Sequence[StModule]
     """Refuses an export whose pooler modules no longer hold what the pooler's export rule
     makes of its POOLER_FILE parameters (`modules`), e.g. a Dense fine-tuned and re-saved by
     sentence-transformers: jaxsim applies the parameters, so it would give other vectors."""
-    entries = read_modules(folder) or []
-    own = entries[1:1 + len(modules)]
+    own = (read_modules(folder) or [])[1:1 + len(modules)]
     redo = (f"export it again with jaxsim, or delete {RECORD_FILE} and {POOLER_FILE} to load "
             f"the folder by {MODULES_FILE} alone")
     if [_kind(e) for e in own] != [m.short_name for m in modules]:

@@ -55,8 +55,7 @@ def st_dense(kernel: np.ndarray, bias: np.ndarray, activation: str) -> StModule:
         {"linear.weight": kernel.T, "linear.bias": np.asarray(bias, np.float32)})
 
 
-def st_layer_average(hidden: int, num_hidden_layers: int, first: int,
-                     second: int) -> StModule:
+def st_layer_average(hidden: int, num_hidden_layers: int, first: int, second: int) -> StModule:
     """WeightedLayerPooling with unit weights on two hidden states: exactly (h_a + h_b) / 2.
 
     It computes sum_i w_i h[start + i] / sum_i w_i over hidden_states[start:].

@@ -49,8 +49,7 @@ def is_train_workdir(path: Union[str, os.PathLike]) -> bool:
 def model_record(model: SentenceModel, base_model: str = "") -> dict:
     """The content of model.json for `model`."""
     record = {"format": _FORMAT, "version": 1, "config": model.config.to_hf_dict(),
-              "pooler": model.encoder.pooler,
-              "mlp_only_train": bool(model.encoder.mlp_only_train),
+              "pooler": model.encoder.pooler, "mlp_only_train": bool(model.encoder.mlp_only_train),
               "max_seq_length": model.max_seq_length, "base_model": base_model}
     if model.head:  # a kept sentence-transformers head: its structure (weights: checkpoints)
         record["head"] = st_head.head_record(model.head)
@@ -88,13 +87,8 @@ def encoder_from_record(record: Mapping, source: str) -> tuple[SentenceEncoder, 
 
 def load_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "best"
                  ) -> SentenceModel:
-    """Loads a trained encoder from a train workdir.
-
-    Args:
-      workdir: the folder.
-      which: 'best' (by the dev metric; the latest when the run had no evaluation), 'latest',
-        or a step number.
-    """
+    """Loads a trained encoder from a train workdir; `which`: 'best' (by the dev metric; the
+    latest when the run had no evaluation), 'latest', or a step number."""
     workdir = store.as_path(workdir)
     record = store.read_json(workdir / MODEL_FILE, WorkdirError, "model record")
     encoder, max_len = encoder_from_record(record, str(workdir / MODEL_FILE))
@@ -109,8 +103,7 @@ def load_workdir(workdir: Union[str, os.PathLike], which: Union[str, int] = "bes
     # weights from the checkpoint.
     params, weights = st_head.split_weights(params)
     try:
-        head = st_head.head_from_record(record.get("head", []), weights,
-                                        f"{ckpt_dir}/{step}")
+        head = st_head.head_from_record(record.get("head", []), weights, f"{ckpt_dir}/{step}")
     except st_head.HeadError as e:
         raise WorkdirError(str(e)) from None
     check_params(encoder, params, f"{ckpt_dir}/{step}")

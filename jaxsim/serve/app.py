@@ -1,16 +1,6 @@
-"""The HTTP face of a `SearchService`: JSON routes, request validation, the web page.
-
-    GET  /            the search page (static/index.html)
-    GET  /health      {"status", "model", "pooler", "rows", "dim", "batching", "limits", ...}
-    POST /search      {"queries": [str], "top_k": 5, "threshold": 0.6 | null}
-                      -> {"results": [[{"sentence", "score", "row"}, ...], ...]}
-    POST /encode      {"sentences": [str], "normalize": false} -> {"dim", "vectors": [[...]]}
-    POST /similarity  {"queries": [str], "keys": [str]} -> {"scores": [[...]]}
-
-Every error is a JSON object {"error": message} (plus "field" when one field is at fault):
-422 for a malformed field, 400 for a body that is not JSON, 415 for another content type, 413
-for a body over the size limit, 503 when the queue is full or the server is stopping. No
-request value names a file.
+"""The HTTP face of a `SearchService`: JSON routes (/health, /search, /encode, /similarity),
+request validation and the web page (docs/serve.md). Every error is a JSON object {"error":
+message} (plus "field" when one field is at fault); no request value names a file.
 """
 from __future__ import annotations
 
@@ -108,9 +98,8 @@ def _validation_error(exc: RequestValidationError) -> JsonResponse:
     for part in first.get("loc", ())[1:]:  # loc[0] is "body"
         field += f"[{part}]" if isinstance(part, int) else f".{part}" if field else str(part)
     field = field or "body"
-    if first.get("type") == "extra_forbidden":
-        return _error(422, f"{field}: unknown field", field)
-    return _error(422, f"{field}: {first.get('msg', 'invalid')}", field)
+    why = "unknown field" if first.get("type") == "extra_forbidden" else first.get("msg", "invalid")
+    return _error(422, f"{field}: {why}", field)
 
 
 class _BodyLimit:
@@ -124,57 +113,37 @@ class _BodyLimit:
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
-    async def _refuse(self, receive, send, size: int, more: bool) -> None:
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        over = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
+        chunks, size, more = [], 0, True
         while more and size <= self.DRAIN_FACTOR * self.max_bytes:
             message = await receive()
             if message["type"] != "http.request":
                 return  # the client went away
             size += len(message.get("body", b""))
             more = message.get("more_body", False)
-        response = _error(413, f"body: over the {self.max_bytes}-byte limit", "body")
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(response.body)).encode())]})
-        await send({"type": "http.response.body", "body": response.body})
+            if size <= self.max_bytes:  # past the limit, the rest is read and dropped
+                chunks.append(message.get("body", b""))
+        if over or size > self.max_bytes:
+            refusal = _error(413, f"body: over the {self.max_bytes}-byte limit", "body")
+            return await refusal(scope, receive, send)
+        whole = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(receive, send, 0, True)
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-            if size > self.max_bytes:
-                return await self._refuse(receive, send, size, more)
-        body, replayed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
+        async def replay():  # the whole body once, then what the client sends next
+            return whole.pop() if whole else await receive()
 
         await self.app(scope, replay, send)
-
-
-def _page() -> str:
-    return (importlib.resources.files("jaxsim.serve") / "static" / "index.html").read_text(
-        encoding="utf-8")
 
 
 def create_app(service: SearchService) -> FastAPI:
     """The FastAPI app serving `service`; starting the app starts the service's batcher and
     stopping it fails the requests still queued (clients get 503, never a hang)."""
     limits = service.limits
-    page = _page()  # read once: no route reads files
+    page = (importlib.resources.files("jaxsim.serve") / "static" / "index.html").read_text(
+        encoding="utf-8")  # read once: no route reads files
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -200,13 +169,11 @@ def create_app(service: SearchService) -> FastAPI:
     async def on_field(_request: Request, exc: FieldError):
         return _error(422, str(exc), exc.field)
 
-    @app.exception_handler(BatcherBusy)
-    async def on_busy(_request: Request, exc: BatcherBusy):
+    async def on_unavailable(_request: Request, exc: Exception):
         return _error(503, str(exc))
 
-    @app.exception_handler(BatcherClosed)
-    async def on_closed(_request: Request, exc: BatcherClosed):
-        return _error(503, str(exc))
+    app.add_exception_handler(BatcherBusy, on_unavailable)
+    app.add_exception_handler(BatcherClosed, on_unavailable)
 
     @app.exception_handler(HTTPException)
     async def on_http(_request: Request, exc: HTTPException):
@@ -242,8 +209,7 @@ def create_app(service: SearchService) -> FastAPI:
     async def encode(request: EncodeRequest):
         _check_sentences(limits, sentences=request.sentences)
         vectors = await service.encode(request.sentences, request.normalize)
-        return JsonResponse({"dim": int(vectors.shape[1]),
-                             "vectors": vectors.astype(np.float64)})
+        return JsonResponse({"dim": int(vectors.shape[1]), "vectors": vectors.astype(np.float64)})
 
     @app.post("/similarity")
     async def similarity(request: SimilarityRequest):

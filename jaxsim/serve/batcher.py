@@ -1,18 +1,10 @@
-"""Merges requests that arrive within a few milliseconds into one encode and one top-k.
+"""Merges requests that arrive within a few milliseconds into one encode and one top-k
+(docs/serve.md, "Batching").
 
-A single worker thread owns the device. Callers `submit` a request (sentences, and a top_k when
-the request searches) and get a `concurrent.futures.Future`. The worker takes the oldest
-request, keeps collecting for `window_s` (or until `max_batch` sentences are waiting), then
-encodes every collected sentence in one call and searches every searching request's vectors in
-one top-k call with the largest top_k asked, and hands each request its own rows back.
-
-Why: on CPU and accelerators alike, one encode of 32 sentences costs far less than 32 encodes
-of one (per-call dispatch, small matrix products that leave cores idle), so throughput under
-concurrent load grows with the batch while a lone request waits only `window_s` more.
-
-The queue is bounded: `submit` raises `BatcherBusy` when `max_queue` requests wait, so an
-overloaded server answers at once instead of queueing without limit. `close` fails the
-requests still waiting with `BatcherClosed`, so no caller waits forever.
+Why: one encode of 32 sentences costs far less than 32 encodes of one (per-call dispatch, small
+matrix products that leave cores idle), so throughput under concurrent load grows with the
+batch while a lone request waits only `window_s` more. The queue is bounded (`BatcherBusy`),
+and `close` fails the requests still waiting (`BatcherClosed`), so no caller waits forever.
 """
 from __future__ import annotations
 
@@ -196,20 +188,15 @@ class Batcher:
     def _serve(self, batch: list[_Request]) -> list[Result]:
         """One encode over every sentence of the batch, one top-k over the searching rows."""
         sentences = [s for r in batch for s in r.sentences]
-        vectors = self._encode(sentences)  # [n, dim]
-        bounds = np.cumsum([0] + [len(r.sentences) for r in batch])
-        parts = [vectors[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        parts = np.split(self._encode(sentences), np.cumsum([len(r.sentences) for r in batch])[:-1])
         searching = [i for i, r in enumerate(batch) if r.top_k > 0]
         results = [Result(p) for p in parts]
         if searching:
             k = max(batch[i].top_k for i in searching)
-            queries = np.concatenate([parts[i] for i in searching])
-            scores, rows = self._search(queries, k)
-            at = 0
-            for i in searching:
-                n, want = len(parts[i]), batch[i].top_k
-                results[i] = Result(parts[i], scores[at: at + n, :want], rows[at: at + n, :want])
-                at += n
+            scores, rows = self._search(np.concatenate([parts[i] for i in searching]), k)
+            cuts = np.cumsum([len(parts[i]) for i in searching])[:-1]
+            for i, s, r in zip(searching, np.split(scores, cuts), np.split(rows, cuts)):
+                results[i] = Result(parts[i], s[:, :batch[i].top_k], r[:, :batch[i].top_k])
         self.stats.requests += len(batch)
         self.stats.batches += 1
         self.stats.largest_batch = max(self.stats.largest_batch, len(sentences))

@@ -1,10 +1,8 @@
 """What the server serves, without HTTP: a loaded index and its model behind a `Batcher`.
 
-`open_service(index_dir, model=None)` loads the index (its files are only read: the vectors
-are memory-mapped read-only and copied), loads the model the index records (or the one given)
-and checks it is the model that built the index, once, before any request. Requests then go
-through the batcher: `search`, `encode` and `similarity` are coroutines that wait on the
-batcher's future without blocking the event loop.
+`open_service` loads the index and its model and checks, once, that it is the model that built
+the index; `search`, `encode` and `similarity` are coroutines that wait on the batcher's future
+without blocking the event loop.
 """
 from __future__ import annotations
 
@@ -49,13 +47,13 @@ class ServeLimits:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
             # NaN passes every comparison, and a NaN or infinite window keeps the batcher
             # waiting for ever: no request would be answered.
-            if not math.isfinite(getattr(self, field.name)):
-                raise ValueError(f"{field.name} must be a finite number, got "
-                                 f"{getattr(self, field.name)}")
-            if getattr(self, field.name) < (0 if field.name == "window_ms" else 1):
-                raise ValueError(f"{field.name} must be positive, got {getattr(self, field.name)}")
+            if not math.isfinite(value):
+                raise ValueError(f"{field.name} must be a finite number, got {value}")
+            if value < (0 if field.name == "window_ms" else 1):
+                raise ValueError(f"{field.name} must be positive, got {value}")
         if self.max_sentences > self.max_batch:
             raise ValueError(f"max_sentences ({self.max_sentences}) must not exceed max_batch "
                              f"({self.max_batch}): a request is never split across batches")
@@ -70,8 +68,8 @@ ROW_BUCKETS = (1, 2, 4, 8)
 MIN_K_BUCKET = 16
 
 
-def _rows_bucket(n: int, limit: int) -> int:
-    return min(limit, next((b for b in ROW_BUCKETS if b >= n), ROW_BUCKETS[-1]))
+def _rows_bucket(n: int) -> int:
+    return next((b for b in ROW_BUCKETS if b >= n), ROW_BUCKETS[-1])
 
 
 def _k_bucket(k: int, rows: int) -> int:
@@ -82,10 +80,9 @@ class SearchService:
     """An index and its model, served through a batcher. Start with `start`, end with `close`."""
 
     def __init__(self, index: SearchIndex, model: Any, *, limits: ServeLimits = ServeLimits(),
-                 batching: bool = True, encode_batch: int = ROW_BUCKETS[-1]):
+                 batching: bool = True):
         self.index, self.model, self.limits = index, model, limits
         self.pooler = index.info.pooler
-        self.encode_batch = encode_batch
         self._sentences = index.sentences  # one copy; the served index never grows
         self.batcher = Batcher(self._encode, self._search, window_s=limits.window_ms / 1000,
                                max_batch=limits.max_batch, max_queue=limits.max_queue,
@@ -93,7 +90,7 @@ class SearchService:
 
     # Called on the batcher's thread only.
     def _encode(self, sentences: list[str]) -> np.ndarray:
-        rows = _rows_bucket(len(sentences), self.encode_batch)
+        rows = _rows_bucket(len(sentences))
         return embed(self.model, sentences, pooler=self.pooler, batch_size=rows)
 
     def _search(self, vectors: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -108,7 +105,7 @@ class SearchService:
             return
         longest = min(max_tokens, self.model.max_length())
         lengths = sorted({bucket_length(n, longest) for n in range(8, longest + 1)}) or [2]
-        for rows in sorted({_rows_bucket(n, self.encode_batch) for n in ROW_BUCKETS}):
+        for rows in ROW_BUCKETS:
             for tokens in lengths:  # "a" is one word piece: [CLS] + a * (n - 2) + [SEP]
                 vectors = self._encode([" ".join(["a"] * (tokens - 2))] * rows)
                 if not max_tokens:
@@ -128,9 +125,8 @@ class SearchService:
     def describe(self) -> dict:
         """What /health reports: model, pooler, rows, limits, and requests/batches served."""
         return {"model": self.index.info.model or str(self.model.path), "pooler": self.pooler,
-                "rows": len(self.index), "dim": self.index.dim,
-                "batching": self.batcher.enabled, "queued": self.batcher.queued(),
-                "served": dataclasses.asdict(self.batcher.stats),
+                "rows": len(self.index), "dim": self.index.dim, "batching": self.batcher.enabled,
+                "queued": self.batcher.queued(), "served": dataclasses.asdict(self.batcher.stats),
                 "limits": dataclasses.asdict(self.limits)}
 
     async def _submit(self, sentences: list[str], top_k: int = 0):

@@ -32,16 +32,20 @@ def _start_time(pid: int) -> Optional[str]:
         return None
 
 
-def _alive(holder: dict) -> bool:
-    pid = holder.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return False
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True  # exists, owned by someone else
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _alive(holder: dict) -> bool:
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid <= 0 or not pid_alive(pid):
+        return False
     started = holder.get("proc_start")
     return started is None or _start_time(pid) in (None, started)
 
@@ -95,15 +99,15 @@ class WorkdirLock:
         self._fd = fd
 
     def _acquire_remote(self) -> None:
-        if self.path.exists():
-            holder = _parse_holder(self.path.read_text(encoding="utf-8"))
-            if holder and (holder.get("host") != self.record["host"] or _alive(holder)):
-                self._refuse(holder)
-            if holder:
-                self._taken_over(holder)
+        holder = _parse_holder(self.path.read_text(encoding="utf-8")) if self.path.exists() else {}
+        if holder and (holder.get("host") != self.record["host"] or _alive(holder)):
+            self._refuse(holder)
+        if holder:
+            self._taken_over(holder)
         self.path.write_text(json.dumps(self.record) + "\n", encoding="utf-8")
-        if _parse_holder(self.path.read_text(encoding="utf-8")) != self.record:
-            self._refuse(_parse_holder(self.path.read_text(encoding="utf-8")))
+        written = _parse_holder(self.path.read_text(encoding="utf-8"))
+        if written != self.record:  # another host wrote it at the same time
+            self._refuse(written)
 
     def acquire(self) -> "WorkdirLock":
         self.workdir.mkdir(parents=True, exist_ok=True)

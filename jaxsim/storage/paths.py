@@ -1,11 +1,10 @@
-"""Naming paths: storage paths, local or a URL of a scheme epath serves (gs://, s3://, ...), and
-where the shipped data lives.
+"""Naming paths: local, or a URL of a scheme epath serves (gs://, s3://, ...), and where the
+shipped data lives (`SENTEVAL_ROOT`: `../shared/data/senteval` beside the repository, or
+$JAXSIM_SENTEVAL).
 
 `as_path` is how every path given to jaxsim becomes an `etils.epath.Path` (what orbax uses):
 an empty one is refused, and a remote scheme whose fsspec backend is not installed is named in
-one line. Writing is `jaxsim.storage.store`'s.
-
-`SENTEVAL_ROOT`: `../shared/data/senteval` beside the repository, or $JAXSIM_SENTEVAL.
+one line.
 """
 from __future__ import annotations
 

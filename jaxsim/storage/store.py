@@ -1,18 +1,10 @@
 """The one storage layer: how jaxsim names, checks and writes every file it produces.
 
-Paths are `etils.epath.Path` (what orbax uses): a local path, or a URL of a scheme epath serves
-(`gs://`, `s3://`, ...) through its fsspec backend. The output rule every command follows:
-
-  - an existing target is refused in one line unless the caller says `overwrite`
-    (`refuse_existing`);
-  - a file is written to a temporary sibling and renamed into place (`write_atomic`,
-    `open_atomic`), a folder is built beside its target and swapped in (`replace_dir`), so an
-    interrupted write leaves the old content or none, never half of it. Object stores have no
-    rename, but a single object PUT is atomic already: remote files are written in one PUT;
-  - a train workdir is held by one run at a time (`WorkdirLock`, from `jaxsim.storage.lock`).
-
-Paths are named by `jaxsim.storage.paths` and the lock lives in `jaxsim.storage.lock`; their
-public names are reachable here too, so callers import one module for storage.
+The output rule every command follows (docs/storage.md): an existing target is refused unless
+the caller says `overwrite` (`refuse_existing`); a file is written to a temporary sibling and
+renamed into place (`write_atomic`, `open_atomic`), a folder built beside its target and swapped
+in (`replace_dir`); remote files are written in one PUT, atomic already. Path naming
+(`jaxsim.storage.paths`) and the workdir lock (`jaxsim.storage.lock`) are reachable here too.
 """
 from __future__ import annotations
 
@@ -33,7 +25,7 @@ from typing import IO, Any, Iterator, Mapping, Optional, Union
 
 from etils import epath
 
-from jaxsim.storage.lock import LOCK_FILE, WorkdirLock, WorkdirLockedError
+from jaxsim.storage.lock import LOCK_FILE, WorkdirLock, WorkdirLockedError, pid_alive
 from jaxsim.storage.paths import Path, PathLike, StorageError, as_path, is_remote, scheme
 
 __all__ = [  # the storage layer's names, wherever they are defined
@@ -56,11 +48,7 @@ def check_reachable(path: PathLike, what: str = "path") -> Path:
     p = as_path(path, what)
     if is_remote(p):
         return _check_bucket(p, what)
-    probe = p
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
+    probe = next((q for q in (p, *p.parents) if q.exists()), p)
     if probe.exists() and not probe.is_dir():
         raise StorageError(f"{what} {p}: {probe} is not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
@@ -84,25 +72,13 @@ def _check_bucket(p: Path, what: str) -> Path:
 def refuse_existing(path: PathLike, overwrite: bool, what: str = "output") -> Path:
     """Refuses an existing target unless `overwrite`; an empty folder counts as absent."""
     p = as_path(path, what)
-    if p.exists() and not overwrite:
-        if p.is_dir() and not any(True for _ in p.iterdir()):
-            return p
+    if p.exists() and not overwrite and (not p.is_dir() or any(p.iterdir())):
         raise OutputExistsError(f"{what} {p} exists; pass --overwrite to replace it")
     return p
 
 
 def _temp_sibling(p: Path, tag: str) -> Path:
     return p.parent / f".{p.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def _remove_stale_siblings(p: Path) -> None:
@@ -113,7 +89,7 @@ def _remove_stale_siblings(p: Path) -> None:
     pattern = re.compile(rf"^\.{re.escape(p.name)}\.(tmp|old)-(\d+)-[0-9a-f]{{8}}$")
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
         found = pattern.match(name)
-        if not found or _pid_alive(int(found.group(2))):
+        if not found or pid_alive(int(found.group(2))):
             continue
         if found.group(1) == "old" and not os.path.exists(os.fspath(p)):
             continue
@@ -137,10 +113,8 @@ def open_atomic(path: PathLike, mode: str = "wb", overwrite: bool = True,
         yield buffer
         data = buffer.getvalue()
         p.parent.mkdir(parents=True, exist_ok=True)
-        if mode == "wb":
-            p.write_bytes(data)  # one PUT: readers see the old object or the new one
-        else:
-            p.write_text(data, encoding="utf-8")
+        # one PUT: readers see the old object or the new one
+        p.write_bytes(data if mode == "wb" else data.encode("utf-8"))
         return
     p.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_siblings(p)
@@ -153,8 +127,7 @@ def open_atomic(path: PathLike, mode: str = "wb", overwrite: bool = True,
                 os.fsync(f.fileno())
         os.replace(tmp, p)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -255,9 +228,8 @@ def replace_dir(path: PathLike, overwrite: bool = False, what: str = "output",
                 os.replace(p, old)
             os.replace(tmp, p)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and old.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
 

@@ -1,22 +1,17 @@
 """TensorBoard scalars: the one writer of event files (tensorboardX: no TensorFlow needed).
 
-Training writes WORKDIR/tb/ (the metrics.jsonl scalars and the final STS-B test score); flow
-fits write their NLL per evaluation (train and held-out) into a folder when given one. Only
-process 0 writes, and only to local folders (event files are appended to as the run goes,
-which object stores cannot do).
+Training and flow fits write here; only process 0 writes, and only to local folders (event
+files are appended to as the run goes, which object stores cannot do).
 
 Steps never show twice: a writer opened with `purge_step=S` marks its file so that
-TensorBoard drops the steps >= S that earlier writers left in the same folder. A resumed run
-opens at its checkpoint's step + 1 and continues its curves; a refit opens at 0 and replaces
-the earlier curve. Each writer gets its own file, named to sort in opening order (tensorboardX
-names files by the second: a second writer within the same second would truncate the first's,
-and TensorBoard applies purges in file order).
-
-  with ScalarWriter(folder, purge_step=0) as tb:
-      tb.write(step, {'train_nll': 3.2, 'val_nll': 3.4})
+TensorBoard drops the steps >= S that earlier writers left in the same folder (a resumed run
+opens at its checkpoint's step + 1, a refit at 0). Each writer gets its own file, named to sort
+in opening order (tensorboardX names files by the second: a second writer within the same
+second would truncate the first's, and TensorBoard applies purges in file order).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import math
@@ -42,10 +37,9 @@ class _WithoutTorch(importlib.abc.MetaPathFinder):
 def summary_writer_class():
     """tensorboardX's SummaryWriter, imported without torch unless torch is already loaded.
 
-    tensorboardX imports torch whenever it is installed, only to accept torch tensors as values;
-    in a JAX training process that is ~220 MB resident for nothing (scalars here are floats).
-    Imported by the first writer: ~0.3 s that every command's start-up (most of which write no
-    event file) spares.
+    tensorboardX imports torch whenever it is installed, only to accept torch tensors as values,
+    which would cost a JAX process its memory (docs/performance.md, "Figures the code relies
+    on"); scalars here are floats. Imported by the first writer, not at start-up.
     """
     if 'torch' in sys.modules or 'tensorboardX' in sys.modules:
         from tensorboardX import SummaryWriter
@@ -59,7 +53,7 @@ def summary_writer_class():
     return SummaryWriter
 
 
-class ScalarWriter:
+class ScalarWriter(contextlib.AbstractContextManager):
     """Scalars by tag and step into the event files of `folder` (process 0, local only).
 
     Args:
@@ -92,14 +86,10 @@ class ScalarWriter:
             self._writer.close()
             self._writer = None
 
-    def __enter__(self) -> 'ScalarWriter':
-        return self
-
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def optional_writer(folder: Optional[store.PathLike], purge_step: int = 0
-                    ) -> Optional[ScalarWriter]:
-    """A ScalarWriter for `folder`, or None when no folder is given."""
-    return None if folder is None or str(folder) == '' else ScalarWriter(folder, purge_step)
+def optional_writer(folder: Optional[store.PathLike]) -> Optional[ScalarWriter]:
+    """A ScalarWriter for `folder` (a fresh curve: purge_step 0), or None when none is given."""
+    return None if folder is None or str(folder) == '' else ScalarWriter(folder)
