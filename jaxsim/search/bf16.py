@@ -34,8 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsim.search.topk import (
     DEFAULT_QUERY_BATCH,
     Layout,
-    dispatch_query_batches,
-    gather_query_batches,
+    query_batches,
     row_axes,
     top_k_search,
 )
@@ -263,26 +262,20 @@ def bf16_top_k_search(corpus: jax.Array, bits: jax.Array, norms: Bf16Norms, layo
     scores = np.empty((len(queries), k), np.float32)
     found = np.empty((len(queries), k), np.int64)
     again = np.arange(len(queries))
-    counts = {"bf16_again": 0}
+    stats = {} if stats is None else stats
+    stats["bf16_again"] = 0
     norm_args = np.array([norms.rows, norms.rounded, norms.rounding], np.float32)
     for extra, full in ((BF16_EXTRA_GROUPS, BF16_FULL_GROUPS), BF16_WIDE):
         if not len(again) or not bf16_supported(layout, k, extra):
             break
         if extra != BF16_EXTRA_GROUPS:
-            counts["bf16_again"] = len(again)
+            stats["bf16_again"] = len(again)
         fn = bf16_search_fn(mesh, layout, k, extra, full)
-        results = dispatch_query_batches(
-            lambda x: fn(corpus, bits, np.int32(n_valid), norm_args, x),
-            queries[again], query_batch, layout.dim)
-        part_scores = np.empty((len(again), k), np.float32)
-        part_rows = np.empty((len(again), k), np.int64)
-        certain = np.empty(len(again), bool)
-        gather_query_batches(results, part_scores, part_rows, certain)
-        scores[again], found[again] = part_scores, part_rows
+        scores[again], found[again], certain = query_batches(
+            lambda x: fn(corpus, bits, np.int32(n_valid), norm_args, x), queries[again],
+            query_batch, layout.dim, ((k,), np.float32), ((k,), np.int64), ((), bool))
         again = again[~certain]
-    counts["float32_again"] = len(again)
-    if stats is not None:
-        stats.update(counts)
+    stats["float32_again"] = len(again)
     if len(again):
         scores[again], found[again] = top_k_search(corpus, layout, mesh, n_valid,
                                                    queries[again], k, query_batch=query_batch)

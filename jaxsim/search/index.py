@@ -333,10 +333,9 @@ class SearchIndex:
           IndexFileError: a missing or inconsistent file, named with the line at fault.
         """
         meta, vectors, sentences = read_index(folder)
-        info = IndexInfo(dim=meta["dim"], normalize=meta["normalize"], model=meta["model"],
-                         pooler=meta["pooler"],
-                         probe=None if meta["probe"] is None else tuple(meta["probe"]),
-                         method=meta["method"], ann=meta["ann"])
+        info = IndexInfo(**{f.name: meta[f.name] for f in dataclasses.fields(IndexInfo)})
+        if info.probe is not None:
+            info = dataclasses.replace(info, probe=tuple(info.probe))
         index = cls(info, with_sentences=sentences is not None, **options)
         index._reserve(len(vectors))
         index._buffer[: len(vectors)] = vectors

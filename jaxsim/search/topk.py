@@ -70,28 +70,20 @@ def row_axes(mesh: Mesh) -> tuple[str, ...]:
     return tuple(mesh.axis_names)
 
 
-def corpus_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(row_axes(mesh), None))
-
-
 def place_corpus(vectors: np.ndarray, mesh: Mesh, layout: Layout) -> jax.Array:
     """Copies `vectors` [rows, dim] to the mesh as a [capacity, dim] row-sharded array.
 
     Each device receives only its own row range (zero-padded past the end of `vectors`), so the
     host never builds the padded [capacity, dim] copy.
     """
-    capacity, dim = layout.capacity, layout.dim
-
     def shard(index):
-        start, stop, _ = index[0].indices(capacity)
-        if stop <= len(vectors):
-            return vectors[start:stop]
-        out = np.zeros((stop - start, dim), vectors.dtype)
+        start, stop, _ = index[0].indices(layout.capacity)
         part = vectors[start:stop]
-        out[: len(part)] = part
-        return out
+        return part if len(part) == stop - start else np.pad(
+            part, ((0, stop - start - len(part)), (0, 0)))
 
-    return jax.make_array_from_callback((capacity, dim), corpus_sharding(mesh), shard)
+    return jax.make_array_from_callback((layout.capacity, layout.dim),
+                                        NamedSharding(mesh, P(row_axes(mesh), None)), shard)
 
 
 @functools.lru_cache(maxsize=64)
@@ -213,37 +205,26 @@ def top_k_search(corpus: jax.Array, layout: Layout, mesh: Mesh, n_valid: int,
     if not 1 <= k <= n_valid:
         raise ValueError(f"k must be in [1, {n_valid}], got {k}")
     fn = search_fn(mesh, layout, k, recall_target)
-    results = dispatch_query_batches(lambda x: fn(corpus, np.int32(n_valid), x), queries,
-                                     query_batch, layout.dim)
-    scores = np.empty((len(queries), k), np.float32)
-    found = np.empty((len(queries), k), np.int64)
-    gather_query_batches(results, scores, found)
-    return scores, found
+    return query_batches(lambda x: fn(corpus, np.int32(n_valid), x), queries, query_batch,
+                         layout.dim, ((k,), np.float32), ((k,), np.int64))
 
 
-def dispatch_query_batches(fn, queries: np.ndarray, query_batch: int, dim: int) -> list:
-    """Calls `fn` on `queries` in chunks of `query_batch` rows; returns the pending results.
+def query_batches(fn, queries: np.ndarray, query_batch: int, dim: int,
+                  *outs: tuple[tuple, type]) -> list[np.ndarray]:
+    """`fn`'s outputs for `queries`, called in chunks of `query_batch` rows.
 
     Each chunk is zero-padded to a power of two rows (`_bucket`), so few shapes compile.
     Every chunk is dispatched before any result is fetched, so host transfers overlap device
-    work. Returns [(valid rows, fn's outputs)] in query order, for `gather_query_batches`.
+    work. `outs`: the (shape per query, dtype) of each output of `fn`.
     """
     pending = []
     for start in range(0, len(queries), query_batch):
         chunk = queries[start: start + query_batch]
         padded = np.zeros((_bucket(len(chunk), query_batch), dim), np.float32)
         padded[: len(chunk)] = chunk
-        pending.append((len(chunk), fn(padded)))
-    return pending
-
-
-def gather_query_batches(pending: list, *outs: np.ndarray) -> None:
-    """Copies `dispatch_query_batches`'s results into `outs`, one array per output of `fn`.
-
-    Each out has one row per query; the padding rows of each chunk are dropped.
-    """
-    at = 0
-    for n, results in pending:
-        for out, result in zip(outs, results):
-            out[at: at + n] = np.asarray(result)[:n]
-        at += n
+        pending.append((start, len(chunk), fn(padded)))
+    joined = [np.empty((len(queries), *shape), dtype) for shape, dtype in outs]
+    for start, n, results in pending:
+        for out, result in zip(joined, results):
+            out[start: start + n] = np.asarray(result)[:n]
+    return joined

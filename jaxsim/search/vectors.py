@@ -14,7 +14,6 @@ import numpy as np
 from jaxsim.encode import encode
 from jaxsim.errors import JaxsimError
 
-Texts = Union[str, Sequence[str]]
 TextsOrVectors = Union[str, Sequence[str], np.ndarray]
 
 
@@ -136,12 +135,12 @@ def _is_single(x: Any) -> bool:
     return isinstance(x, str) or (not isinstance(x, (list, tuple)) and np.ndim(x) == 1)
 
 
-def _texts(x: Any) -> Optional[list[str]]:
-    """The sentences `x` holds, or None when it holds vectors."""
+def _texts(x: Any, what: str) -> Optional[list[str]]:
+    """The sentences `x` holds (checked by `sentence_list`), or None when it holds vectors."""
     if isinstance(x, str):
-        return [x]
+        return sentence_list([x], what)
     if isinstance(x, (list, tuple)) and all(isinstance(s, str) for s in x):
-        return list(x)
+        return sentence_list(x, what)
     return None
 
 
@@ -164,17 +163,14 @@ def similarity(model: Any, queries: TextsOrVectors, keys: TextsOrVectors, *,
       VectorError: NaN vectors, or query and key dimensions that differ (both named).
       SearchError: sentences given without a model.
     """
-    q_text, k_text = _texts(queries), _texts(keys)
-    q_text = None if q_text is None else sentence_list(q_text, "queries")
-    k_text = None if k_text is None else sentence_list(k_text, "keys")
-    texts = (q_text or []) + (k_text or [])
-    if (q_text is not None or k_text is not None) and model is None:
-        raise SearchError("similarity of sentences needs a model (got model=None)")
-    encoded = (embed(model, texts, pooler=pooler, batch_size=batch_size)
-               if q_text is not None or k_text is not None else None)
-    n_q = len(q_text) if q_text is not None else 0
-    q = encoded[:n_q] if q_text is not None else as_matrix(queries, "query vectors")
-    k = encoded[n_q:] if k_text is not None else as_matrix(keys, "key vectors")
+    q_text, k_text = _texts(queries, "queries"), _texts(keys, "keys")
+    if q_text is not None or k_text is not None:
+        if model is None:
+            raise SearchError("similarity of sentences needs a model (got model=None)")
+        encoded = embed(model, (q_text or []) + (k_text or []), pooler=pooler,
+                        batch_size=batch_size)
+    q = as_matrix(queries, "query vectors") if q_text is None else encoded[:len(q_text)]
+    k = as_matrix(keys, "key vectors") if k_text is None else encoded[len(q_text or []):]
     if q.shape[1] != k.shape[1]:
         raise VectorError(f"query vectors have dimension {q.shape[1]} but key vectors have "
                           f"dimension {k.shape[1]}")
