@@ -1,23 +1,11 @@
 """Exact top-k search through a bfloat16 copy of the corpus, certified against float32.
 
-Each device scores its rows in bfloat16 (float32 sums), block by block (`topk.Layout`), and
-keeps two numbers per group of BF16_GROUP_ROWS rows (`group_of`): the group's best score with
-the row that holds it (packed into the score's 3 lowest bits, see `_order_key`) and the group's
-second best.
-Per query it then takes the k + BF16_EXTRA_GROUPS groups with the best maxima; the candidates
-rescored in float32 are their best rows, plus every row of the BF16_FULL_GROUPS chosen groups
-whose second best is highest. Every other row scores in bf16 at most `threshold`: the lowest
-chosen maximum (rows of groups left out) or the next highest second best (rows of chosen groups).
-
-The certificate: the k-th float32 score beats `threshold` + `bf16_margin` (a rigorous bound on
-|bf16 score - float32 score|, from the actual rounding errors of the query and of the rows), so
-no row left out can reach the top k; the result then equals the float32 search's (ties aside).
-Queries not certified go through the pass again with wider candidate lists (BF16_WIDE: k + 64
-groups, 8 rescored whole; a few queries, so little time), and those still not certified are
-searched again in float32 (`topk.top_k_search`, which reads the float32 corpus: costlier).
-
-Compared with rescoring whole groups, a query gathers ~40 float32 rows instead of ~200: the
-gather, not the product, was half of this path's time.
+The method of docs/search.md ("bfloat16 corpus"): per group of BF16_GROUP_ROWS rows the bf16
+pass keeps its best score (with its row, in the score's low bits: `_order_key`) and its second
+best; the best rows of the k + BF16_EXTRA_GROUPS best groups, and every row of BF16_FULL_GROUPS
+of them, are rescored in float32. A query's result stands when its k-th float32 score beats
+every row left out by more than `bf16_margin`; other queries go through a wider pass
+(BF16_WIDE), then through the float32 search (`topk.top_k_search`).
 """
 from __future__ import annotations
 
@@ -35,7 +23,6 @@ from jaxsim.search.topk import (
     DEFAULT_QUERY_BATCH,
     Layout,
     query_batches,
-    row_axes,
     top_k_search,
 )
 
@@ -155,7 +142,7 @@ def bf16_search_fn(mesh: Mesh, layout: Layout, k: int, extra: int = BF16_EXTRA_G
     """A jitted `(corpus_f32, corpus_bf16_bits, n_valid, norms, queries) -> (scores, rows,
     certain)`: the float32 top k of the candidates and whether it is certified (module doc);
     `extra` groups kept beyond k, `full` of them rescored whole."""
-    axes = row_axes(mesh)
+    axes = tuple(mesh.axis_names)
     g, kept = BF16_GROUP_ROWS, k + extra
     # A block's group j holds its rows j, j + width, ..., j + 7 width (width = block / 8), so
     # group maxima are elementwise maxima of 8 contiguous slices (vectorized on CPU); likewise
@@ -252,13 +239,10 @@ def bf16_top_k_search(corpus: jax.Array, bits: jax.Array, norms: Bf16Norms, layo
                       stats: Optional[dict] = None) -> tuple[np.ndarray, np.ndarray]:
     """`topk.top_k_search`'s result, scoring `bits` (`bf16_corpus`, placed like `corpus`) first.
 
-    Queries the bf16 pass cannot certify go through the wider pass (BF16_WIDE), and those it
-    cannot certify either (every query when the corpus is too small for the bf16 pass) are
-    searched again in float32. `stats`, if given, gets the counts as "bf16_again" and
+    Queries a pass cannot certify go on to the wider pass, then to float32 (all of them when the
+    corpus is too small for the bf16 pass); `stats` gets their counts, "bf16_again" and
     "float32_again".
     """
-    if not 1 <= k <= n_valid:
-        raise ValueError(f"k must be in [1, {n_valid}], got {k}")
     scores = np.empty((len(queries), k), np.float32)
     found = np.empty((len(queries), k), np.int64)
     again = np.arange(len(queries))

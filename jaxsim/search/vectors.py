@@ -1,10 +1,5 @@
-"""Sentences or vectors in, checked unit vectors out; cosine similarity between two sets.
-
-`similarity(model, queries, keys)` mirrors the official SimCSE tool's `.similarity`: each side
-is a sentence, a list of sentences or precomputed vectors; the result is an [n, m] cosine
-matrix, one row when the query is a single sentence (or 1-D vector), and a float when both
-sides are single.
-"""
+"""Sentences or vectors in, checked unit vectors out; cosine similarity between two sets
+(`similarity`, the official SimCSE tool's `.similarity`)."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Sequence, Union
@@ -123,12 +118,6 @@ def check_top_k(top_k: Any) -> int:
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
         raise SearchError(f"top_k must be a positive integer, got {top_k!r}")
     return int(top_k)
-
-
-def check_recall(approx_recall: Optional[float]) -> Optional[float]:
-    if approx_recall is not None and not 0.0 < approx_recall <= 1.0:
-        raise SearchError(f"approx_recall must be in (0, 1] or None, got {approx_recall}")
-    return approx_recall
 
 
 def _is_single(x: Any) -> bool:
