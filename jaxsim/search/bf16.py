@@ -65,8 +65,7 @@ def bf16_corpus(vectors: np.ndarray, chunk: int = 65536) -> tuple[np.ndarray, Bf
         wide, rounded = part.astype(np.float64), low.astype(np.float64)
         for i, x in enumerate((wide, rounded, wide - rounded)):
             top[i] = max(top[i], np.sqrt(np.einsum("ij,ij->i", x, x).max(initial=0.0)))
-    up = [float(np.nextafter(np.float32(v), np.float32(np.inf))) for v in top]
-    return out, Bf16Norms(*up)
+    return out, Bf16Norms(*(float(np.nextafter(np.float32(v), np.float32(np.inf))) for v in top))
 
 
 def bf16_supported(layout: Layout, k: int, extra: int = BF16_EXTRA_GROUPS) -> bool:

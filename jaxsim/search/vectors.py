@@ -43,13 +43,12 @@ def embed(model: Any, sentences: Sequence[str], *, pooler: Optional[str] = None,
                   batch_size=batch_size)
 
 
-def as_matrix(x: Any, what: str, dim: Optional[int] = None,
-              against: str = "the index") -> np.ndarray:
+def as_matrix(x: Any, what: str, dim: Optional[int] = None) -> np.ndarray:
     """`x` as a finite [n, dim] float32 matrix (a 1-D vector becomes one row).
 
     Raises:
-      VectorError: not 1-D/2-D, a dimension other than `dim` (both named, `against` saying
-        whose `dim` it is), or NaN/inf (the first bad row named).
+      VectorError: not 1-D/2-D, a dimension other than the index's `dim` (both named), or
+        NaN/inf (the first bad row named).
     """
     try:
         arr = np.asarray(x, dtype=np.float32)
@@ -61,7 +60,7 @@ def as_matrix(x: Any, what: str, dim: Optional[int] = None,
         raise VectorError(f"{what}: expected a [n, dim] matrix or a [dim] vector, "
                           f"got shape {tuple(arr.shape)}")
     if dim is not None and arr.shape[1] != dim:
-        raise VectorError(f"{what} have dimension {arr.shape[1]} but {against} has "
+        raise VectorError(f"{what} have dimension {arr.shape[1]} but the index has "
                           f"dimension {dim}")
     for start in range(0, len(arr), _CHUNK_ROWS):
         finite = np.isfinite(arr[start: start + _CHUNK_ROWS]).all(axis=1)
