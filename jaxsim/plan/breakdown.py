@@ -1,19 +1,13 @@
 """Where a compiled program's time and bytes go, by the JAX operation each instruction came from.
 
-XLA's cost analysis (the plan's `bytes_per_chip`) is one total. To see what it is made of, each
-top-level instruction of the optimized HLO (a fusion, a copy, a convert, a collective; not the
-instructions inside a fusion) is charged:
-  - `cycles`: the TPU compiler's own cost-model estimate for it (`estimated_cycles` in its
-    backend config; instructions without one count 0), the better guide to time;
-  - `bytes`: its operands' and result's sizes (what it reads and writes at most; the cost
-    analysis also counts inside fusions, so the two totals differ).
-Instructions are grouped by their JAX operation path (HLO metadata `op_name`, `jit(...)/`
-dropped) with layer indices merged (`layer_N`): a 12-layer model shows one row per operation.
-Control-flow instructions (`conditional`, `while`, `call`) are left out: their operands are
-the whole state handed to a branch, not traffic; their bodies' instructions are counted, as
-often as the loop runs (`jaxsim.plan.loops`). Every branch of a conditional is counted,
-though one runs: an upper bound (the train step's one conditional, the update skipped on a
-non-finite gradient, has an empty other branch).
+Each top-level instruction of the optimized HLO (a fusion, a copy, a collective; not those
+inside a fusion) is charged its `cycles` (the TPU compiler's cost-model estimate,
+`estimated_cycles` in its backend config; 0 without one) and its `bytes` (its operands' and
+result's sizes: at most what it reads and writes; the cost analysis also counts inside fusions,
+so the totals differ), as often as its loop runs (`jaxsim.plan.loops`), grouped by JAX
+operation path (`op_name`, layer indices merged as `layer_N`). Control-flow instructions are
+left out (their operands are a branch's whole state, not traffic); every branch of a
+conditional counts, though one runs: an upper bound.
 """
 from __future__ import annotations
 
@@ -22,7 +16,7 @@ import re
 from collections import defaultdict
 from typing import Optional
 
-from jaxsim.plan.hlo import call_graph, computations, shape_bytes
+from jaxsim.plan.hlo import call_graph, computations, op_name, shape_bytes
 from jaxsim.plan.loops import loops
 
 # Bookkeeping and control flow: no data moved by the instruction itself.
@@ -35,7 +29,6 @@ _INSTRUCTION = re.compile(
     r'^\s+(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?) '
     r'(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)')
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +74,7 @@ def op_costs(hlo_text: str, runs: Optional[dict[str, int]] = None) -> list[OpCos
             moved = shape_bytes(m.group('shape')) + sum(
                 shape_bytes(shapes[o]) for o in operands if o in shapes)
             cycles = _CYCLES.search(line)
-            op_name = _OP_NAME.search(line)
-            row = rows[operation_name(op_name.group(1) if op_name else '')]
+            row = rows[operation_name(op_name(line))]
             times = runs.get(name, 1)
             row[0] += 1
             row[1] += times * int(cycles.group(1)) if cycles else 0

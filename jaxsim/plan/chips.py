@@ -14,6 +14,7 @@ measurement.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from jaxsim.errors import JaxsimError
@@ -27,18 +28,8 @@ class TopologyError(JaxsimError):
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One TPU chip's published peaks.
-
-    Attributes:
-      name: the topology prefix ('v5e').
-      device_kind: what JAX's devices of this chip report.
-      hbm_bytes: HBM capacity.
-      peak_flops: bf16 matrix FLOP/s.
-      hbm_bytes_per_s: HBM bandwidth.
-      ici_bytes_per_s: inter-chip interconnect bandwidth per chip (bidirectional, all ports).
-      dcn_bytes_per_s: data-center network bandwidth per chip (between slices).
-      assumed: the fields above that no published page gives (see the module docstring).
-    """
+    """One TPU chip's published peaks: `peak_flops` of bf16 matrix products, ICI bidirectional
+    over all ports, DCN between slices; `assumed`: the fields no published page gives."""
 
     name: str
     device_kind: str
@@ -64,11 +55,11 @@ CHIPS: dict[str, Chip] = {
 # Accepted spellings: 'v5e:4x4' (chip:grid, as jax's topology descriptions take it) and the
 # accelerator types of the Cloud console ('v5e-16', 'v5litepod-16', 'v4-32', 'v5p-128').
 _ALIASES = {'v5litepod': 'v5e', 'v5lite': 'v5e', 'v6litepod': 'v6e', 'v6lite': 'v6e'}
-# Chips per accelerator-type unit: v4 and v5p count TensorCores (2 a chip), v5e/v6e chips.
-_CORES_PER_CHIP = {'v4': 2, 'v5p': 2, 'v5e': 1, 'v6e': 1}
 # The grid a chip count is laid out as, for the accelerator-type spelling.
 _GRIDS_2D = {1: '1x1', 4: '2x2', 8: '2x4', 16: '4x4', 32: '4x8', 64: '8x8', 128: '8x16',
              256: '16x16'}
+_GRIDS_3D = {4: '2x2x1', 8: '2x2x2', 16: '2x2x4', 32: '2x4x4', 64: '4x4x4', 128: '4x4x8',
+             256: '4x8x8', 512: '8x8x8', 1024: '8x8x16', 2048: '8x16x16', 4096: '16x16x16'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +75,7 @@ class Topology:
 
     @property
     def chips(self) -> int:
-        n = 1
-        for x in self.grid:
-            n *= x
-        return n
+        return math.prod(self.grid)
 
 
 def parse_topology(text: str) -> Topology:
@@ -97,38 +85,25 @@ def parse_topology(text: str) -> Topology:
       TopologyError: naming the accepted forms and chips.
     """
     known = ', '.join(CHIPS)
-    spelled = text.strip().lower()
-    m = re.fullmatch(r'([a-z0-9]+):(\d+(?:x\d+){1,2})', spelled)
-    if m:
-        chip = _ALIASES.get(m.group(1), m.group(1))
-        if chip not in CHIPS:
-            raise TopologyError(f'--topology {text}: unknown chip {m.group(1)!r}; known: {known}')
-        dims = m.group(2).split('x')
-        if len(dims) != (3 if chip in ('v4', 'v5p') else 2):
-            want = 'AxBxC' if chip in ('v4', 'v5p') else 'AxB'
-            raise TopologyError(f'--topology {text}: a {chip} slice is {want}, e.g. '
-                                f'{chip}:{"2x2x1" if want == "AxBxC" else "4x4"}')
+    m = re.fullmatch(r'([a-z0-9]+)(?::(\d+(?:x\d+){1,2})|-(\d+))', text.strip().lower())
+    if m is None:
+        raise TopologyError(f"--topology {text}: expected CHIP:GRID (e.g. v5e:4x4, v5p:4x4x4) or "
+                            f"an accelerator type (e.g. v5e-256, v4-32); chips: {known}")
+    chip = _ALIASES.get(m.group(1), m.group(1))
+    if chip not in CHIPS:
+        raise TopologyError(f'--topology {text}: unknown chip {m.group(1)!r}; known: {known}')
+    three_d = chip in ('v4', 'v5p')  # their accelerator types count TensorCores, 2 a chip
+    if m.group(2):
+        if m.group(2).count('x') != (2 if three_d else 1):
+            raise TopologyError(f'--topology {text}: a {chip} slice is '
+                                f'{"AxBxC" if three_d else "AxB"}, e.g. '
+                                f'{chip}:{"2x2x1" if three_d else "4x4"}')
         return Topology(CHIPS[chip], f'{chip}:{m.group(2)}')
-    m = re.fullmatch(r'([a-z0-9]+)-(\d+)', spelled)
-    if m:
-        chip = _ALIASES.get(m.group(1), m.group(1))
-        if chip not in CHIPS:
-            raise TopologyError(f'--topology {text}: unknown chip {m.group(1)!r}; known: {known}')
-        units = int(m.group(2))
-        chips, rest = divmod(units, _CORES_PER_CHIP[chip])
-        grid = _grid_3d(chips) if chip in ('v4', 'v5p') else _GRIDS_2D.get(chips)
-        if rest or grid is None:
-            raise TopologyError(f'--topology {text}: no {chip} slice of {units} '
-                                f'{"TensorCores" if _CORES_PER_CHIP[chip] > 1 else "chips"}; '
-                                f'give the grid, e.g. {chip}:4x4' +
-                                ('x4' if chip in ('v4', 'v5p') else ''))
-        return Topology(CHIPS[chip], f'{chip}:{grid}')
-    raise TopologyError(f"--topology {text}: expected CHIP:GRID (e.g. v5e:4x4, v5p:4x4x4) or an "
-                        f"accelerator type (e.g. v5e-256, v4-32); chips: {known}")
-
-
-def _grid_3d(chips: int):
-    """The usual 3-D slice of a chip count (2x2x1 up to 8x8x8 and cube multiples)."""
-    small = {4: '2x2x1', 8: '2x2x2', 16: '2x2x4', 32: '2x4x4', 64: '4x4x4', 128: '4x4x8',
-             256: '4x8x8', 512: '8x8x8', 1024: '8x8x16', 2048: '8x16x16', 4096: '16x16x16'}
-    return small.get(chips)
+    units = int(m.group(3))
+    chips, rest = divmod(units, 2 if three_d else 1)
+    grid = (_GRIDS_3D if three_d else _GRIDS_2D).get(chips)
+    if rest or grid is None:
+        raise TopologyError(f'--topology {text}: no {chip} slice of {units} '
+                            f'{"TensorCores" if three_d else "chips"}; '
+                            f'give the grid, e.g. {chip}:4x4' + ('x4' if three_d else ''))
+    return Topology(CHIPS[chip], f'{chip}:{grid}')

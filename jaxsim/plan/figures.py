@@ -15,6 +15,7 @@ import re
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable, Optional
 
 import jax
@@ -93,10 +94,7 @@ class ProgramFigures:
                 + self.code_bytes)
 
     def collective_counts(self) -> dict[str, int]:
-        counts = {kind: 0 for kind in hlo.KINDS}
-        for c in self.collectives:
-            counts[c.kind] = counts.get(c.kind, 0) + 1
-        return counts
+        return {**dict.fromkeys(hlo.KINDS, 0), **Counter(c.kind for c in self.collectives)}
 
 
 def _ticker(label: str, say: Callable[[str], None], every_s: float = 20.0):
@@ -154,8 +152,7 @@ def compile_program(name: str, jitted: Any, args: tuple, mesh,
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    devices = list(mesh.devices.flat)
-    slices = [getattr(d, 'slice_index', 0) for d in devices]
+    slices = [getattr(d, 'slice_index', 0) for d in mesh.devices.flat]
     text = compiled.as_text()
     runs, found, parent = loops.loops(text)
     collectives = hlo.collectives(text, mesh.devices.shape, mesh.axis_names, slices, runs)
@@ -184,9 +181,8 @@ def per_device_bytes(tree: Any) -> int:
     each leaf)."""
     total = 0
     for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None \
-            else leaf.shape
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        shape = leaf.shape if leaf.sharding is None else leaf.sharding.shard_shape(leaf.shape)
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
     return total
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 from typing import Optional, Sequence
 
@@ -47,18 +48,10 @@ _INSTRUCTION = re.compile(
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective of the program.
-
-    Attributes:
-      kind: one of KINDS.
-      bytes: the size of its result (all-gather: the gathered array; reduce-scatter: the
-        scattered piece; all-reduce: the reduced arrays, all of a combined one), per chip.
-      group_size: devices per group.
-      axes: the mesh axes its groups span (names of the mesh the program was compiled on).
-      dcn: whether a group spans slices (the data-center network).
-      op_name: the JAX operation it came from (HLO metadata), for reading.
-      runs: how many times it runs a step (inside a loop: the loop's trip count).
-    """
+    """One collective of the program: `bytes` is the size of its result per chip (all-gather:
+    the gathered array; reduce-scatter: the scattered piece; all-reduce: the reduced arrays,
+    all of a combined one); `axes` the mesh axes its groups span; `dcn` whether a group spans
+    slices; `runs` how many times it runs a step (inside a loop: the loop's trip count)."""
 
     kind: str
     bytes: int
@@ -110,13 +103,10 @@ def tuple_elements(shape: str) -> list[str]:
     return parts + [shape[start:-1].strip()]
 
 
-def _result_shape(shape: str, kind: str, start: bool) -> str:
-    """The array(s) a collective produces: an async all-gather or permute start holds
-    (operand, result, ...) and its result is the second; otherwise the shape itself (a
-    combined collective's tuple is all of its results)."""
-    if start and kind in ('all-gather', 'collective-permute') and shape.startswith('('):
-        return tuple_elements(shape)[1]
-    return shape
+def op_name(line: str, default: str = '') -> str:
+    """The JAX operation an HLO instruction came from (its metadata `op_name`)."""
+    m = re.search(r'op_name="([^"]*)"', line)
+    return m.group(1) if m else default
 
 
 def computations(hlo_text: str) -> dict[str, list[str]]:
@@ -172,19 +162,6 @@ def call_graph(comps: dict[str, list[str]]) -> dict[str, list[Call]]:
     return graph
 
 
-def _balanced(text: str, start: int, open_: str, close: str) -> str:
-    """The text of the bracketed group opening at `start`, brackets included."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == open_:
-            depth += 1
-        elif text[i] == close:
-            depth -= 1
-            if depth == 0:
-                return text[start:i + 1]
-    return text[start:]
-
-
 def replica_groups(attributes: str, num_devices: int) -> list[list[int]]:
     """The device groups of a collective's attribute text, in any of XLA's three spellings:
     explicit `{{0,1},{2,3}}`, iota `[2,2]<=[4]` (optionally `<=[a,b]T(1,0)`), or named
@@ -198,26 +175,21 @@ def replica_groups(attributes: str, num_devices: int) -> list[list[int]]:
         return [list(range(num_devices))]
     text = attributes[m.end():]
     if text.startswith('mesh['):
-        sizes = re.findall(r"'([^']+)'=(\d+)", _balanced(text, 4, '[', ']'))
-        names = [n for n, _ in sizes]
-        shape = [int(s) for _, s in sizes]
-        brace = text.index('{')
-        listed = set(re.findall(r"'([^']+)'", _balanced(text, brace, '{', '}')))
-        ids = np.arange(int(np.prod(shape))).reshape(shape)
-        group_axes = [i for i, n in enumerate(names) if n in listed]
-        other = [i for i in range(len(names)) if i not in group_axes]
-        ids = np.transpose(ids, other + group_axes)
-        group = int(np.prod([shape[i] for i in group_axes])) if group_axes else 1
-        return ids.reshape(-1, group).tolist()
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", text[:text.index(']')]))
+        listed = set(re.findall(r"'([^']+)'", text[text.index('{'):text.index('}')]))
+        shape = [int(size) for size in sizes.values()]
+        group_axes = [i for i, name in enumerate(sizes) if name in listed]
+        other = [i for i in range(len(shape)) if i not in group_axes]
+        ids = np.arange(math.prod(shape)).reshape(shape).transpose(other + group_axes)
+        return ids.reshape(-1, math.prod(shape[i] for i in group_axes)).tolist()
     if text.startswith('['):
-        m = re.match(r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', text)
-        out_shape = [int(x) for x in m.group(1).split(',')]
-        ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(',')])))
-        ids = ids.reshape([int(x) for x in m.group(2).split(',')])
+        m = re.match(r'\[(\d+)[\d,]*\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', text)
+        dims = [int(x) for x in m.group(2).split(',')]
+        ids = np.arange(math.prod(dims)).reshape(dims)
         if m.group(3):
             ids = np.transpose(ids, [int(x) for x in m.group(3).split(',')])
-        return ids.reshape(out_shape[0], -1).tolist()
-    groups = re.findall(r'\{([\d,]*)\}', _balanced(text, 0, '{', '}'))
+        return ids.reshape(int(m.group(1)), -1).tolist()
+    groups = re.findall(r'\{([\d,]*)\}', re.match(r'\{(?:\{[\d,]*\},?)*\}', text).group())
     groups = [[int(x) for x in g.split(',') if x] for g in groups]
     return [g for g in groups if g] or [list(range(num_devices))]
 
@@ -241,7 +213,8 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
     held_in: dict[tuple, set[str]] = {}  # the computations holding a copy of each collective
     unnumbered = itertools.count()
     num_devices = int(np.prod(mesh_shape))
-    comps = _computations_or_fragment(hlo_text)  # the text split once, for both kinds
+    # The text split once, for both kinds; a bare list of instructions is one computation.
+    comps = computations(hlo_text) or {'': hlo_text.splitlines()}
     lines = [(comp, line) for comp, body in comps.items() for line in body]
     callers: dict[str, str] = {}  # a fusion -> the computation using it (the first in the text)
     for comp, calls in call_graph(comps).items():
@@ -253,15 +226,16 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
         if not m:
             continue
         kind = m.group('kind')
-        shape = _result_shape(m.group('shape'), kind, bool(m.group('start')))
+        shape = m.group('shape')  # what it produces (a combined collective: all its results)
+        paired = m.group('start') and kind in ('all-gather', 'collective-permute')
+        if paired and shape.startswith('('):  # an async start holds (operand, result, ...)
+            shape = tuple_elements(shape)[1]
         groups = replica_groups(m.group('rest'), num_devices)
         channel = re.search(r'channel_id=(\d+)', line)
         chain = tuple(re.findall(r'(?:async_collective_name|chain_id)="[^"]*"', line))
-        op = re.search(r'op_name="([^"]*)"', line)
-        op_name = op.group(1) if op else ''
         identity = (channel.group(1) if channel else f'local-{next(unnumbered)}', kind,
                     chain or _runner(comp, callers), re.sub(r'\{[^}]*\}', '', shape),
-                    tuple(map(tuple, groups)), op_name)
+                    tuple(map(tuple, groups)), op_name(line))
         copy = 0  # two alike in one computation are two collectives
         while identity + (copy,) in found and comp in held_in[identity + (copy,)]:
             copy += 1
@@ -276,7 +250,7 @@ def collectives(hlo_text: str, mesh_shape: Sequence[int], axis_names: Sequence[s
         dcn = any(len({slice_of[d] for d in g}) > 1 for g in groups)
         found[key] = Collective(kind=kind, bytes=shape_bytes(shape),
                                 group_size=max(len(g) for g in groups), axes=axes, dcn=dcn,
-                                op_name=op_name, runs=times)
+                                op_name=identity[-1], runs=times)
         held_in[key] = {comp}
     return list(found.values()) + _dcn_transfers(lines, mesh_shape, axis_names, slice_of,
                                                  runs or {})
@@ -292,12 +266,6 @@ def _runner(comp: str, callers: dict[str, str]) -> str:
     return comp
 
 
-def _computations_or_fragment(hlo_text: str) -> dict[str, list[str]]:
-    """`computations`, or for a bare list of instructions (no computation around them) one
-    unnamed computation."""
-    return computations(hlo_text) or {'': hlo_text.splitlines()}
-
-
 def _dcn_transfers(lines: list[tuple[str, str]], mesh_shape: Sequence[int],
                    axis_names: Sequence[str], slice_of: Sequence[int],
                    runs: dict[str, int]) -> list[Collective]:
@@ -307,18 +275,16 @@ def _dcn_transfers(lines: list[tuple[str, str]], mesh_shape: Sequence[int],
     slices = np.asarray(slice_of).reshape(tuple(mesh_shape))
     axes = tuple(name for i, name in enumerate(axis_names)
                  if np.any(np.diff(slices, axis=i) != 0))
-    kinds = {k.replace('-', '_').upper(): k for k in KINDS}
     n = len(set(slice_of))
     found: dict[str, Collective] = {}
     for comp, line in lines:
         m = _DCN_SEND.search(line)
         if not m or m.group('name') in found:
             continue
-        op = re.search(r'op_name="([^"]*)"', line)
-        kind = kinds.get(m.group('kind'), m.group('kind').lower().replace('_', '-'))
+        kind = m.group('kind').lower().replace('_', '-')  # ALL_GATHER: all-gather
         sent = shape_bytes(m.group('shape'))  # one slice's piece (all-gather) or array
         found[m.group('name')] = Collective(
             kind=kind, bytes=sent * n if kind == 'all-gather' else sent, group_size=n,
-            axes=axes, dcn=True, op_name=op.group(1) if op else m.group('name'),
+            axes=axes, dcn=True, op_name=op_name(line, m.group('name')),
             runs=runs.get(comp, 1))
     return list(found.values())

@@ -1,27 +1,20 @@
 """How many times each part of a compiled program runs, and its costs counted that many times.
 
-XLA's cost analysis (`compiled.cost_analysis()`, HloCostAnalysis) costs a `while` as one run of
-its body: it cannot know a loop's trip count in general. A step with micro-batches (GradCache:
-one loop embeds the micro-batches, a second re-runs each with gradients) or with gradient
-accumulation runs its loop bodies n times, so the raw figures undercount it: BERT-large at
-batch 32,768 in micro-batches of 4,096 (8 runs of each loop) counts 66 TFLOP a v4 chip where
-the model alone does 360 (docs/pod.md).
-
-JAX's loops count from 0 to a constant: the condition is `counter < N`. Each computation's
-`runs` is, summed over the call paths that reach it, the product of the trip counts of the
-loops around it; XLA's totals count it once a call path. The program's cost counts each loop
-body `runs` times, from XLA's own cost analysis of the body alone (the body made the module's
-entry): per loop body, what it costs beyond the loops nested in it. The analysis runs
-on this process's CPU client, which counts FLOPs exactly as the TPU compiler does but bytes by
-logical sizes (no TPU tile padding, no memory-space copies), so the TPU figures are scaled by
-the ratio the CPU analysis gives (counted / counted once): the TPU's own totals, with the loop
-bodies' shares repeated.
+XLA's cost analysis costs a `while` as one run of its body, so a step with micro-batches or
+gradient accumulation is undercounted (docs/pod.md). JAX's loops count `counter < N`: each
+computation's `runs` is, summed over the call paths reaching it, the product of the trip counts
+of the loops around it (XLA's totals count it once a call path). Each loop body's own cost
+(beyond the loops nested in it) comes from XLA's analysis of the body alone, on this process's
+CPU client: it counts FLOPs as the TPU compiler does but bytes by logical sizes (no tile
+padding), so the TPU's totals are scaled by the ratio it gives (counted / counted once).
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 from typing import Optional
+
+import numpy as np
 
 from jaxsim.plan.hlo import call_graph, computations
 
@@ -122,23 +115,18 @@ def loop_scale(hlo_text: str, found: list[Loop], parent: dict[str, str],
                client=None) -> LoopScale:
     """The factors for a program whose loops run more than once (1.0 without loops);
     `found` and `parent` are what `loops(hlo_text)` gives."""
-    repeated = [x for x in found if x.trips and x.trips > 1]
-    if not repeated:
+    if not any(x.trips and x.trips > 1 for x in found):
         return LoopScale(loops=tuple(found))
     if client is None:
         import jax
         client = jax.devices('cpu')[0].client
-    once = _cost(hlo_text, client)
-    inclusive = {x.body: _cost(_as_entry(hlo_text, x.body), client) for x in found}
-    extra = {x.body: x.runs - x.paths for x in found}
+    once = np.array(_cost(hlo_text, client))
+    inclusive = {x.body: np.array(_cost(_as_entry(hlo_text, x.body), client)) for x in found}
     # Counted once, the whole holds each body once a call path; each further run adds the
     # body's own part (its cost less the bodies nested in it, which add their own).
-    counted = list(once)
-    for body, (flops, moved) in inclusive.items():
-        nested = [b for b, p in parent.items() if p == body]
-        own = (flops - sum(inclusive[b][0] for b in nested),
-               moved - sum(inclusive[b][1] for b in nested))
-        counted[0] += extra[body] * own[0]
-        counted[1] += extra[body] * own[1]
-    return LoopScale(flops=counted[0] / once[0] if once[0] else 1.0,
-                     bytes=counted[1] / once[1] if once[1] else 1.0, loops=tuple(found))
+    counted = once.copy()
+    for x in found:
+        nested = sum((inclusive[b] for b, p in parent.items() if p == x.body), np.zeros(2))
+        counted += (x.runs - x.paths) * (inclusive[x.body] - nested)
+    flops, moved = (float(c / o) if o else 1.0 for c, o in zip(counted, once))
+    return LoopScale(flops=flops, bytes=moved, loops=tuple(found))

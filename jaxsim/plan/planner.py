@@ -4,12 +4,10 @@ for it on this machine (no TPU, no weights), and what the compiler says of them.
     plan = make_plan(cfg, parse_topology('v5e:4x4'))
     plan.fits, plan.to_json()['mfu_ceiling']
 
-The step is built by `jaxsim.train.build.train_program`, the one builder training uses, on a
-mesh laid over the topology's compile-only devices by `jaxsim.sharding.make_mesh`, the one
-mesh builder. Memory scales with the global batch almost linearly (activations), so a second
-compile at a smaller batch gives the largest batch that fits; a batch that does not fit gets
-settings (cached-gradient micro-batches, recomputation, a sharded mesh) that are planned in
-turn before they are offered.
+The step is the one training builds (`jaxsim.train.build.train_program`, on
+`jaxsim.sharding.make_mesh`'s mesh). Memory grows with the batch almost linearly, so a second
+compile at a smaller batch gives the largest batch that fits; settings that make a batch fit
+are planned before they are offered.
 """
 from __future__ import annotations
 
@@ -138,12 +136,11 @@ class Plan:
                                            BREAKDOWN_ROWS),
         }
         if not p.compiled:  # refused for want of HBM: its memory is known, its cost is not
-            out.update(flops_per_chip=None, bytes_per_chip=None, xla_cost_analysis_per_chip=None,
-                       compute_s=None, hbm_s=None,
-                       ici_s=None, dcn_s=None, step_s_estimate=None, mfu_ceiling=None,
-                       mfu_ceiling_model_flops=None,
-                       bound=None, note='the compiler refused the step: its temporaries '
-                       'exceed the chip\'s HBM (the figure is the one its refusal gives)')
+            out.update(dict.fromkeys((
+                'flops_per_chip', 'bytes_per_chip', 'xla_cost_analysis_per_chip', 'compute_s',
+                'hbm_s', 'ici_s', 'dcn_s', 'step_s_estimate', 'mfu_ceiling',
+                'mfu_ceiling_model_flops', 'bound')), note='the compiler refused the step: its '
+                'temporaries exceed the chip\'s HBM (the figure is the one its refusal gives)')
         if self.encode is not None:
             e = self.encode
             out['encode'] = {'batch': self.encode_shape[0], 'max_len': self.encode_shape[1],
@@ -207,8 +204,9 @@ def check_plannable(cfg: TrainConfig, devices: list):
     return mesh
 
 
-def plan_train_step(cfg: TrainConfig, devices: list, chip_of: Callable, say) -> TrainFigures:
-    """Compiles the train step of `cfg` for `devices` and reads its figures."""
+def plan_train_step(cfg: TrainConfig, devices: list, chip_of: tuple, say) -> TrainFigures:
+    """Compiles the train step of `cfg` for `devices` and reads its figures; `chip_of`: (the
+    chip, devices per chip)."""
     mesh = check_plannable(cfg, devices)
     config = build.architecture(cfg)
     encoder = build.make_encoder(cfg, config)
@@ -225,12 +223,11 @@ def plan_train_step(cfg: TrainConfig, devices: list, chip_of: Callable, say) -> 
     say(f'compiling the train step (batch {cfg.batch_size}, mesh {dict(mesh.shape)}, '
         f'remat {cfg.remat}, micro_batch_size {cfg.micro_batch_size}) ...')
     figures = fig.compile_program('train step', program.train_step, (state, batch), mesh, say)
-    chip, per_chip = chip_of()
     return TrainFigures(cfg=cfg, mesh_shape={k: int(v) for k, v in mesh.shape.items()},
                         program=figures, parameters=fig.per_device_bytes(state.params),
                         optimizer_state=fig.per_device_bytes(state.opt_state),
                         batch=fig.per_device_bytes(batch),
-                        roofline=fig.roofline(figures, chip, per_chip),
+                        roofline=fig.roofline(figures, *chip_of),
                         model_flops=model_flops(encoder, config, cfg.batch_size * objective.views,
                                                 min(cfg.max_len, config.max_length))
                         / len(devices))
@@ -254,8 +251,8 @@ def plan_encode(cfg: TrainConfig, devices: list, say) -> tuple[ProgramFigures, t
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
     say(f'compiling the encode program (batch {rows} x {length} tokens) ...')
-    jitted = make_encode_fn(encoder, False, False, mesh)
-    return fig.compile_program('encode', jitted, (abstract, tokens, key), mesh, say), (rows, length)
+    return fig.compile_program('encode', make_encode_fn(encoder, False, False, mesh),
+                               (abstract, tokens, key), mesh, say), (rows, length)
 
 
 def _round_down(n: float, unit: int) -> int:
@@ -265,16 +262,11 @@ def _round_down(n: float, unit: int) -> int:
 def make_plan(cfg: TrainConfig, topology: Topology, num_slices: int = 1, *,
               encode: bool = True, search: bool = True,
               say: Optional[Callable[[str], None]] = None) -> Plan:
-    """Plans `cfg` on `num_slices` slices of `topology`.
-
-    Args:
-      cfg: the train config.
-      topology: from `jaxsim.plan.chips.parse_topology`.
-      num_slices: slices joined over the data-center network (multislice).
-      encode: also compile the encode program.
-      search: a second compile at a smaller batch for the largest batch that fits, and, when
-        the batch does not fit, settings that make it fit (each planned before it is offered).
-      say: progress lines (default: stderr).
+    """Plans `cfg` on `num_slices` slices of `topology` (`parse_topology`), joined over the
+    data-center network. `encode`: also compile the encode program; `search`: a second compile
+    at a smaller batch for the largest batch that fits and, when the batch does not fit,
+    settings that make it fit (each planned before it is offered); `say`: progress lines
+    (default: stderr).
 
     Raises:
       TopologyError, PlanError, ConfigError, MeshError: one line each, before any compile
@@ -289,7 +281,7 @@ def make_plan(cfg: TrainConfig, topology: Topology, num_slices: int = 1, *,
     check_plannable(cfg, devices)  # every input error before the first (minutes-long) compile
     say(f'planning {cfg.model} for {topology.name}'
         f'{f" x {num_slices} slices" if num_slices > 1 else ""} ({len(devices)} devices)')
-    chip_of = lambda: (topology.chip, per_chip)  # noqa: E731
+    chip_of = (topology.chip, per_chip)
     train = plan_train_step(cfg, devices, chip_of, say)
     plan = Plan(topology=topology, num_slices=num_slices, devices=len(devices),
                 per_chip=per_chip, train=train)

@@ -3,16 +3,10 @@
     build_index(model, corpus, method="ivf")     # inverted lists: k-means cells, probe a few
     build_index(model, corpus, method="hnsw")    # a navigable small-world graph
 
-The exact, mesh-sharded search (`jaxsim.search.topk`) stays the default: it is exact and it
-runs on accelerators. On a CPU with a million rows it answers tens of queries a second; these
-structures trade a little recall for far fewer scored rows. Both use inner product on the
-index's unit rows, so scores are cosines as in the exact search. `benchmarks/search_speed.py
---ann` measures their recall@10 against the exact search, and their speed.
-
-Parameters (`AnnOptions`): IVF cells `nlist` (default about 4 * sqrt(rows)) and cells probed
-`nprobe`; HNSW links per node `m`, build beam `ef_construction`, search beam `ef_search`.
+Both use inner product on the index's unit rows, so scores are cosines as in the exact search.
 The structure is built from the stored rows on first search (and again after rows are added),
-saved beside the vectors as `ann.faiss`, and loaded from there.
+saved beside the vectors as `ann.faiss`, and loaded from there. Settings, recall and speed:
+docs/search.md.
 """
 from __future__ import annotations
 
@@ -56,10 +50,9 @@ class AnnOptions:
         return cls(**(values or {}))
 
 
-def check_method(method: str) -> str:
+def check_method(method: str) -> None:
     if method not in METHODS:
         raise SearchError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
-    return method
 
 
 def _faiss():
@@ -78,7 +71,7 @@ def default_nlist(rows: int) -> int:
 
 
 def build(method: str, vectors: np.ndarray, options: AnnOptions) -> Any:
-    """A faiss index over `vectors` [n, dim] (unit rows), by inner product."""
+    """A faiss index (ivf or hnsw) over `vectors` [n, dim] (unit rows), by inner product."""
     faiss = _faiss()
     dim = vectors.shape[1]
     data = np.ascontiguousarray(vectors, np.float32)
@@ -94,11 +87,9 @@ def build(method: str, vectors: np.ndarray, options: AnnOptions) -> Any:
         sample = data if len(data) <= cap else data[
             np.sort(np.random.default_rng(0).choice(len(data), cap, replace=False))]
         index.train(sample)
-    elif method == "hnsw":
+    else:  # hnsw
         index = faiss.IndexHNSWFlat(dim, options.m, faiss.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = options.ef_construction
-    else:
-        raise SearchError(f"no approximate structure for method {method!r}")
     index.add(data)
     return index
 

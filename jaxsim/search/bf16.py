@@ -1,23 +1,11 @@
 """Exact top-k search through a bfloat16 copy of the corpus, certified against float32.
 
-Each device scores its rows in bfloat16 (float32 sums), block by block (`topk.Layout`), and
-keeps two numbers per group of BF16_GROUP_ROWS rows (`group_of`): the group's best score with
-the row that holds it (packed into the score's 3 lowest bits, see `_order_key`) and the group's
-second best.
-Per query it then takes the k + BF16_EXTRA_GROUPS groups with the best maxima; the candidates
-rescored in float32 are their best rows, plus every row of the BF16_FULL_GROUPS chosen groups
-whose second best is highest. Every other row scores in bf16 at most `threshold`: the lowest
-chosen maximum (rows of groups left out) or the next highest second best (rows of chosen groups).
-
-The certificate: the k-th float32 score beats `threshold` + `bf16_margin` (a rigorous bound on
-|bf16 score - float32 score|, from the actual rounding errors of the query and of the rows), so
-no row left out can reach the top k; the result then equals the float32 search's (ties aside).
-Queries not certified go through the pass again with wider candidate lists (BF16_WIDE: k + 64
-groups, 8 rescored whole; a few queries, so little time), and those still not certified are
-searched again in float32 (`topk.top_k_search`, which reads the float32 corpus: costlier).
-
-Compared with rescoring whole groups, a query gathers ~40 float32 rows instead of ~200: the
-gather, not the product, was half of this path's time.
+The method of docs/search.md ("bfloat16 corpus"): per group of BF16_GROUP_ROWS rows the bf16
+pass keeps its best score (with its row, in the score's low bits: `_order_key`) and its second
+best; the best rows of the k + BF16_EXTRA_GROUPS best groups, and every row of BF16_FULL_GROUPS
+of them, are rescored in float32. A query's result stands when its k-th float32 score beats
+every row left out by more than `bf16_margin`; other queries go through a wider pass
+(BF16_WIDE), then through the float32 search (`topk.top_k_search`).
 """
 from __future__ import annotations
 
@@ -34,9 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsim.search.topk import (
     DEFAULT_QUERY_BATCH,
     Layout,
-    dispatch_query_batches,
-    gather_query_batches,
-    row_axes,
+    query_batches,
     top_k_search,
 )
 
@@ -79,8 +65,7 @@ def bf16_corpus(vectors: np.ndarray, chunk: int = 65536) -> tuple[np.ndarray, Bf
         wide, rounded = part.astype(np.float64), low.astype(np.float64)
         for i, x in enumerate((wide, rounded, wide - rounded)):
             top[i] = max(top[i], np.sqrt(np.einsum("ij,ij->i", x, x).max(initial=0.0)))
-    up = [float(np.nextafter(np.float32(v), np.float32(np.inf))) for v in top]
-    return out, Bf16Norms(*up)
+    return out, Bf16Norms(*(float(np.nextafter(np.float32(v), np.float32(np.inf))) for v in top))
 
 
 def bf16_supported(layout: Layout, k: int, extra: int = BF16_EXTRA_GROUPS) -> bool:
@@ -156,7 +141,7 @@ def bf16_search_fn(mesh: Mesh, layout: Layout, k: int, extra: int = BF16_EXTRA_G
     """A jitted `(corpus_f32, corpus_bf16_bits, n_valid, norms, queries) -> (scores, rows,
     certain)`: the float32 top k of the candidates and whether it is certified (module doc);
     `extra` groups kept beyond k, `full` of them rescored whole."""
-    axes = row_axes(mesh)
+    axes = tuple(mesh.axis_names)
     g, kept = BF16_GROUP_ROWS, k + extra
     # A block's group j holds its rows j, j + width, ..., j + 7 width (width = block / 8), so
     # group maxima are elementwise maxima of 8 contiguous slices (vectorized on CPU); likewise
@@ -253,36 +238,27 @@ def bf16_top_k_search(corpus: jax.Array, bits: jax.Array, norms: Bf16Norms, layo
                       stats: Optional[dict] = None) -> tuple[np.ndarray, np.ndarray]:
     """`topk.top_k_search`'s result, scoring `bits` (`bf16_corpus`, placed like `corpus`) first.
 
-    Queries the bf16 pass cannot certify go through the wider pass (BF16_WIDE), and those it
-    cannot certify either (every query when the corpus is too small for the bf16 pass) are
-    searched again in float32. `stats`, if given, gets the counts as "bf16_again" and
+    Queries a pass cannot certify go on to the wider pass, then to float32 (all of them when the
+    corpus is too small for the bf16 pass); `stats` gets their counts, "bf16_again" and
     "float32_again".
     """
-    if not 1 <= k <= n_valid:
-        raise ValueError(f"k must be in [1, {n_valid}], got {k}")
     scores = np.empty((len(queries), k), np.float32)
     found = np.empty((len(queries), k), np.int64)
     again = np.arange(len(queries))
-    counts = {"bf16_again": 0}
+    stats = {} if stats is None else stats
+    stats["bf16_again"] = 0
     norm_args = np.array([norms.rows, norms.rounded, norms.rounding], np.float32)
     for extra, full in ((BF16_EXTRA_GROUPS, BF16_FULL_GROUPS), BF16_WIDE):
         if not len(again) or not bf16_supported(layout, k, extra):
             break
         if extra != BF16_EXTRA_GROUPS:
-            counts["bf16_again"] = len(again)
+            stats["bf16_again"] = len(again)
         fn = bf16_search_fn(mesh, layout, k, extra, full)
-        results = dispatch_query_batches(
-            lambda x: fn(corpus, bits, np.int32(n_valid), norm_args, x),
-            queries[again], query_batch, layout.dim)
-        part_scores = np.empty((len(again), k), np.float32)
-        part_rows = np.empty((len(again), k), np.int64)
-        certain = np.empty(len(again), bool)
-        gather_query_batches(results, part_scores, part_rows, certain)
-        scores[again], found[again] = part_scores, part_rows
+        scores[again], found[again], certain = query_batches(
+            lambda x: fn(corpus, bits, np.int32(n_valid), norm_args, x), queries[again],
+            query_batch, layout.dim, ((k,), np.float32), ((k,), np.int64), ((), bool))
         again = again[~certain]
-    counts["float32_again"] = len(again)
-    if stats is not None:
-        stats.update(counts)
+    stats["float32_again"] = len(again)
     if len(again):
         scores[again], found[again] = top_k_search(corpus, layout, mesh, n_valid,
                                                    queries[again], k, query_batch=query_batch)

@@ -1,19 +1,10 @@
 """A searchable set of sentence vectors: build, add, exact top-k cosine search, save and load.
 
-The features of the official SimCSE tool's `build_index` / `search`, on a row-sharded JAX
-corpus (`jaxsim.search.topk`): vectors are L2-normalized once when added, so a query's inner
-products are its cosines. `search(model, queries, threshold=0.6, top_k=5)` returns, per query,
-the (sentence, score) pairs with score >= threshold, best first, at most top_k of them.
-
-An index remembers the model that built it and refuses any other (`jaxsim.search.model_check`).
-
-`corpus_dtype="bfloat16"` keeps a bfloat16 copy of the rows beside the float32 one on the
-devices and scores it first (`jaxsim.search.bf16`); results stay those of the float32 search.
-
-`method="ivf"|"hnsw"` searches approximately through faiss instead (`jaxsim.search.ann`), for
-large corpora on CPU; everything else (sentences, threshold, model check, save/load) is the same.
-
-`save` / `load` use the folder format of `jaxsim.search.storage`.
+The features of the official SimCSE tool's `build_index` / `search` (docs/search.md), on a
+row-sharded JAX corpus (`jaxsim.search.topk`); `corpus_dtype="bfloat16"` scores a bf16 copy
+first (`jaxsim.search.bf16`), `method="ivf"|"hnsw"` searches through faiss
+(`jaxsim.search.ann`). An index remembers the model that built it and refuses any other
+(`jaxsim.search.model_check`); `save` / `load` use the folder of `jaxsim.search.storage`.
 """
 from __future__ import annotations
 
@@ -42,7 +33,6 @@ from jaxsim.search.topk import (
 from jaxsim.search.vectors import (
     SearchError,
     as_matrix,
-    check_recall,
     check_top_k,
     embed,
     model_ref,
@@ -222,8 +212,9 @@ class SearchIndex:
         """
         q = as_matrix(queries, "query vectors", self.dim)
         k = min(check_top_k(top_k), self._size)
-        recall = check_recall(approx_recall)
-        if recall is not None and self.info.method != "exact":
+        if approx_recall is not None and not 0.0 < approx_recall <= 1.0:
+            raise SearchError(f"approx_recall must be in (0, 1] or None, got {approx_recall}")
+        if approx_recall is not None and self.info.method != "exact":
             raise SearchError(f"approx_recall applies to the exact method's device search; "
                               f"this index searches by {self.info.method}")
         if k == 0 or len(q) == 0:
@@ -234,7 +225,7 @@ class SearchIndex:
             scores, rows = ann.search(self._ann_structure(), self.info.method,
                                       self._ann_options, q, k)
         else:
-            scores, rows = self._exact_top_k(q, k, recall)
+            scores, rows = self._exact_top_k(q, k, approx_recall)
         invalid = (rows < 0) | (rows >= self._size)  # only an approximate search leaves these
         scores[invalid], rows[invalid] = -np.inf, -1
         return TopK(scores, rows)
@@ -312,12 +303,8 @@ class SearchIndex:
 
     def save(self, folder: Union[str, os.PathLike], overwrite: bool = False,
              what: str = "index folder") -> Path:
-        """Writes the index into `folder` (see `jaxsim.search.storage`).
-
-        An existing non-empty folder is refused unless `overwrite` (and even then unless it
-        holds an index); the folder is swapped in whole, so an interrupted save leaves the
-        previous index or none.
-        """
+        """Writes the index into `folder` (`jaxsim.search.storage`); an existing index there is
+        replaced only with `overwrite`, any other non-empty folder never."""
         meta = {"count": self._size, "has_sentences": self._sentences is not None,
                 **dataclasses.asdict(self.info)}
         structure = (ann.to_bytes(self._ann_structure())
@@ -333,10 +320,9 @@ class SearchIndex:
           IndexFileError: a missing or inconsistent file, named with the line at fault.
         """
         meta, vectors, sentences = read_index(folder)
-        info = IndexInfo(dim=meta["dim"], normalize=meta["normalize"], model=meta["model"],
-                         pooler=meta["pooler"],
-                         probe=None if meta["probe"] is None else tuple(meta["probe"]),
-                         method=meta["method"], ann=meta["ann"])
+        info = IndexInfo(**{f.name: meta[f.name] for f in dataclasses.fields(IndexInfo)})
+        if info.probe is not None:
+            info = dataclasses.replace(info, probe=tuple(info.probe))
         index = cls(info, with_sentences=sentences is not None, **options)
         index._reserve(len(vectors))
         index._buffer[: len(vectors)] = vectors

@@ -1,10 +1,5 @@
-"""The model check: an index remembers the model that built it and refuses any other.
-
-An index records its model's path, pooler, dimension and its vector of a fixed probe sentence.
-Every query batch is encoded together with the probe, and a model whose probe vector differs
-(another checkpoint, another pooler, another width) is refused with an error naming both
-models, instead of returning meaningless neighbours.
-"""
+"""The model check: an index remembers the model that built it (path, pooler, dimension, its
+vector of a probe sentence encoded with every query batch) and refuses any other."""
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence

@@ -8,10 +8,8 @@
                    method, ann (options; absent: an exact index),
                    sha256 (of the rows of vectors.npy and of sentences.jsonl, in order)
 
-The folder is built beside its target and renamed into place (`jaxsim.storage.store.replace_dir`),
-so an interrupted save leaves the previous index or none. The checksum is verified on load:
-rows reordered, replaced or edited after the save are refused instead of returning wrong
-sentences.
+The folder is swapped in whole (`jaxsim.storage.store.replace_dir`); the checksum is verified
+on load, so rows reordered or edited after the save are refused, not searched.
 """
 from __future__ import annotations
 
@@ -59,22 +57,15 @@ def check_replaceable_index(folder) -> None:
 def write_index(folder: Union[str, os.PathLike], meta: dict, vectors: np.ndarray,
                 sentences: Optional[Sequence[str]], overwrite: bool = False,
                 what: str = "index folder", ann: Optional[bytes] = None) -> Path:
-    """Writes the three files; `meta` holds every index.json field but format, version, sha256.
-
-    Args:
-      overwrite: replace an existing index in `folder` (a non-empty folder that is not an
-        index is refused even then).
-      what: how the caller names the folder in messages (e.g. '--out').
-      ann: the serialized approximate structure (ann.faiss), if any.
-    """
+    """Writes the files; `meta` holds every index.json field but format, version, sha256.
+    `what` names the folder in messages (e.g. '--out'); `ann`: the faiss structure, if any."""
     vectors = np.ascontiguousarray(vectors, np.float32)
     lines = None if sentences is None else "".join(
         json.dumps(s, ensure_ascii=False) + "\n" for s in sentences).encode("utf-8")
     meta = {"format": FORMAT, "version": VERSION, **meta,
             "sha256": rows_checksum(vectors, lines)}
     with store.replace_dir(folder, overwrite, what, keep=check_replaceable_index) as tmp:
-        with (tmp / VECTORS_FILE).open("wb") as f:
-            np.save(f, vectors)
+        np.save(tmp / VECTORS_FILE, vectors)
         if lines is not None:
             (tmp / SENTENCES_FILE).write_bytes(lines)
         if ann is not None:

@@ -1,21 +1,14 @@
 """Exact top-k inner-product search over a corpus sharded by rows across a device mesh.
 
-The corpus [capacity, dim] is cut into equal contiguous row ranges, one per device of the mesh
-(`NamedSharding(mesh, P(<every mesh axis>, None))`), so a corpus larger than one device's memory
-still searches exactly. Each device scans its rows block by block: it scores a block
-([queries, block_rows], never [queries, rows]), selects the block's top k (through group maxima,
-`_grouped_top_k`, when the block is large enough) and merges it into a running top-k per query.
-The per-device lists are then merged into the global top-k. Rows past the valid count (padding
-that makes the shards equal) score -inf and come back with row -1 or a row >= the valid count,
-which callers drop.
+Each device holds an equal contiguous range of rows (`place_corpus`) and scans it block by
+block, merging each block's top k (through group maxima, `_grouped_top_k`, for large blocks)
+into a running top-k; the per-device lists are then merged. Padding rows score -inf and come
+back as row -1 or a row >= the valid count, which callers drop.
 
-Ties: `lax.top_k` puts the lower position first. Candidates are always laid out in row order
-(the running list before each new block, device shards in row order), so equal scores come out
-lowest row first whatever the device count or block size.
-
-Optionally each block's selection uses `lax.approx_max_k` (fast on TPU; elsewhere XLA may lower
-it to an exact selection); recall against the exact search is measured by
-benchmarks/search_speed.py.
+Ties: `lax.top_k` puts the lower position first, and candidates are always laid out in row
+order (the running list before each new block, device shards in row order), so equal scores
+come out lowest row first whatever the device count or block size. A `recall_target` selects
+with `lax.approx_max_k` instead (its recall: benchmarks/search_speed.py).
 """
 from __future__ import annotations
 
@@ -58,20 +51,9 @@ class Layout:
 def plan_layout(rows: int, dim: int, devices: int,
                 block_rows: int = DEFAULT_BLOCK_ROWS) -> Layout:
     """The smallest layout holding `rows` rows: equal shards, whole blocks, rows padded to 8."""
-    if block_rows < 1:
-        raise ValueError(f"block_rows must be positive, got {block_rows}")
     per_device = max(1, math.ceil(rows / devices))
     block = min(block_rows, -(-per_device // 8) * 8)
     return Layout(devices=devices, block_rows=block, blocks=math.ceil(per_device / block), dim=dim)
-
-
-def row_axes(mesh: Mesh) -> tuple[str, ...]:
-    """Rows are split over every axis of the mesh: a search has no other dimension to shard."""
-    return tuple(mesh.axis_names)
-
-
-def corpus_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(row_axes(mesh), None))
 
 
 def place_corpus(vectors: np.ndarray, mesh: Mesh, layout: Layout) -> jax.Array:
@@ -80,18 +62,14 @@ def place_corpus(vectors: np.ndarray, mesh: Mesh, layout: Layout) -> jax.Array:
     Each device receives only its own row range (zero-padded past the end of `vectors`), so the
     host never builds the padded [capacity, dim] copy.
     """
-    capacity, dim = layout.capacity, layout.dim
-
     def shard(index):
-        start, stop, _ = index[0].indices(capacity)
-        if stop <= len(vectors):
-            return vectors[start:stop]
-        out = np.zeros((stop - start, dim), vectors.dtype)
+        start, stop, _ = index[0].indices(layout.capacity)
         part = vectors[start:stop]
-        out[: len(part)] = part
-        return out
+        return part if len(part) == stop - start else np.pad(
+            part, ((0, stop - start - len(part)), (0, 0)))
 
-    return jax.make_array_from_callback((capacity, dim), corpus_sharding(mesh), shard)
+    return jax.make_array_from_callback((layout.capacity, layout.dim),
+                                        NamedSharding(mesh, P(tuple(mesh.axis_names), None)), shard)
 
 
 @functools.lru_cache(maxsize=64)
@@ -102,7 +80,7 @@ def search_fn(mesh: Mesh, layout: Layout, k: int, recall_target: Optional[float]
     (mesh, layout, k, recall_target, q); `n_valid` is traced, so adding rows that fit the
     capacity does not recompile.
     """
-    axes = row_axes(mesh)
+    axes = tuple(mesh.axis_names)  # rows split over every mesh axis: nothing else to shard
 
     block_k = min(k, layout.block_rows)  # a block contributes at most its own rows
     group = _group_size(layout.block_rows, block_k)
@@ -195,55 +173,33 @@ def _bucket(n: int, limit: int) -> int:
 def top_k_search(corpus: jax.Array, layout: Layout, mesh: Mesh, n_valid: int,
                  queries: np.ndarray, k: int, *, query_batch: int = DEFAULT_QUERY_BATCH,
                  recall_target: Optional[float] = None) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k rows of `corpus` by inner product with each query.
-
-    Args:
-      corpus: the placed corpus (`place_corpus`).
-      layout: its layout.
-      mesh: the mesh it lives on.
-      n_valid: rows in use (rows at and past it are padding).
-      queries: [q, dim] float32.
-      k: results per query, 1 <= k <= n_valid.
-      query_batch: queries per jitted call.
-      recall_target: None for the exact search, else `approx_max_k`'s recall target.
+    """Top-k rows of `corpus` (placed by `place_corpus`, its first `n_valid` rows in use) by
+    inner product with each query [q, dim], 1 <= k <= n_valid.
 
     Returns:
       (scores [q, k] float32, rows [q, k] int64), best first, ties lowest row first.
     """
-    if not 1 <= k <= n_valid:
-        raise ValueError(f"k must be in [1, {n_valid}], got {k}")
     fn = search_fn(mesh, layout, k, recall_target)
-    results = dispatch_query_batches(lambda x: fn(corpus, np.int32(n_valid), x), queries,
-                                     query_batch, layout.dim)
-    scores = np.empty((len(queries), k), np.float32)
-    found = np.empty((len(queries), k), np.int64)
-    gather_query_batches(results, scores, found)
-    return scores, found
+    return query_batches(lambda x: fn(corpus, np.int32(n_valid), x), queries, query_batch,
+                         layout.dim, ((k,), np.float32), ((k,), np.int64))
 
 
-def dispatch_query_batches(fn, queries: np.ndarray, query_batch: int, dim: int) -> list:
-    """Calls `fn` on `queries` in chunks of `query_batch` rows; returns the pending results.
+def query_batches(fn, queries: np.ndarray, query_batch: int, dim: int,
+                  *outs: tuple[tuple, type]) -> list[np.ndarray]:
+    """`fn`'s outputs for `queries`, called in chunks of `query_batch` rows.
 
     Each chunk is zero-padded to a power of two rows (`_bucket`), so few shapes compile.
     Every chunk is dispatched before any result is fetched, so host transfers overlap device
-    work. Returns [(valid rows, fn's outputs)] in query order, for `gather_query_batches`.
+    work. `outs`: the (shape per query, dtype) of each output of `fn`.
     """
     pending = []
     for start in range(0, len(queries), query_batch):
         chunk = queries[start: start + query_batch]
         padded = np.zeros((_bucket(len(chunk), query_batch), dim), np.float32)
         padded[: len(chunk)] = chunk
-        pending.append((len(chunk), fn(padded)))
-    return pending
-
-
-def gather_query_batches(pending: list, *outs: np.ndarray) -> None:
-    """Copies `dispatch_query_batches`'s results into `outs`, one array per output of `fn`.
-
-    Each out has one row per query; the padding rows of each chunk are dropped.
-    """
-    at = 0
-    for n, results in pending:
-        for out, result in zip(outs, results):
-            out[at: at + n] = np.asarray(result)[:n]
-        at += n
+        pending.append((start, len(chunk), fn(padded)))
+    joined = [np.empty((len(queries), *shape), dtype) for shape, dtype in outs]
+    for start, n, results in pending:
+        for out, result in zip(joined, results):
+            out[start: start + n] = np.asarray(result)[:n]
+    return joined

@@ -1,10 +1,5 @@
-"""Sentences or vectors in, checked unit vectors out; cosine similarity between two sets.
-
-`similarity(model, queries, keys)` mirrors the official SimCSE tool's `.similarity`: each side
-is a sentence, a list of sentences or precomputed vectors; the result is an [n, m] cosine
-matrix, one row when the query is a single sentence (or 1-D vector), and a float when both
-sides are single.
-"""
+"""Sentences or vectors in, checked unit vectors out; cosine similarity between two sets
+(`similarity`, the official SimCSE tool's `.similarity`)."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Sequence, Union
@@ -14,7 +9,6 @@ import numpy as np
 from jaxsim.encode import encode
 from jaxsim.errors import JaxsimError
 
-Texts = Union[str, Sequence[str]]
 TextsOrVectors = Union[str, Sequence[str], np.ndarray]
 
 
@@ -49,13 +43,12 @@ def embed(model: Any, sentences: Sequence[str], *, pooler: Optional[str] = None,
                   batch_size=batch_size)
 
 
-def as_matrix(x: Any, what: str, dim: Optional[int] = None,
-              against: str = "the index") -> np.ndarray:
+def as_matrix(x: Any, what: str, dim: Optional[int] = None) -> np.ndarray:
     """`x` as a finite [n, dim] float32 matrix (a 1-D vector becomes one row).
 
     Raises:
-      VectorError: not 1-D/2-D, a dimension other than `dim` (both named, `against` saying
-        whose `dim` it is), or NaN/inf (the first bad row named).
+      VectorError: not 1-D/2-D, a dimension other than the index's `dim` (both named), or
+        NaN/inf (the first bad row named).
     """
     try:
         arr = np.asarray(x, dtype=np.float32)
@@ -67,7 +60,7 @@ def as_matrix(x: Any, what: str, dim: Optional[int] = None,
         raise VectorError(f"{what}: expected a [n, dim] matrix or a [dim] vector, "
                           f"got shape {tuple(arr.shape)}")
     if dim is not None and arr.shape[1] != dim:
-        raise VectorError(f"{what} have dimension {arr.shape[1]} but {against} has "
+        raise VectorError(f"{what} have dimension {arr.shape[1]} but the index has "
                           f"dimension {dim}")
     for start in range(0, len(arr), _CHUNK_ROWS):
         finite = np.isfinite(arr[start: start + _CHUNK_ROWS]).all(axis=1)
@@ -126,22 +119,16 @@ def check_top_k(top_k: Any) -> int:
     return int(top_k)
 
 
-def check_recall(approx_recall: Optional[float]) -> Optional[float]:
-    if approx_recall is not None and not 0.0 < approx_recall <= 1.0:
-        raise SearchError(f"approx_recall must be in (0, 1] or None, got {approx_recall}")
-    return approx_recall
-
-
 def _is_single(x: Any) -> bool:
     return isinstance(x, str) or (not isinstance(x, (list, tuple)) and np.ndim(x) == 1)
 
 
-def _texts(x: Any) -> Optional[list[str]]:
-    """The sentences `x` holds, or None when it holds vectors."""
+def _texts(x: Any, what: str) -> Optional[list[str]]:
+    """The sentences `x` holds (checked by `sentence_list`), or None when it holds vectors."""
     if isinstance(x, str):
-        return [x]
+        return sentence_list([x], what)
     if isinstance(x, (list, tuple)) and all(isinstance(s, str) for s in x):
-        return list(x)
+        return sentence_list(x, what)
     return None
 
 
@@ -164,17 +151,14 @@ def similarity(model: Any, queries: TextsOrVectors, keys: TextsOrVectors, *,
       VectorError: NaN vectors, or query and key dimensions that differ (both named).
       SearchError: sentences given without a model.
     """
-    q_text, k_text = _texts(queries), _texts(keys)
-    q_text = None if q_text is None else sentence_list(q_text, "queries")
-    k_text = None if k_text is None else sentence_list(k_text, "keys")
-    texts = (q_text or []) + (k_text or [])
-    if (q_text is not None or k_text is not None) and model is None:
-        raise SearchError("similarity of sentences needs a model (got model=None)")
-    encoded = (embed(model, texts, pooler=pooler, batch_size=batch_size)
-               if q_text is not None or k_text is not None else None)
-    n_q = len(q_text) if q_text is not None else 0
-    q = encoded[:n_q] if q_text is not None else as_matrix(queries, "query vectors")
-    k = encoded[n_q:] if k_text is not None else as_matrix(keys, "key vectors")
+    q_text, k_text = _texts(queries, "queries"), _texts(keys, "keys")
+    if q_text is not None or k_text is not None:
+        if model is None:
+            raise SearchError("similarity of sentences needs a model (got model=None)")
+        encoded = embed(model, (q_text or []) + (k_text or []), pooler=pooler,
+                        batch_size=batch_size)
+    q = as_matrix(queries, "query vectors") if q_text is None else encoded[:len(q_text)]
+    k = as_matrix(keys, "key vectors") if k_text is None else encoded[len(q_text or []):]
     if q.shape[1] != k.shape[1]:
         raise VectorError(f"query vectors have dimension {q.shape[1]} but key vectors have "
                           f"dimension {k.shape[1]}")
