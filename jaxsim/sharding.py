@@ -89,13 +89,12 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
     """
     devices = list(jax.devices() if devices is None else devices)
     dcn = (dcn_data, dcn_fsdp, dcn_tensor)
-    slices = int(np.prod(dcn))
-    if slices > 1:
-        have, by_process = _slices(devices)
-        if have != slices:
-            unit = 'processes' if by_process else 'slices'
-            raise MeshError(f'mesh_dcn_data x mesh_dcn_fsdp x mesh_dcn_tensor = {slices} must '
-                            f'equal the number of {unit}, {have}')
+    slices = math.prod(dcn)
+    have, by_process = _slices(devices)
+    if slices > 1 and have != slices:
+        unit = 'processes' if by_process else 'slices'
+        raise MeshError(f'mesh_dcn_data x mesh_dcn_fsdp x mesh_dcn_tensor = {slices} must '
+                        f'equal the number of {unit}, {have}')
     per_slice = len(devices) // slices
     if data == -1:
         if per_slice % (fsdp * tensor):
@@ -116,7 +115,7 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
     shape = (data, fsdp, tensor)
     if slices > 1:
         grid = mesh_utils.create_hybrid_device_mesh(shape, dcn, devices,
-                                                    process_is_granule=_slices(devices)[1],
+                                                    process_is_granule=by_process,
                                                     allow_split_physical_axes=True)
     else:
         grid = _device_grid(shape, devices)
@@ -252,26 +251,16 @@ def tree_shardings(tree: Any, mesh: Mesh, params_specs: Any = None) -> Any:
     Optimizer states mirror the param tree (Adam's mu/nu); a leaf whose shape equals a param's
     shape at the same path suffix is sharded like it.
     """
-    by_shape_path = {}
-    if params_specs is not None:
-        for path, spec in traverse_util.flatten_dict(params_specs, sep='/').items():
-            by_shape_path[path] = spec
+    by_shape_path = traverse_util.flatten_dict(params_specs or {}, sep='/')
 
     def leaf_sharding(path, x):
-        keys = '/'.join(_key_str(k) for k in path)
+        keys = jax.tree_util.keystr(path, simple=True, separator='/')
         for ppath, spec in by_shape_path.items():
             if (keys == ppath or keys.endswith('/' + ppath)) and len(spec) <= len(x.shape):
                 return NamedSharding(mesh, spec)
         return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(leaf_sharding, tree)
-
-
-def _key_str(k) -> str:
-    for attr in ('key', 'name', 'idx'):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
 
 
 def tensor_parallel(mesh: Mesh) -> bool:
