@@ -67,8 +67,7 @@ def progress_bar(total: Optional[int], desc: str, unit: str = "it", enable: bool
     file = sys.stderr if file is None else file
     if not enable:
         return tqdm(total=total, disable=True)
-    isatty = getattr(file, "isatty", None)
-    if isatty is not None and isatty():
+    if hasattr(file, "isatty") and file.isatty():
         return tqdm(total=total, desc=desc, unit=unit, file=file, initial=initial,
                     dynamic_ncols=True, leave=leave)
     return PlainProgress(total, desc, unit, file, every_s=PLAIN_EVERY_S, initial=initial)

@@ -1,24 +1,15 @@
 """Process-wide helpers the library calls where noise or cost starts: log filters, the
 persistent compilation cache, and a command's exit where a native teardown could hang it.
 
-Library code calls the two narrow helpers (`quiet_absl_messages`, `ignore_orphaned_loop_callbacks`)
-where the noise starts, so `jaxsim.load_pretrained` is quiet from a notebook too; the command
-lines' process set-up (environment variables, then these) is `jaxsim.cli.environment.setup`.
+Library code calls the narrow helpers where the noise starts, so `jaxsim.load_pretrained` is
+quiet from a notebook too; the command lines' process set-up is `jaxsim.cli.environment.setup`.
 Nothing here imports jaxsim.
 
-What is silenced here, and why:
-  - orbax's "Given directory is read only" warning, logged every time a checkpoint folder is
-    opened for reading (which is what loading a train workdir does).
-  - "RuntimeError: Event loop is closed" tracebacks after a failed checkpoint read: orbax runs
-    the read on a private asyncio loop and closes it as soon as the first tensorstore read
-    fails; the reads still in flight then complete into the closed loop and tensorstore reports
-    each one through `sys.unraisablehook` (about ten lines per array). Likewise the read
-    coroutines still pending: closing them makes orbax raise the read error once more, with
-    the whole TensorStore spec, and asyncio's log of a task whose orbax error nobody retrieved.
-    The failure itself is raised normally; only these orphaned completions are dropped.
-    What is still pending at interpreter teardown is out of these hooks' reach (teardown may
-    have removed them), so a command whose checkpoint read failed leaves without teardown
-    (`leave_hard_at_exit`, called by jaxsim.formats.checkpoint).
+After a failed checkpoint read, orbax closes its private asyncio loop while reads are still in
+flight: their completions, the pending read coroutines and their tasks' unretrieved errors
+would each print a traceback after the one error line (`ignore_orphaned_loop_callbacks` drops
+them). What is still pending at interpreter teardown is out of the hooks' reach, so such a
+command leaves without teardown (`leave_hard_at_exit`, called by jaxsim.formats.checkpoint).
 """
 from __future__ import annotations
 
@@ -97,18 +88,17 @@ def ignore_orphaned_loop_callbacks() -> None:
         log.addFilter(_keep_task_error)
 
 
-def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path:
+def enable_compilation_cache() -> Path:
     """Turns on JAX's persistent compilation cache.
 
     Encoding compiles one XLA program per batch shape and a flow fit compiles its whole
     network; on CPU that is seconds per program, paid again by every new process. With the
-    cache on disk a second run of the same command reuses them. Directory: `directory`, else
-    $JAXSIM_CACHE_DIR, else ~/.cache/jaxsim/xla.
+    cache on disk a second run of the same command reuses them. Directory: $JAXSIM_CACHE_DIR,
+    else ~/.cache/jaxsim/xla.
     """
     import jax
 
-    path = Path(directory or os.environ.get("JAXSIM_CACHE_DIR")
-                or Path.home() / ".cache" / "jaxsim" / "xla")
+    path = Path(os.environ.get("JAXSIM_CACHE_DIR") or Path.home() / ".cache" / "jaxsim" / "xla")
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     # Cache every program that took noticeable time to compile (the default floor is 1 s).
