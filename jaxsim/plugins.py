@@ -1,15 +1,8 @@
 """User code in every command: modules that register objectives, poolers, calibrations or flow
-layers, loaded before a command reads its names.
-
-Three sources, loaded in this order, each module once per process:
-  - the `jaxsim.plugins` entry-point group of installed distributions;
-  - `JAXSIM_PLUGINS`: comma-separated modules;
-  - `--import MODULE` (repeatable) on train.py, eval.py and every `python -m jaxsim` command.
-A module is a dotted name (importable from sys.path or the current folder), a path to a
-.py file, or a path to a package folder (one holding __init__.py).
-`jaxsim.cli.cli_io.add_import_flag(parser)` declares `--import` and loads all three before the
-parser reads the rest of the command line, so a registered pooler is a valid `--pooler` choice.
-A module that fails is one line naming it and the file and line of the user's code that raised.
+layers, loaded before a command reads its names (docs/extending.md): the `jaxsim.plugins`
+entry points, then `JAXSIM_PLUGINS`, then `--import MODULE` (declared by
+`jaxsim.cli.cli_io.add_import_flag`), each module once per process. A module that fails is one
+line naming it and the file and line of the user's code that raised.
 """
 from __future__ import annotations
 
