@@ -124,15 +124,6 @@ def run_plan(config: str, overrides: Sequence[str], topology: str, num_slices: i
     return 0
 
 
-def _what_recomputation_reaches(h: dict) -> str:
-    """Why remat or micro-batches may shrink the total less than the temporaries: they act on
-    nothing else."""
-    kept = h['total'] - h['temporaries']
-    return (f"  remat and micro-batches shrink the temporaries only ({h['temporaries']:.3f} of "
-            f"{h['total']:.3f} GiB); parameters, optimizer state, batch and program "
-            f"({kept:.3f} GiB) stay, so no setting of them brings the total under that")
-
-
 def _counts(collectives: dict) -> str:
     """'2 all-reduce, 1 all-gather' (the kinds that occur), or 'none'."""
     return ', '.join(f'{n} {kind}' for kind, n in collectives.items() if n) or 'none'
@@ -156,7 +147,11 @@ def format_plan(r: dict) -> str:
         f"{h['program']:.3f}, other {h['other_arguments'] + h['outputs_not_aliased']:.3f} GiB",
     ]
     if cfg['remat'] != 'none' or cfg['micro_batch_size']:
-        lines.append(_what_recomputation_reaches(h))
+        # Why they may shrink the total less than the temporaries: they act on nothing else.
+        lines.append(f"  remat and micro-batches shrink the temporaries only ("
+                     f"{h['temporaries']:.3f} of {h['total']:.3f} GiB); parameters, optimizer "
+                     f"state, batch and program ({h['total'] - h['temporaries']:.3f} GiB) stay, "
+                     f"so no setting of them brings the total under that")
     if r['compiled']:
         lines += [
             f"per chip: {r['flops_per_chip'] / 1e12:.3f} TFLOP, {r['bytes_per_chip'] / 1e9:.2f} "
