@@ -11,8 +11,7 @@ if __name__ == '__main__':
     # the handlers that report them in one line, and the held signal is delivered then.
     signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
 
-# Before numpy loads. The eval's linear algebra is small ([D, D] eigh); OpenBLAS threads
-# spinning against busy cores made it 50x slower on a shared 2-core machine.
+# Before numpy loads: the eval's linear algebra is small (docs/performance.md).
 os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 
 from jaxsim.cli.eval import main  # noqa: E402

@@ -2,14 +2,10 @@
 
 A flow fit, a flow's apply and a tiny test model run for a few seconds at most, so on CPU the
 XLA compile of their programs is most of their cost. Two XLA:CPU settings trade run time for
-compile time (measured on the BERT-flow fit's training program, 2-core x86 CPU):
-  - `xla_cpu_use_fusion_emitters=False`: the classic loop emitters instead of the MLIR fusion
-    emitters; about a quarter less compile time, same run time.
-  - `xla_backend_optimization_level`: LLVM's -O level. 1 costs nothing measurable in run time
-    on these small kernels and compiles faster than the default; 0 compiles fastest but runs
-    ~5x slower, which only pays for programs that run once (an init).
-Other platforms get the defaults: their compilers are not the bottleneck here and the CPU
-options mean nothing to them.
+compile time (figures: docs/performance.md, "Figures the code relies on"): the classic loop
+emitters instead of the MLIR fusion emitters (`xla_cpu_use_fusion_emitters=False`), and LLVM's
+-O level (`xla_backend_optimization_level`): 1 for programs run many times, 0 only for programs
+run once. Other platforms get the defaults: their compilers are not the bottleneck here.
 """
 from __future__ import annotations
 

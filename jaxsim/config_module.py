@@ -15,17 +15,10 @@ from jaxsim.errors import JaxsimError, shown_path
 
 
 def run_get_config(path: Path, error: type[JaxsimError], what: str, arg: str = '') -> Any:
-    """Executes the config file at `path` and returns `get_config()` (`get_config(arg)` if `arg`).
+    """Executes the .py file at `path` and returns `get_config()` (`get_config(arg)` if `arg`).
 
-    Args:
-      path: the .py file.
-      error: the exception class raised for a bad file (one line naming it).
-      what: what the file is, for messages (e.g. 'config', 'flow config').
-      arg: the argument of `get_config`, if any.
-
-    Raises:
-      error: no such file, a syntax error (file:line, in the config or a module it imports), or
-        no `get_config` defined.
+    A bad file (missing, a syntax error in it or a module it imports, no `get_config`, its code
+    failing) raises `error` in one line naming it and the file (`what`: e.g. 'flow config').
     """
     path = Path(path)
     if not path.is_file():

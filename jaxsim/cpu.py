@@ -47,9 +47,7 @@ def cpu_model() -> Optional[str]:
 def bf16_emulated(platforms: Iterable[str]) -> bool:
     """True when bf16 compute on devices of these platforms runs on an x86 CPU without bf16
     instructions (known only on Linux x86_64; False where it cannot be told)."""
-    if not any(p == "cpu" for p in platforms):
-        return False
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if "cpu" not in platforms or platform.machine() not in ("x86_64", "AMD64"):
         return False
     flags = cpu_flags()
     return flags is not None and not any(flag in flags for flag in BF16_FLAGS)

@@ -1,14 +1,10 @@
-"""Multi-process (multi-host) start-up: `jax.distributed.initialize` when asked for.
+"""Multi-process (multi-host) start-up: `jax.distributed.initialize` when asked for (docs/pod.md).
 
-A run is multi-process when a coordinator address is given explicitly (flags) or through the
-environment (JAXSIM_COORDINATOR, JAXSIM_NUM_PROCESSES, JAXSIM_PROCESS_ID), or when JAX's own
-cluster auto-detection applies (SLURM, TPU pods, ...; pass `auto=True`). On one CPU machine,
-several processes on loopback use CPU (gloo) collectives, which is how the tests run it.
-
-Launch settings that contradict each other or would be ignored are refused before anything
-starts (`resolve_launch`). Start-up waits at most `--init_timeout` / JAXSIM_INIT_TIMEOUT
-seconds (default 300) for every process to connect, then stops with one line naming the
-coordinator; SIGINT / SIGTERM end the wait at once (the command exits 130 / 143).
+A run is multi-process when a coordinator address is given (flags, or JAXSIM_COORDINATOR,
+JAXSIM_NUM_PROCESSES, JAXSIM_PROCESS_ID), or with JAX's own cluster detection (`auto`). On one
+CPU machine, several processes on loopback use CPU (gloo) collectives, as the tests run it.
+Settings that contradict each other or would be ignored are refused before anything starts
+(`resolve_launch`); SIGINT / SIGTERM end the wait for the other processes at once.
 """
 from __future__ import annotations
 
@@ -75,14 +71,6 @@ def _env_number(name: str, parse: type, what: str):
         raise DistributedError(f"${name}={value!r} is not {what}") from None
 
 
-def _env_int(name: str) -> int | None:
-    return _env_number(name, int, 'an integer')
-
-
-def _env_seconds(name: str) -> float | None:
-    return _env_number(name, float, 'a number of seconds')
-
-
 def resolve_launch(coordinator: str | None = None, num_processes: int | None = None,
                    process_id: int | None = None, auto: bool = False,
                    init_timeout_s: float | None = None, *, flags: bool = False) -> Launch:
@@ -98,8 +86,8 @@ def resolve_launch(coordinator: str | None = None, num_processes: int | None = N
     def name(setting: str) -> str:
         return f'--{setting}' if flags else setting
 
-    given = [n for n, v in (('coordinator', coordinator), ('num_processes', num_processes),
-                            ('process_id', process_id)) if v is not None]
+    values = dict(coordinator=coordinator, num_processes=num_processes, process_id=process_id)
+    given = [n for n, v in values.items() if v is not None]
     if auto and given:
         raise DistributedError(
             f"{name('distributed')} auto detects the cluster itself; drop "
@@ -109,21 +97,15 @@ def resolve_launch(coordinator: str | None = None, num_processes: int | None = N
         raise DistributedError(f"{name('init_timeout')} applies to a multi-process launch "
                                f"only: add --coordinator HOST:PORT (with --num_processes and "
                                f"--process_id) or --distributed auto")
-    sources = {n: name(n) for n in ('coordinator', 'num_processes', 'process_id')}
-    if not auto:
-        if coordinator is None and os.environ.get('JAXSIM_COORDINATOR'):
-            coordinator, sources['coordinator'] = (os.environ['JAXSIM_COORDINATOR'],
-                                                   '$JAXSIM_COORDINATOR')
-        if num_processes is None and _env_int('JAXSIM_NUM_PROCESSES') is not None:
-            num_processes, sources['num_processes'] = (_env_int('JAXSIM_NUM_PROCESSES'),
-                                                       '$JAXSIM_NUM_PROCESSES')
-        if process_id is None and _env_int('JAXSIM_PROCESS_ID') is not None:
-            process_id, sources['process_id'] = _env_int('JAXSIM_PROCESS_ID'), '$JAXSIM_PROCESS_ID'
+    sources = {n: name(n) for n in values}
+    for n, parse in (('coordinator', str), ('num_processes', int), ('process_id', int)):
+        var = f'JAXSIM_{n.upper()}'
+        if not auto and values[n] is None and os.environ.get(var):
+            values[n], sources[n] = _env_number(var, parse, 'an integer'), f'${var}'
+    coordinator, num_processes, process_id = values.values()
+    where = name('init_timeout') if init_timeout_s is not None else '$JAXSIM_INIT_TIMEOUT'
     if init_timeout_s is None:
-        init_timeout_s = _env_seconds('JAXSIM_INIT_TIMEOUT')
-        where = '$JAXSIM_INIT_TIMEOUT'
-    else:
-        where = name('init_timeout')
+        init_timeout_s = _env_number('JAXSIM_INIT_TIMEOUT', float, 'a number of seconds')
     if init_timeout_s is None:
         init_timeout_s = DEFAULT_INIT_TIMEOUT_S
     elif not 0 < init_timeout_s < 10 ** 6:
@@ -132,8 +114,7 @@ def resolve_launch(coordinator: str | None = None, num_processes: int | None = N
     if auto:
         return Launch(auto=True, init_timeout_s=init_timeout_s)
     if not coordinator:
-        stray = [sources[n] for n, v in (('num_processes', num_processes),
-                                         ('process_id', process_id)) if v is not None]
+        stray = [sources[n] for n in ('num_processes', 'process_id') if values[n] is not None]
         if stray:
             raise DistributedError(f"{' and '.join(stray)} need{'s' * (len(stray) == 1)} "
                                    f"{name('coordinator')} "
@@ -144,8 +125,7 @@ def resolve_launch(coordinator: str | None = None, num_processes: int | None = N
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise DistributedError(f"{sources['coordinator']} {coordinator!r} is not HOST:PORT "
                                f"(process 0's host and a port in [1, 65535])")
-    missing = [sources[n] for n, v in (('num_processes', num_processes),
-                                       ('process_id', process_id)) if v is None]
+    missing = [sources[n] for n in ('num_processes', 'process_id') if values[n] is None]
     if missing:
         raise DistributedError(f"{sources['coordinator']} needs {' and '.join(missing)} too "
                                f"(or JAXSIM_NUM_PROCESSES / JAXSIM_PROCESS_ID)")
@@ -180,25 +160,21 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def start(launch: Launch, local_device_ids=None) -> bool:
     """Starts `launch` (once); True when running multi-process. See `initialize`."""
     global _initialized
-    if _initialized:
-        return jax.process_count() > 1
-    if not launch.multi_process:
+    if _initialized or not launch.multi_process:
         return jax.process_count() > 1
     # Cross-process collectives of CPU devices go through gloo (harmless on accelerators).
     # Set before the backend exists: querying the backend here would initialize it.
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     jax_timeout = int(math.ceil(launch.init_timeout_s)) + _JAX_TIMEOUT_MARGIN_S
     if launch.auto:
-        what = 'the processes of the cluster JAX detects'
-        connect = functools.partial(jax.distributed.initialize,
-                                    initialization_timeout=jax_timeout)
+        what, given = 'the processes of the cluster JAX detects', {}
     else:
         what = (f'the {launch.num_processes} processes of the run at {launch.coordinator} '
                 f'(this is process {launch.process_id})')
-        connect = functools.partial(
-            jax.distributed.initialize, launch.coordinator, num_processes=launch.num_processes,
-            process_id=launch.process_id, local_device_ids=local_device_ids,
-            initialization_timeout=jax_timeout)
+        given = dict(coordinator_address=launch.coordinator, num_processes=launch.num_processes,
+                     process_id=launch.process_id, local_device_ids=local_device_ids)
+    connect = functools.partial(jax.distributed.initialize, initialization_timeout=jax_timeout,
+                                **given)
     if launch.process_id == 0:
         _check_port_free(launch.coordinator)
     try:
@@ -268,13 +244,12 @@ def _wait_for(connect: Callable[[], Any], timeout_s: float, what: str) -> None:
         print(f'waiting up to {timeout_s:g} s for {what} to connect', file=sys.stderr,
               flush=True)
         deadline = time.monotonic() + timeout_s
-        finished = False
-        while not finished and (left := deadline - time.monotonic()) > 0:
-            finished = done.wait(min(left, _SIGNAL_CHECK_S))
+        while not done.is_set() and (left := deadline - time.monotonic()) > 0:
+            done.wait(min(left, _SIGNAL_CHECK_S))
     except BaseException:
         _abandon()
         raise
-    if not finished:
+    if not done.is_set():
         _abandon()
         raise TimeoutError(what)
     if failure:
@@ -355,9 +330,8 @@ def check_same_inputs(inputs: Mapping[str, Any]) -> None:
     local = np.stack([_digest_words(inputs[n]) for n in names])  # [inputs, 8]
     everyone = np.asarray(multihost_utils.process_allgather(local))  # [processes, inputs, 8]
     for i, name in enumerate(names):
-        differ = [p for p in range(everyone.shape[0])
-                  if not np.array_equal(everyone[p, i], everyone[0, i])]
-        if differ:
+        differ = np.flatnonzero((everyone[:, i] != everyone[0, i]).any(axis=1))
+        if differ.size:
             which = ', '.join(map(str, differ))
             raise DistributedError(f'process {which} of {everyone.shape[0]} sees a different '
                                    f'{name} than process 0; every process must start the same '

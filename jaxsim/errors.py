@@ -46,10 +46,6 @@ def _library_dirs() -> tuple[Path, ...]:
     return tuple(d.resolve() for d in dirs)
 
 
-def _within(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
 def user_frame(error: BaseException, own: Optional[Path] = None
                ) -> Optional[traceback.FrameSummary]:
     """The deepest frame of `error`'s traceback in the user's code: `own` (a file, or a
@@ -58,8 +54,8 @@ def user_frame(error: BaseException, own: Optional[Path] = None
         if not Path(frame.filename).is_file():  # <string>, frozen modules
             continue
         path = Path(frame.filename).resolve()
-        if (own is not None and _within(path, own.resolve())) or not any(
-                _within(path, d) for d in _library_dirs()):
+        if (own is not None and path.is_relative_to(own.resolve())) or not any(
+                path.is_relative_to(d) for d in _library_dirs()):
             return frame
     return None
 

@@ -15,6 +15,8 @@ example, and `examples/custom_loop.py` rebuilds `train.py`'s losses from them.
   dropout_key, step_key, init_key      the run's keys from its seed, as the train step derives them
   batches(cfg, tokenizer)              train.py's batches, in train.py's order
   make_optimizer(**hyperparameters)    the optax optimizer of train.py from plain keywords
+                                       (total_steps required), optimizer_hyperparameters(cfg)
+                                       a config's values of them
   train_program, make_train_step       the jitted, sharded train step train.py runs; the
                                        latter from LossSpec, UpdateSpec, CompileTarget and
                                        BatchSplit, for another loss or optimizer
@@ -28,7 +30,6 @@ from typing import Any, Callable, Union
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxsim import sharding
 from jaxsim.data.batching import tokenize_examples
@@ -38,11 +39,13 @@ from jaxsim.model import SentenceModel
 from jaxsim.models import st_head
 from jaxsim.models.encoder import init_params
 from jaxsim.objectives import check_kwargs, get_objective
-from jaxsim.train import build, optim
+from jaxsim.train import build
 from jaxsim.train import step as step_lib
-from jaxsim.train.build import train_program
+from jaxsim.train.build import init_key, train_program
 from jaxsim.train.config import TrainConfig
 from jaxsim.train.config_files import load_config_file
+from jaxsim.train.optim import build_optimizer as make_optimizer
+from jaxsim.train.optim import hyperparameters as optimizer_hyperparameters
 from jaxsim.train.state import TrainState, create_state
 from jaxsim.train.step import (
     BatchSplit,
@@ -67,15 +70,7 @@ HEAD_KEY = st_head.HEAD_KEY  # where embed_fn's params hold the Dense modules' w
 def load_config(path: Union[str, Path], **overrides) -> TrainConfig:
     """A config file (`configs/*.py`, or `path.py:arg`) with fields replaced by `overrides`,
     validated, as `train.py --config path --config.key=value` reads it."""
-    fields = load_config_file(str(path))
-    fields.update(overrides)
-    return TrainConfig.from_dict(fields, source=str(path))
-
-
-def init_key(seed: int) -> jax.Array:
-    """The key the parameters not loaded from a checkpoint are drawn with
-    (`train_program(...).init_key`)."""
-    return build.init_key(seed)
+    return TrainConfig.from_dict({**load_config_file(str(path)), **overrides}, source=str(path))
 
 
 def dropout_key(seed: int, prng_impl: str = "threefry2x32") -> jax.Array:
@@ -125,18 +120,6 @@ def batches(cfg: TrainConfig, tokenizer: Any, mesh=None) -> StreamIterator:
     config's) decides the rows each process feeds. `.close()` stops its reader threads."""
     mesh = sharding.config_mesh(cfg) if mesh is None else mesh
     return build.train_batches(cfg, build.open_source(cfg), tokenizer, mesh)
-
-
-def optimizer_hyperparameters(cfg: TrainConfig) -> dict:
-    """A config's optimizer fields, the keywords of `make_optimizer` (all but total_steps)."""
-    return optim.hyperparameters(cfg)
-
-
-def make_optimizer(**hyperparameters) -> optax.GradientTransformation:
-    """train.py's optimizer from plain keywords: total_steps (required; the linear decay ends
-    there), optimizer ('adamw' or 'sgd'), learning_rate, warmup_steps, weight_decay,
-    max_grad_norm, adam_b1, adam_b2, adam_eps; the others default as a TrainConfig does."""
-    return optim.build_optimizer(**hyperparameters)
 
 
 def embed_fn(model: SentenceModel) -> tuple[Callable, Any]:

@@ -1,18 +1,12 @@
 """User code in every command: modules that register objectives, poolers, calibrations or flow
-layers, loaded before a command reads its names.
-
-Three sources, loaded in this order, each module once per process:
-  - the `jaxsim.plugins` entry-point group of installed distributions;
-  - `JAXSIM_PLUGINS`: comma-separated modules;
-  - `--import MODULE` (repeatable) on train.py, eval.py and every `python -m jaxsim` command.
-A module is a dotted name (importable from sys.path or the current folder), a path to a
-.py file, or a path to a package folder (one holding __init__.py).
-`jaxsim.cli.cli_io.add_import_flag(parser)` declares `--import` and loads all three before the
-parser reads the rest of the command line, so a registered pooler is a valid `--pooler` choice.
-A module that fails is one line naming it and the file and line of the user's code that raised.
+layers, loaded before a command reads its names (docs/extending.md): the `jaxsim.plugins`
+entry points, then `JAXSIM_PLUGINS`, then `--import MODULE` (declared by
+`jaxsim.cli.cli_io.add_import_flag`), each module once per process. A module that fails is one
+line naming it and the file and line of the user's code that raised.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -21,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from jaxsim.errors import JaxsimError, shown_path, user_line
 
@@ -130,13 +124,19 @@ def load_module(spec: str, source: str = FLAG) -> ModuleType:
     if not spec:
         raise PluginError(f"{source}: empty module name")
     key = str(Path(spec).expanduser().resolve()) if _is_path(spec) else spec
+    return _load_once(key, functools.partial(_import, spec), f"{source} {spec}")
+
+
+def _load_once(key: str, load: Callable[[], ModuleType], what: str) -> ModuleType:
+    """`load()` the first time `key` is asked for; what it raises is a PluginError naming
+    `what`."""
     if key not in _loaded:
         try:
-            _loaded[key] = _import(spec)
+            _loaded[key] = load()
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # anything the user's module raises is reported in one line
-            raise PluginError(f"{source} {spec}: {_describe(e)}") from None
+            raise PluginError(f"{what}: {_describe(e)}") from None
     return _loaded[key]
 
 
@@ -157,21 +157,12 @@ def load_plugins(imports: Sequence[str] = (), *, environ: Optional[dict] = None,
     """
     modules = []
     if entry_points:
-        for ep in _entry_points():
-            key = f"entry point {ep.name}={ep.value}"
-            if key not in _loaded:
-                try:
-                    _loaded[key] = ep.load()
-                except (KeyboardInterrupt, SystemExit):
-                    raise
-                except BaseException as e:
-                    raise PluginError(f"{ENTRY_POINT_GROUP} entry point {ep.name} ({ep.value}): "
-                                      f"{_describe(e)}") from None
-            modules.append(_loaded[key])
+        modules += [_load_once(f"entry point {ep.name}={ep.value}", ep.load,
+                               f"{ENTRY_POINT_GROUP} entry point {ep.name} ({ep.value})")
+                    for ep in _entry_points()]
     env = os.environ if environ is None else environ
-    for spec in env.get(ENV_VAR, "").split(","):
-        if spec.strip():
-            modules.append(load_module(spec, ENV_VAR))
+    modules += [load_module(spec, ENV_VAR) for spec in env.get(ENV_VAR, "").split(",")
+                if spec.strip()]
     modules += [load_module(spec, FLAG) for spec in imports]
     return modules
 

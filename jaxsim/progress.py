@@ -28,23 +28,18 @@ class PlainProgress:
         self.closed = False
         self.printed: Optional[int] = None  # the count of the last line printed
 
-    def _line(self) -> str:
-        done = f"{self.n}/{self.total}" if self.total else f"{self.n}"
-        share = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
-        extra = f", {self.postfix}" if self.postfix else ""
-        return (f"{self.desc}: {done} {self.unit}{share}, "
-                f"{time.monotonic() - self.start:.0f} s{extra}")
-
     def update(self, n: int = 1) -> None:
         self.n += n
-        now = time.monotonic()
-        if now - self.last >= self.every_s:
-            self.last = now
+        if time.monotonic() - self.last >= self.every_s:
             self._print()
 
     def _print(self) -> None:
-        self.printed = self.n
-        print(self._line(), file=self.file, flush=True)
+        self.printed, self.last = self.n, time.monotonic()
+        done = f"{self.n}/{self.total}" if self.total else f"{self.n}"
+        share = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
+        extra = f", {self.postfix}" if self.postfix else ""
+        print(f"{self.desc}: {done} {self.unit}{share}, {self.last - self.start:.0f} s{extra}",
+              file=self.file, flush=True)
 
     def set_postfix(self, **values) -> None:
         self.postfix = ", ".join(f"{k} {v}" for k, v in values.items())
@@ -59,12 +54,6 @@ class PlainProgress:
             self._print()
         self.closed = True
 
-    def __enter__(self) -> "PlainProgress":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def progress_bar(total: Optional[int], desc: str, unit: str = "it", enable: bool = True,
                  file: Optional[IO] = None, initial: int = 0, leave: bool = True):
@@ -78,8 +67,7 @@ def progress_bar(total: Optional[int], desc: str, unit: str = "it", enable: bool
     file = sys.stderr if file is None else file
     if not enable:
         return tqdm(total=total, disable=True)
-    isatty = getattr(file, "isatty", None)
-    if isatty is not None and isatty():
+    if hasattr(file, "isatty") and file.isatty():
         return tqdm(total=total, desc=desc, unit=unit, file=file, initial=initial,
                     dynamic_ncols=True, leave=leave)
     return PlainProgress(total, desc, unit, file, every_s=PLAIN_EVERY_S, initial=initial)

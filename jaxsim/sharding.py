@@ -79,23 +79,17 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
 
     Within a slice, `mesh_utils.create_device_mesh` places the axes on the physical links
     (the last axis, 'tensor', on the fastest), with each process's devices a contiguous block
-    where the topology allows. Across slices, `create_hybrid_device_mesh`.
-
-    Returns:
-      A `jax.sharding.Mesh` with Auto axis types.
-
-    Raises:
-      MeshError: when the devices cannot form the requested mesh.
+    where the topology allows. Across slices, `create_hybrid_device_mesh`. Axis types: Auto.
+    Devices that cannot form the mesh are a MeshError.
     """
     devices = list(jax.devices() if devices is None else devices)
     dcn = (dcn_data, dcn_fsdp, dcn_tensor)
-    slices = int(np.prod(dcn))
-    if slices > 1:
-        have, by_process = _slices(devices)
-        if have != slices:
-            unit = 'processes' if by_process else 'slices'
-            raise MeshError(f'mesh_dcn_data x mesh_dcn_fsdp x mesh_dcn_tensor = {slices} must '
-                            f'equal the number of {unit}, {have}')
+    slices = math.prod(dcn)
+    have, by_process = _slices(devices)
+    if slices > 1 and have != slices:
+        unit = 'processes' if by_process else 'slices'
+        raise MeshError(f'mesh_dcn_data x mesh_dcn_fsdp x mesh_dcn_tensor = {slices} must '
+                        f'equal the number of {unit}, {have}')
     per_slice = len(devices) // slices
     if data == -1:
         if per_slice % (fsdp * tensor):
@@ -116,7 +110,7 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
     shape = (data, fsdp, tensor)
     if slices > 1:
         grid = mesh_utils.create_hybrid_device_mesh(shape, dcn, devices,
-                                                    process_is_granule=_slices(devices)[1],
+                                                    process_is_granule=by_process,
                                                     allow_split_physical_axes=True)
     else:
         grid = _device_grid(shape, devices)
@@ -156,8 +150,7 @@ def axis_rules(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
         if logical not in LOGICAL_AXIS_RULES:
             raise ShardingError(f'logical_axis_rules: unknown logical axis {logical!r}; known: '
                                 f'{", ".join(LOGICAL_AXIS_RULES)}')
-        names = [target] if isinstance(target, str) else list(target or [])
-        names = [n for n in names if n]
+        names = [n for n in ([target] if isinstance(target, str) else target or []) if n]
         unknown = [n for n in names if n not in MESH_AXES]
         if unknown:
             raise ShardingError(f'logical_axis_rules: {logical!r} -> unknown mesh axis '
@@ -175,17 +168,14 @@ def logical_to_spec(axes: Sequence[str | None], mesh: Mesh, shape: Sequence[int]
     the parameter `name`.
     """
     rules = LOGICAL_AXIS_RULES if rules is None else rules
-    spec = []
-    used = set()
+    spec, used = [], set()
     for logical, dim in zip(axes, shape):
         mesh_axes = rules.get(logical) if logical else None
-        if isinstance(mesh_axes, str):
-            mesh_axes = (mesh_axes,)
+        mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes or ()
+        # Drop size-1 axes: they shard nothing and keep the spec readable.
+        mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1 and a not in used)
         if mesh_axes:
-            # Drop size-1 axes: they shard nothing and keep the spec readable.
-            mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1 and a not in used)
-        if mesh_axes:
-            size = int(np.prod([mesh.shape[a] for a in mesh_axes]))
+            size = math.prod(mesh.shape[a] for a in mesh_axes)
             if dim % size == 0:
                 used.update(mesh_axes)
                 spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
@@ -207,14 +197,11 @@ def param_specs(params: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None,
     """PartitionSpecs for a param tree (arrays or ShapeDtypeStructs), from the rules table
     (`rules`, default LOGICAL_AXIS_RULES); `strict`: an indivisible sharded dimension is a
     ShardingError naming the parameter instead of replicated."""
-    flat = traverse_util.flatten_dict(params, sep='/')
     out = {}
-    for path, x in flat.items():
-        axes = (None,) * len(x.shape)
-        for pattern, logical in PARAM_LOGICAL_AXES:
-            if re.search(pattern, path) and len(logical) == len(x.shape):
-                axes = logical
-                break
+    for path, x in traverse_util.flatten_dict(params, sep='/').items():
+        axes = next((logical for pattern, logical in PARAM_LOGICAL_AXES
+                     if re.search(pattern, path) and len(logical) == len(x.shape)),
+                    (None,) * len(x.shape))
         out[path] = logical_to_spec(axes, mesh, x.shape, rules, strict, path)
     return traverse_util.unflatten_dict(out, sep='/')
 
@@ -230,9 +217,8 @@ def update_specs(param_specs_tree: Any, params: Any, mesh: Mesh) -> Any:
     'data' (by `logical_axis_rules`), are updated as the rules split them."""
     size = mesh.shape['data']
     flat_specs = traverse_util.flatten_dict(param_specs_tree, sep='/')
-    flat = traverse_util.flatten_dict(params, sep='/')
     out = {}
-    for path, x in flat.items():
+    for path, x in traverse_util.flatten_dict(params, sep='/').items():
         entries = list(flat_specs[path]) + [None] * (len(x.shape) - len(flat_specs[path]))
         named = {a for e in entries if e for a in ((e,) if isinstance(e, str) else e)}
         if size > 1 and 'data' not in named:  # a mesh axis may split one dimension only
@@ -252,26 +238,16 @@ def tree_shardings(tree: Any, mesh: Mesh, params_specs: Any = None) -> Any:
     Optimizer states mirror the param tree (Adam's mu/nu); a leaf whose shape equals a param's
     shape at the same path suffix is sharded like it.
     """
-    by_shape_path = {}
-    if params_specs is not None:
-        for path, spec in traverse_util.flatten_dict(params_specs, sep='/').items():
-            by_shape_path[path] = spec
+    by_shape_path = traverse_util.flatten_dict(params_specs or {}, sep='/')
 
     def leaf_sharding(path, x):
-        keys = '/'.join(_key_str(k) for k in path)
+        keys = jax.tree_util.keystr(path, simple=True, separator='/')
         for ppath, spec in by_shape_path.items():
             if (keys == ppath or keys.endswith('/' + ppath)) and len(spec) <= len(x.shape):
                 return NamedSharding(mesh, spec)
         return NamedSharding(mesh, P())
 
     return jax.tree_util.tree_map_with_path(leaf_sharding, tree)
-
-
-def _key_str(k) -> str:
-    for attr in ('key', 'name', 'idx'):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
 
 
 def tensor_parallel(mesh: Mesh) -> bool:

@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 from jaxsim import plugins
 from jaxsim.cli import interrupts
 from jaxsim.data.readers import DataError, decode_text, read_text
+from jaxsim.data.tokenize import token_ids
 from jaxsim.errors import USER_ERROR_EXIT, USER_ERRORS, JaxsimError
 from jaxsim.storage import store
 
@@ -103,28 +104,23 @@ def add_import_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def config_overrides(parser: argparse.ArgumentParser, rest: Sequence[str]) -> list[str]:
     """The `--config.KEY=VALUE` arguments `parse_known_args` left over, as `KEY=VALUE`; any other
     leftover is a usage error naming it."""
-    overrides = []
     for item in rest:
         if not item.startswith('--config.'):
             parser.error(f'unrecognized argument {item}')
-        overrides.append(item[len('--config.'):])
-    return overrides
-
-
-def read_input_text(path: Union[str, Path]) -> tuple[str, str]:
-    """(text, name for messages) of a sentence input: a file, or standard input for `-`."""
-    if str(path) == STDIN:
-        if sys.stdin is None or sys.stdin.isatty():
-            raise DataError("--input -: reads sentences from standard input, but none is "
-                            "piped in (e.g. `cat sentences.txt | python -m jaxsim ...`)")
-        return decode_text(sys.stdin.buffer.read(), "<stdin>"), "<stdin>"
-    return read_text(path, "sentence file"), str(path)
+    return [item.removeprefix('--config.') for item in rest]
 
 
 def input_sentences(path: Union[str, Path]) -> tuple[list[str], int, str]:
-    """(sentences, blank lines skipped, name) by the sentence-file rule of every command:
-    lines split at '\\n', stripped, blank ones skipped."""
-    text, name = read_input_text(path)
+    """(sentences, blank lines skipped, name) of a sentence input (a file, or standard input
+    for `-`) by the sentence-file rule of every command: lines split at '\\n', stripped, blank
+    ones skipped."""
+    if str(path) != STDIN:
+        text, name = read_text(path, "sentence file"), str(path)
+    elif sys.stdin is None or sys.stdin.isatty():
+        raise DataError("--input -: reads sentences from standard input, but none is "
+                        "piped in (e.g. `cat sentences.txt | python -m jaxsim ...`)")
+    else:
+        text, name = decode_text(sys.stdin.buffer.read(), "<stdin>"), "<stdin>"
     lines = [line.strip() for line in text.split("\n")]
     if lines and lines[-1] == "":
         lines.pop()  # a final newline ends the last line rather than starting one
@@ -134,13 +130,21 @@ def input_sentences(path: Union[str, Path]) -> tuple[list[str], int, str]:
     return sentences, len(lines) - len(sentences), name
 
 
+def warn_truncated(tokenizer, sentences: Sequence[str], limit: int, what: str = "") -> None:
+    """One warning counting the sentences longer than `limit` tokens (special tokens included):
+    they are encoded by their first tokens only, which a search would otherwise not reveal."""
+    over = sum(len(ids) > limit for ids in token_ids(tokenizer, sentences, limit + 1))
+    if over:
+        print(f"warning: {what + ': ' if what else ''}{over} of {len(sentences)} sentences are "
+              f"longer than {limit} tokens and are truncated to {limit}", file=sys.stderr)
+
+
 def add_output_flags(parser: argparse.ArgumentParser, option: str, help: str,
-                     overwrite_help: str, required: bool = False,
-                     type: Optional[Callable] = None) -> None:
+                     overwrite_help: str, required: bool = False) -> None:
     """Declares a command's output target (`--json`, `--out`, `--output`) and `--overwrite`,
     which every command that writes takes (the target is checked by `check_output_file` /
     `check_output_dir`, before any work)."""
-    parser.add_argument(option, required=required, default=None, type=type, help=help)
+    parser.add_argument(option, required=required, default=None, help=help)
     parser.add_argument("--overwrite", action="store_true", help=overwrite_help)
 
 
@@ -159,11 +163,8 @@ def refuse_inputs(target, option: str, inputs: Sequence[tuple[str, object]]) -> 
     for flag, value in inputs:
         if value is None or str(value) == STDIN or store.is_remote(value):
             continue
-        source = Path(value).expanduser()
-        if not source.exists():
-            continue
-        source = source.resolve()
-        if os.path.samefile(out, source) or (source.is_dir() and source in out.parents):
+        source = Path(value).expanduser().resolve()
+        if source.exists() and (source in out.parents or os.path.samefile(out, source)):
             raise store.StorageError(f"{option} {target} would overwrite an input ({flag} "
                                      f"{value}); name another file")
 
@@ -174,7 +175,7 @@ def check_output_file(path, overwrite: bool, option: str,
     path) pairs, see `refuse_inputs`), absent unless `overwrite`, in a writable place; checked
     before a model loads. Returns its epath."""
     target = store.as_path(path, option)
-    if str(path).endswith("/") or (target.exists() and target.is_dir()):
+    if str(path).endswith("/") or target.is_dir():
         raise store.StorageError(f"{option} {path} is a folder; name a file, e.g. "
                                  f"{target / 'out'}")
     refuse_inputs(target, option, inputs)
@@ -190,7 +191,7 @@ def check_output_dir(path, overwrite: bool, option: str, keep: Optional[Callable
     if target.exists() and not target.is_dir():
         raise store.StorageError(f"{option} {path} is a file, not a folder")
     store.refuse_existing(target, overwrite, option)
-    if target.exists() and keep is not None and any(True for _ in target.iterdir()):
+    if target.exists() and keep is not None and any(target.iterdir()):
         keep(target)
     store.check_reachable(target, option)
     return target

@@ -14,17 +14,10 @@ import numpy as np
 from jaxsim import distributed
 from jaxsim.cli import cli_io
 from jaxsim.cli.cli_io import UsageError
-from jaxsim.data.tokenize import token_ids
 from jaxsim.encode import encode
 from jaxsim.formats.pretrained import bundled_model_path, load_pretrained
 from jaxsim.models.poolers import POOLERS
 from jaxsim.storage import store
-
-
-def _count_over_limit(tokenizer, sentences: Sequence[str], limit: int) -> int:
-    """Sentences longer than `limit` tokens (special tokens included), i.e. truncated."""
-    ids = token_ids(tokenizer, sentences, max_length=limit + 1)
-    return sum(len(s) > limit for s in ids)
 
 
 def encode_parser() -> argparse.ArgumentParser:
@@ -63,7 +56,6 @@ def encode_main(argv: Sequence[str]) -> int:
     # Every process of a multi-process run encodes its devices' rows of each batch; the
     # vectors are gathered on all, and process 0 writes them.
     distributed.initialize_from_flags(args)
-    main_process = distributed.is_main_process()
     sentences, skipped, name = cli_io.input_sentences(args.input)
     distributed.check_same_inputs({"sentences": sentences})
     if skipped:
@@ -75,13 +67,10 @@ def encode_main(argv: Sequence[str]) -> int:
     if not 2 <= limit <= model.config.max_length:
         raise UsageError(f"--max-length must be in [2, {model.config.max_length}] for "
                          f"{model.path}, got {limit}")
-    over = _count_over_limit(model.tokenizer, sentences, limit)
-    if over:
-        print(f"warning: {over} of {len(sentences)} sentences are longer than {limit} tokens "
-              f"and are truncated to {limit}", file=sys.stderr)
+    cli_io.warn_truncated(model.tokenizer, sentences, limit)
     vectors = encode(model, sentences, batch_size=args.batch_size, max_length=limit,
                      normalize=args.normalize, dtype=getattr(jnp, args.dtype))
-    if not main_process:
+    if not distributed.is_main_process():
         return 0
     # Exactly this name (np.save on a name would append '.npy'), whole or not at all.
     with store.open_atomic(output, "wb", overwrite=args.overwrite, what="--output") as f:

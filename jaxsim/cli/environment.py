@@ -1,21 +1,12 @@
 """The command lines' process set-up: library noise off, compilation cache on.
 
 Every command applies it first (`python -m jaxsim`, train.py, eval.py, benchmarks/remat_memory.py),
-before anything initializes a JAX backend or loads a model. What is silenced, and why:
-  - transformers' "PyTorch was not found" line and its other import-time advice: jaxsim runs
-    JAX models; transformers is used for tokenizers and configs only
-    (TRANSFORMERS_NO_ADVISORY_WARNINGS, TRANSFORMERS_VERBOSITY).
-  - libtpu / XLA C++ INFO and WARNING logs at backend start-up (TPU_MIN_LOG_LEVEL,
-    TPU_STDERR_LOG_LEVEL, TF_CPP_MIN_LOG_LEVEL, GRPC_VERBOSITY). Errors still print.
-  - what `jaxsim.runtime` filters for library callers too (orphaned orbax read callbacks).
-  - libtpu's start-up errors on a host without a TPU: with libtpu installed (the test extra
-    installs it for the plan command) JAX tries the TPU backend first and libtpu prints five
-    lines of errors before JAX falls back to the CPU. Where no TPU chip is attached (no
-    Google TPU on the PCI bus, as JAX itself checks, and no /dev/accel* or /dev/vfio/N node)
-    and no other JAX backend plugin (a GPU) is installed, the commands ask for the CPU
-    (JAX_PLATFORMS=cpu): a command's error stays one line (`skips_absent_tpu`).
-Every environment variable is set with `setdefault`: a value the user exported wins. This
-module owns that list (`QUIET_ENV`).
+before anything initializes a JAX backend or loads a model. `QUIET_ENV` silences transformers'
+import-time advice ("PyTorch was not found": jaxsim uses transformers for tokenizers and configs
+only) and libtpu / XLA's C++ INFO and WARNING logs at backend start-up (errors still print); a
+value the user exported wins. With libtpu installed (the test extra installs it for the plan
+command) but no TPU attached, libtpu prints five lines of errors before JAX falls back to the
+CPU: the commands ask for the CPU there (`skips_absent_tpu`), so an error stays one line.
 """
 from __future__ import annotations
 

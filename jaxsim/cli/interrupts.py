@@ -15,7 +15,8 @@ entry point reports it with `report()`. Two places where Python would lose it:
     (a `__del__`) reaches the unraisable-exception hook, which does the same.
 
 `Interrupted` itself is the library's (jaxsim.errors): training raises it with the step saved.
-Nothing here imports JAX or the rest of jaxsim: entry points import it first.
+Nothing here imports JAX; of jaxsim only errors and runtime (no JAX either): entry points import
+it first.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import threading
 import time
 from typing import Optional
 
+from jaxsim import runtime
 from jaxsim.errors import SIGNALS, Interrupted
 
 
@@ -85,27 +87,18 @@ def unblock() -> None:
     its own handlers, e.g. training, calls this once they are in place)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    _install_redelivery()
+    runtime.chain_unraisable_hook(_redeliver)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
-def _install_redelivery() -> None:
-    if getattr(sys.unraisablehook, "_jaxsim_redeliver", False):
-        return
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        exc = unraisable.exc_value
-        signum: Optional[int] = getattr(exc, "signum", None)
-        if isinstance(exc, BaseException) and signum in SIGNALS:
-            # Sent again from another thread: raise_signal() here would run the handler at
-            # once, inside this hook, and lose it the same way.
-            _send_soon(signum)
-        else:
-            previous(unraisable)
-
-    hook._jaxsim_redeliver = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
+def _redeliver(unraisable) -> bool:
+    """An interrupt lost in a `__del__` is sent again from another thread: raise_signal() here
+    would run the handler at once, inside this hook, and lose it the same way."""
+    signum = getattr(unraisable.exc_value, "signum", None)
+    if isinstance(unraisable.exc_value, BaseException) and signum in SIGNALS:
+        _send_soon(signum)
+        return True
+    return False
 
 
 def report(e: BaseException) -> int:

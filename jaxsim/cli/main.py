@@ -1,14 +1,5 @@
-"""Command line: `python -m jaxsim {encode,export,index,search,serve,prepare,analyze,plan}
-[options]`, one module of this package a command.
-
-    python -m jaxsim encode --input sentences.txt --output vectors.npy [--model M]  (encode.py)
-    python -m jaxsim export --checkpoint WORKDIR_OR_FOLDER --out DIR  (export.py)
-        [--format hf|sentence-transformers] [--post whitening[:K]|sn|natsv:K --fit-data FILE]
-    python -m jaxsim index / search   (search.py)
-    python -m jaxsim serve --index DIR  (serve.py; docs/serve.md; pip install 'jaxsim[serve]')
-    python -m jaxsim prepare FILE... [--format text|csv|snli]  (prepare.py; docs/pod.md)
-    python -m jaxsim analyze --corpus FILE --out DIR  (analyze.py)
-    python -m jaxsim plan --config C --topology v5e:4x4  (plan.py; a TPU plan on any machine)
+"""`python -m jaxsim COMMAND [options]`: one module of this package a command (README.md lists
+them, with their docs).
 
 Every command reports a user error (bad file, bad option, unreadable model) as one line
 `error: <message>` on stderr and exits 1, and SIGINT / SIGTERM as one line with exit 130 / 143

@@ -112,29 +112,21 @@ def run_plan(config: str, overrides: Sequence[str], topology: str, num_slices: i
     record = plan.to_json()
     print(format_plan(record))
     if output is not None:  # first: the JSON is the plan's record
-        with store.open_atomic(Path(output), 'w', overwrite=overwrite, what='--json') as f:
-            json.dump(record, f, indent=2)
-            f.write('\n')
+        store.write_atomic(output, json.dumps(record, indent=2) + '\n', overwrite, '--json')
         print(f'wrote {output}', file=sys.stderr)
     if hlo_dir:
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)
         for program in (plan.train.program, plan.encode):
             if program is not None:
-                name = program.name.replace(' ', '_') + '.hlo'
-                with store.open_atomic(Path(hlo_dir) / name, 'w', overwrite=True,
-                                       what='--hlo-dir') as f:
-                    f.write(program.hlo_text)
+                store.write_atomic(Path(hlo_dir) / f"{program.name.replace(' ', '_')}.hlo",
+                                   program.hlo_text, what='--hlo-dir')
         print(f'wrote the compiled HLO to {hlo_dir}', file=sys.stderr)
     return 0
 
 
-def _what_recomputation_reaches(h: dict) -> str:
-    """Why remat or micro-batches may shrink the total less than the temporaries: they act on
-    nothing else."""
-    kept = h['total'] - h['temporaries']
-    return (f"  remat and micro-batches shrink the temporaries only ({h['temporaries']:.3f} of "
-            f"{h['total']:.3f} GiB); parameters, optimizer state, batch and program "
-            f"({kept:.3f} GiB) stay, so no setting of them brings the total under that")
+def _counts(collectives: dict) -> str:
+    """'2 all-reduce, 1 all-gather' (the kinds that occur), or 'none'."""
+    return ', '.join(f'{n} {kind}' for kind, n in collectives.items() if n) or 'none'
 
 
 def format_plan(r: dict) -> str:
@@ -155,7 +147,11 @@ def format_plan(r: dict) -> str:
         f"{h['program']:.3f}, other {h['other_arguments'] + h['outputs_not_aliased']:.3f} GiB",
     ]
     if cfg['remat'] != 'none' or cfg['micro_batch_size']:
-        lines.append(_what_recomputation_reaches(h))
+        # Why they may shrink the total less than the temporaries: they act on nothing else.
+        lines.append(f"  remat and micro-batches shrink the temporaries only ("
+                     f"{h['temporaries']:.3f} of {h['total']:.3f} GiB); parameters, optimizer "
+                     f"state, batch and program ({h['total'] - h['temporaries']:.3f} GiB) stay, "
+                     f"so no setting of them brings the total under that")
     if r['compiled']:
         lines += [
             f"per chip: {r['flops_per_chip'] / 1e12:.3f} TFLOP, {r['bytes_per_chip'] / 1e9:.2f} "
@@ -165,8 +161,7 @@ def format_plan(r: dict) -> str:
             f"{r['step_s_estimate'] * 1e3:.2f} ms ({r['bound']}-bound), MFU ceiling "
             f"{r['mfu_ceiling']:.1%} (of the model's {r['model_flops_per_chip'] / 1e12:.3f} "
             f"TFLOP: {r['mfu_ceiling_model_flops']:.1%})",
-            'collectives: ' + (', '.join(f'{n} {k}' for k, n in r['collectives'].items() if n)
-                               or 'none')]
+            f"collectives: {_counts(r['collectives'])}"]
         ops = r['breakdown']['operations'][:BREAKDOWN_LINES]
         if ops:
             lines.append("where the step's time goes (the TPU compiler's cost model, share of "
@@ -200,8 +195,7 @@ def format_plan(r: dict) -> str:
         lines.append(f"encode ({e['batch']} x {e['max_len']} tokens, float32): "
                      f"{e['hbm_gib']:.2f} GiB {'fits' if e['fits'] else 'DOES NOT FIT'}, "
                      f"{e['step_s_estimate'] * 1e3:.2f} ms a batch, collectives "
-                     + (', '.join(f'{n} {k}' for k, n in e['collectives'].items() if n)
-                        or 'none'))
+                     f"{_counts(e['collectives'])}")
     lines.append('(the compiler\'s estimates and the chip\'s published peaks, not measurements)')
     return '\n'.join(lines)
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Sequence
 
 from jaxsim.cli import cli_io
-from jaxsim.data.tokenize import token_ids
 from jaxsim.formats.hf_folder import ModelLoadError
 from jaxsim.formats.pretrained import bundled_model_path, load_pretrained
 from jaxsim.search.ann import METHODS
@@ -27,16 +26,6 @@ from jaxsim.search.vectors import SearchError, sentence_list
 def _one_line(text: str) -> str:
     """A sentence printable on one output line (line breaks and tabs escaped)."""
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
-
-
-def _warn_truncated(model, sentences: Sequence[str], what: str) -> None:
-    """One warning counting the texts over the model's token limit: they are encoded by their
-    first tokens only (as by `jaxsim encode`), which a search would otherwise not reveal."""
-    limit = model.max_length()
-    over = sum(len(ids) > limit for ids in token_ids(model.tokenizer, sentences, limit + 1))
-    if over:
-        print(f"warning: {what}: {over} of {len(sentences)} sentences are longer than {limit} "
-              f"tokens and are truncated to {limit}", file=sys.stderr)
 
 
 def index_parser() -> argparse.ArgumentParser:
@@ -67,7 +56,7 @@ def index_main(argv: Sequence[str]) -> int:
         print(f"note: {name}: skipped {skipped} blank line{'s' * (skipped > 1)}; row i of the "
               f"index is the i-th non-blank line", file=sys.stderr)
     model = load_pretrained(args.model or bundled_model_path())
-    _warn_truncated(model, sentences, name)
+    cli_io.warn_truncated(model.tokenizer, sentences, model.max_length(), name)
     index = build_index(model, sentences, pooler=args.pooler, batch_size=args.batch_size,
                         method=args.method)
     index.save(args.out, overwrite=args.overwrite, what="--out")
@@ -122,7 +111,7 @@ def search_main(argv: Sequence[str]) -> int:
                              f"the queries with that model from elsewhere)") from None
     results = index.search(model, queries, threshold=args.threshold, top_k=args.top_k,
                            batch_size=args.batch_size)
-    _warn_truncated(model, queries, "queries")
+    cli_io.warn_truncated(model.tokenizer, queries, model.max_length(), "queries")
     for query, hits in zip(queries, results):
         if len(queries) > 1:
             print(f"query: {_one_line(query)}")

@@ -24,14 +24,13 @@ from jaxsim.storage.store import write_atomic
 # The HTTP stack is the [serve] extra (pip install 'jaxsim[serve]'), not the core install: a
 # process without it runs every other command, and this one says what to install.
 SERVE_EXTRA = ("fastapi", "starlette", "pydantic", "uvicorn", "httptools", "orjson")
+MISSING = None
 try:
     from jaxsim.serve import server
 except ModuleNotFoundError as e:
     if (e.name or "").split(".")[0] not in SERVE_EXTRA:
         raise
     server, MISSING = None, e.name
-else:
-    MISSING = None
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -89,12 +88,10 @@ def serve_main(argv: Sequence[str]) -> int:
                                 f"{MISSING!r}): pip install 'jaxsim[serve]'")
     if not 0 <= args.port <= 65535:
         raise cli_io.UsageError(f"--port must be in [0, 65535], got {args.port}")
-    try:
-        limits = ServeLimits(max_sentences=args.max_sentences, max_top_k=args.max_top_k,
-                             max_batch=args.max_batch, max_queue=args.max_queue,
-                             window_ms=args.batch_window_ms)
-    except ValueError as e:
-        raise cli_io.UsageError(str(e)) from None
+    # A bad limit is a ValueError, reported as the one error line like any user error.
+    limits = ServeLimits(max_sentences=args.max_sentences, max_top_k=args.max_top_k,
+                         max_batch=args.max_batch, max_queue=args.max_queue,
+                         window_ms=args.batch_window_ms)
     if args.port_file is not None:  # before the model loads
         check_output_file(args.port_file, args.overwrite, "--port-file")
     service = open_service(args.index, args.model, limits=limits, batching=args.batching)

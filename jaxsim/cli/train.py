@@ -62,23 +62,18 @@ def parse_args(argv):
     return args, overrides
 
 
-def plan(args, overrides) -> int:
-    """`--plan`: the plan command's report."""
-    environment.setup()
-    try:
-        return run_plan(args.config, overrides, args.plan, args.num_slices)
-    except USER_ERRORS as e:
-        return cli_io.report_error(e)
-
-
 def _raise_interrupted(signum, frame):
     raise Interrupted(signum)
 
 
 def main(argv=None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.plan is not None:
-        return plan(args, overrides)
+    if args.plan is not None:  # the plan command's report
+        environment.setup()
+        try:
+            return run_plan(args.config, overrides, args.plan, args.num_slices)
+        except USER_ERRORS as e:
+            return cli_io.report_error(e)
     # orbax logs every save at INFO; JAX logs backend probing (libtpu) at INFO.
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger('jax._src.xla_bridge').setLevel(logging.WARNING)
@@ -92,7 +87,6 @@ def main(argv=None) -> int:
 
 
 def run(args, overrides) -> int:
-    main_process = True
     try:
         interrupts.unblock()  # a signal held back during start-up is raised here
         distributed.initialize_from_flags(args)
@@ -103,9 +97,8 @@ def run(args, overrides) -> int:
         cfg = TrainConfig.from_dict(fields, source=args.config)
         allow = parse_key_list(args.allow_change, extra=DERIVED_KEYS)
         if args.seeds:
-            seeds = cli_io.parse_seeds(args.seeds)
-            summary = run_seeds(cfg, args.workdir, seeds, progress=args.progress,
-                                allow_changes=allow)
+            summary = run_seeds(cfg, args.workdir, cli_io.parse_seeds(args.seeds),
+                                progress=args.progress, allow_changes=allow)
             if main_process:
                 print(format_seed_summary(summary))
             stopped = [r['stopped'] for r in summary['runs'].values() if r['stopped']]
