@@ -102,7 +102,8 @@ def resolve_launch(coordinator: str | None = None, num_processes: int | None = N
         var = f'JAXSIM_{n.upper()}'
         if not auto and values[n] is None and os.environ.get(var):
             values[n], sources[n] = _env_number(var, parse, 'an integer'), f'${var}'
-    coordinator, num_processes, process_id = values.values()
+    coordinator, num_processes, process_id = (values[n] for n in (
+        'coordinator', 'num_processes', 'process_id'))
     where = name('init_timeout') if init_timeout_s is not None else '$JAXSIM_INIT_TIMEOUT'
     if init_timeout_s is None:
         init_timeout_s = _env_number('JAXSIM_INIT_TIMEOUT', float, 'a number of seconds')

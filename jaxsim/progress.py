@@ -54,6 +54,12 @@ class PlainProgress:
             self._print()
         self.closed = True
 
+    def __enter__(self) -> "PlainProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def progress_bar(total: Optional[int], desc: str, unit: str = "it", enable: bool = True,
                  file: Optional[IO] = None, initial: int = 0, leave: bool = True):

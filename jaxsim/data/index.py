@@ -258,6 +258,10 @@ def load_or_build(path: PathLike, kind: str = 'text', check: Optional[Check] = N
     `kind`: 'text' (records are the lines not blank after stripping whitespace), 'csv' (the
     non-empty lines, '\\r' aside) or 'lines' (every line). `check` validates every record when
     the index is built (e.g. CSV columns); `what` the file is, for messages.
+
+    Raises:
+      DataError: naming the file (and line): missing, unreadable, not UTF-8, NUL byte, an
+        overlong line, what `check` refuses.
     """
     path = store.as_path(path) if store.is_remote(path) else Path(path)
     key = read_checked(path, what, FileKey.of)

@@ -106,6 +106,10 @@ def read_sentences(path: PathLike) -> list[str]:
     The rule, the same for every command: lines are split at '\\n' only (a '\\r' before it
     is dropped; U+2028 and other Unicode separators stay inside the sentence), surrounding
     whitespace is stripped, and blank lines are skipped. Sentence i is the i-th non-blank line.
+
+    Raises:
+      DataError: the file is missing, unreadable, a directory, not UTF-8, holds a NUL byte or
+        an overlong line (naming file:line), or holds no sentence at all.
     """
     text = read_text(path, 'sentence file')
     sentences = [s for s in (line.strip() for line in text.split('\n')) if s]
@@ -123,6 +127,10 @@ def read_nli_csv(path: PathLike) -> list[tuple[str, str, str]]:
 
     Blank lines are skipped; cells are stripped of surrounding whitespace. A quoted cell may
     not run over a line break (an unbalanced quote).
+
+    Raises:
+      DataError: naming the file and line: the checks of `read_text`, a wrong header, a row
+        with other than 3 columns or an empty cell, an unbalanced quote, or no row at all.
     """
     path = Path(path)
     text = read_text(path, 'NLI CSV file')
@@ -176,6 +184,10 @@ def build_snli_triplets(snli_dir: PathLike, splits: Sequence[str] = ('dev', 'tes
     contradiction of the same premise (cycling when counts differ), the construction behind the
     reference's `nli_for_simcse.csv`. Premises lacking either label are dropped, and so are
     lines whose premise or hypothesis is blank.
+
+    Raises:
+      DataError: naming the file and line: the checks of `read_text`, files of different
+        lengths (at the first line one of them lacks), a label other than SNLI's three.
     """
     snli_dir = Path(snli_dir)
     triplets = []

@@ -6,7 +6,7 @@ its content computed once (with the line index) rather than by tokenizing everyt
 
   TextSource   a sentence file (one sentence a line; blank lines skipped, as `read_sentences`)
   CsvSource    NLI triplets `sent0,sent1,hard_neg` (the checks of `read_nli_csv`, per line)
-  TfdsSource   a TensorFlow Datasets split prepared as ArrayRecord (`tfds.data_source`)
+  TfdsSource   a TensorFlow Datasets split prepared as ArrayRecord (the builder's `as_data_source`)
   ListSource   examples already in memory (the small SentEval-derived sets)
 """
 from __future__ import annotations

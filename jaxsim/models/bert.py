@@ -317,8 +317,11 @@ def remat_layer(remat: str) -> type:
     return nn.remat(BertLayer, static_argnums=(3,), policy=REMAT_POLICIES[remat])
 
 
-class BertEncoder(_Part):
-    remat: str = "none"
+class BertEncoder(nn.Module):
+    config: BertConfig
+    dtype: Any = jnp.float32
+    remat: str = "none"  # before kernels, as BertEncoder's positional order has always been
+    kernels: str = "auto"
 
     @nn.compact
     def __call__(self, x, attention_bias, deterministic: bool):
@@ -390,7 +393,7 @@ class BertModel(nn.Module):
                 input_ids, token_type_ids)), deterministic, position_ids=packed.gather_packed(
                     position_ids_for(self.config, input_ids), pack_index))
             attention_bias = packed.packed_attention_bias(pack_index, input_ids.shape[1])
-        states = BertEncoder(self.config, self.dtype, self.kernels, self.remat, name="encoder")(
+        states = BertEncoder(self.config, self.dtype, self.remat, self.kernels, name="encoder")(
             x, attention_bias, deterministic)
         if packing is not None:
             states = tuple(packed.unpack(h, unpack_index, pack_index.shape[0]) for h in states)

@@ -137,6 +137,12 @@ def _export_pooling(mode: str) -> ExportRule:
     return rule
 
 
+# The decorators below name these two: a pooler's source, its decorator line included, is in a
+# run's fingerprint (train/fingerprint.py), and an edited line makes existing runs refuse to resume.
+_export_mean = _export_pooling("mean")
+_export_cls_token = _export_pooling("cls")
+
+
 def _export_cls(params, config, use_head):
     modules = [st_pooling(config.hidden_size, "cls")]
     if use_head:
@@ -166,13 +172,13 @@ class ClsPooler(nn.Module):
         return cls.astype(jnp.float32)
 
 
-@register_pooler("cls_before_pooler", export=_export_pooling("cls"))
+@register_pooler("cls_before_pooler", export=_export_cls_token)
 def cls_before_pooler(output: BertOutput, attention_mask):
     """The last layer's [CLS] vector."""
     return output.hidden_states[-1][:, 0]
 
 
-@register_pooler("avg", export=_export_pooling("mean"))
+@register_pooler("avg", export=_export_mean)
 def avg(output: BertOutput, attention_mask):
     """Mean of the last layer over real tokens."""
     return masked_mean(output.hidden_states[-1], attention_mask)

@@ -242,6 +242,8 @@ def bf16_top_k_search(corpus: jax.Array, bits: jax.Array, norms: Bf16Norms, layo
     corpus is too small for the bf16 pass); `stats` gets their counts, "bf16_again" and
     "float32_again".
     """
+    if not 1 <= k <= n_valid:
+        raise ValueError(f"k must be in [1, {n_valid}], got {k}")
     scores = np.empty((len(queries), k), np.float32)
     found = np.empty((len(queries), k), np.int64)
     again = np.arange(len(queries))

@@ -65,7 +65,8 @@ def write_index(folder: Union[str, os.PathLike], meta: dict, vectors: np.ndarray
     meta = {"format": FORMAT, "version": VERSION, **meta,
             "sha256": rows_checksum(vectors, lines)}
     with store.replace_dir(folder, overwrite, what, keep=check_replaceable_index) as tmp:
-        np.save(tmp / VECTORS_FILE, vectors)
+        with (tmp / VECTORS_FILE).open("wb") as f:  # through epath: the folder may be gs://
+            np.save(f, vectors)
         if lines is not None:
             (tmp / SENTENCES_FILE).write_bytes(lines)
         if ann is not None:

@@ -51,6 +51,8 @@ class Layout:
 def plan_layout(rows: int, dim: int, devices: int,
                 block_rows: int = DEFAULT_BLOCK_ROWS) -> Layout:
     """The smallest layout holding `rows` rows: equal shards, whole blocks, rows padded to 8."""
+    if block_rows < 1:
+        raise ValueError(f"block_rows must be positive, got {block_rows}")
     per_device = max(1, math.ceil(rows / devices))
     block = min(block_rows, -(-per_device // 8) * 8)
     return Layout(devices=devices, block_rows=block, blocks=math.ceil(per_device / block), dim=dim)
@@ -179,6 +181,8 @@ def top_k_search(corpus: jax.Array, layout: Layout, mesh: Mesh, n_valid: int,
     Returns:
       (scores [q, k] float32, rows [q, k] int64), best first, ties lowest row first.
     """
+    if not 1 <= k <= n_valid:
+        raise ValueError(f"k must be in [1, {n_valid}], got {k}")
     fn = search_fn(mesh, layout, k, recall_target)
     return query_batches(lambda x: fn(corpus, np.int32(n_valid), x), queries, query_batch,
                          layout.dim, ((k,), np.float32), ((k,), np.int64))

@@ -291,12 +291,13 @@ def _bad(message: str):
 
 def _check_type(name: str, value: Any, default: Any) -> None:
     kind = type(default)
-    # A bool is an int to isinstance: only a bool field takes one.
-    ok = (isinstance(value, {float: (int, float), tuple: (tuple, list), dict: Mapping}.get(
-        kind, kind)) and (kind is bool or not isinstance(value, bool)))
-    if kind is tuple and ok:
-        ok = all(isinstance(x, str) for x in value)
-    if not ok:
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str),
+          tuple: lambda v: isinstance(v, (tuple, list)) and all(isinstance(x, str) for x in v),
+          dict: lambda v: isinstance(v, Mapping)}[kind]
+    if not ok(value):
         what = {tuple: 'a list of strings', dict: 'a dict'}.get(kind, f'a {kind.__name__}')
         _bad(f'{name} must be {what}, got {value!r}')
     if kind is int and not -2**63 <= value < 2**63:  # JAX and numpy take 64-bit integers

@@ -89,3 +89,12 @@ def test_unreachable_bucket_is_one_line_before_the_model_loads(gcs, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith('error: --workdir gs://no-such-bucket/run'), proc.stderr
     assert 'Traceback' not in proc.stderr
+
+
+def test_search_index_written_to_gs(gcs):
+    from jaxsim.search.storage import VECTORS_FILE, write_index
+    vectors = np.arange(12, dtype=np.float32).reshape(3, 4)
+    folder = epath.Path(f'gs://{BUCKET}/indexes/small')
+    write_index(folder, {'count': 3, 'dim': 4}, vectors, None)
+    with (folder / VECTORS_FILE).open('rb') as f:
+        np.testing.assert_array_equal(np.load(f), vectors)

@@ -219,6 +219,46 @@ def test_a_loss_without_source_is_hashed_by_its_code():
     assert source_digest(Scaled()) == source_digest(Scaled()) != source_digest(Shifted())
 
 
+# The built-in objectives' and poolers' code digests as every existing run recorded them (commit
+# 28728b7). A change here, even to a decorator line, makes those runs refuse to resume as "another
+# run": update a value only for an edit that really makes other runs.
+_BUILTIN_DIGESTS = {
+    'objective:sup': {
+        'objective':
+            'sha256:1e58422f9f951d86da5266df2fd4006791402aed4ac333a8ece1fe865e813079',
+        'objective_params':
+            'sha256:6eb2a07aa5dbf034ff7c4106f681e3873084b6fb2052d92a9a6c35b260b0978b',
+    },
+    'objective:unsup': {
+        'objective':
+            'sha256:43bd94e533d89ebfc5de8ae31321c29d93537a2500370bb86c3b257158e404f7',
+        'objective_params':
+            'sha256:6eb2a07aa5dbf034ff7c4106f681e3873084b6fb2052d92a9a6c35b260b0978b',
+    },
+    'pooler:avg':
+        'sha256:5d167fa332dab1183b69067fc540c79b10fe152981045d64d2c9044d3d207c4a',
+    'pooler:avg_embed_last':
+        'sha256:43f778c27507b21d08a03256ca76b920e8916bf03b277bee14f5463c841d4be4',
+    'pooler:avg_first_last':
+        'sha256:43f778c27507b21d08a03256ca76b920e8916bf03b277bee14f5463c841d4be4',
+    'pooler:avg_top2':
+        'sha256:43f778c27507b21d08a03256ca76b920e8916bf03b277bee14f5463c841d4be4',
+    'pooler:cls':
+        'sha256:cfcc4ddeaddf34ca2b1a3d1899b7156ea04e72c0e4bc30b6933f11ace805fe15',
+    'pooler:cls_before_pooler':
+        'sha256:f127651dd99c9ae3354c0d7b161b06ba4fa53e282d223a2b3f54a3ddb829a6d2',
+}
+
+
+def test_builtin_code_digests_are_those_existing_runs_recorded():
+    from jaxsim.models.poolers import BUILTIN_POOLERS, POOLERS
+    from jaxsim.objectives import OBJECTIVES
+    from jaxsim.train.fingerprint import code_digests
+    found = {f'objective:{name}': code_digests(OBJECTIVES.get(name)) for name in ('sup', 'unsup')}
+    found.update({f'pooler:{name}': code_digests(OBJECTIVES.get('unsup'), POOLERS.get(name))[
+        'pooler'] for name in BUILTIN_POOLERS})
+    assert found == _BUILTIN_DIGESTS
+
 def test_an_edited_objective_is_another_run_refused_naming_it(tmp_path):
     from jaxsim.train.fingerprint import code_digests
     work = tmp_path / 'w'
