@@ -77,10 +77,7 @@ def _place_params(params: Any, mesh: Mesh) -> Any:
     """Params on the mesh by the rules table (replicated unless fsdp/tensor axes > 1).
 
     Arrays already placed that way (training state) are not copied."""
-    specs = sharding_lib.param_specs(params, mesh)
-
-    def put(x, spec):
-        sharding = NamedSharding(mesh, spec)
+    def put(x, sharding):
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
             return x
         if isinstance(x, jax.Array) and x.is_fully_addressable:
@@ -88,7 +85,8 @@ def _place_params(params: Any, mesh: Mesh) -> Any:
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
-    return jax.tree.map(put, params, specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(put, params,
+                        sharding_lib.named(mesh, sharding_lib.param_specs(params, mesh)))
 
 
 def _to_mesh(tree: Any, mesh: Mesh) -> Any:
