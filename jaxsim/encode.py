@@ -32,6 +32,8 @@ from jaxsim.progress import progress_bar
 _CHUNK = 4096
 # Inputs at least this long get a progress bar by default.
 _PROGRESS_THRESHOLD = 5000
+# encode(sentences) -> [n, dim] float32: what evaluation and the search service call.
+EncodeFn = Callable[[list[str]], np.ndarray]
 
 
 class NonFiniteVectorsError(JaxsimError):
