@@ -40,6 +40,8 @@ from pathlib import Path
 
 import jax
 
+from jaxsim.plan import hlo
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     available_cpus,
@@ -67,13 +69,11 @@ MOVES = frozenset({"parameter", "constant", "copy", "convert", "transpose", "bit
 # The update runs in the step's lax.cond ('cond/branch_N_fun'); optax's own scope names.
 OPTAX_NAMES = ("cond/branch_", "adam", "scale_by", "clip_by", "apply_updates")
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
 _OPCODE = re.compile(r"(?<![\w.\-%])([a-z][a-z0-9\-]*)\(")
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
                      r"=%?([\w.\-]+)")
 _CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 
 
@@ -84,26 +84,22 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 def parse_hlo(text: str) -> dict:
     """{instruction name: {'opcode', 'op_name', 'target', 'type', 'calls', 'computation'}} of
     every instruction in an HLO module's text."""
-    out, computation = {}, ""
-    for line in text.splitlines():
-        head = _COMPUTATION.match(line)
-        if head and " = " not in line.split("{")[0]:
-            computation = head.group(1)
-            continue
-        m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        name, rest = m.groups()
-        opcode = _OPCODE.search(rest)
-        calls = _CALLED.findall(rest)
-        for group in _CALLED_LIST.findall(rest):
-            calls += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
-        op_name, target = _OP_NAME.search(rest), _TARGET.search(rest)
-        out[name] = {"opcode": opcode.group(1) if opcode else "",
-                     "type": rest[:opcode.start()].strip() if opcode else "",
-                     "op_name": op_name.group(1) if op_name else "",
-                     "target": target.group(1) if target else "", "calls": calls,
-                     "computation": computation}
+    out = {}
+    for computation, lines in hlo.computations(text).items():
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            name, rest = m.groups()
+            opcode = _OPCODE.search(rest)
+            calls = _CALLED.findall(rest)
+            for group in _CALLED_LIST.findall(rest):
+                calls += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+            target = _TARGET.search(rest)
+            out[name] = {"opcode": opcode.group(1) if opcode else "",
+                         "type": rest[:opcode.start()].strip() if opcode else "",
+                         "op_name": hlo.op_name(rest), "target": target.group(1) if target else "",
+                         "calls": calls, "computation": computation}
     return out
 
 

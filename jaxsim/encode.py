@@ -32,6 +32,8 @@ from jaxsim.progress import progress_bar
 _CHUNK = 4096
 # Inputs at least this long get a progress bar by default.
 _PROGRESS_THRESHOLD = 5000
+# encode(sentences) -> [n, dim] float32: what evaluation and the search service call.
+EncodeFn = Callable[[list[str]], np.ndarray]
 
 
 class NonFiniteVectorsError(JaxsimError):
@@ -77,10 +79,7 @@ def _place_params(params: Any, mesh: Mesh) -> Any:
     """Params on the mesh by the rules table (replicated unless fsdp/tensor axes > 1).
 
     Arrays already placed that way (training state) are not copied."""
-    specs = sharding_lib.param_specs(params, mesh)
-
-    def put(x, spec):
-        sharding = NamedSharding(mesh, spec)
+    def put(x, sharding):
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
             return x
         if isinstance(x, jax.Array) and x.is_fully_addressable:
@@ -88,7 +87,8 @@ def _place_params(params: Any, mesh: Mesh) -> Any:
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
-    return jax.tree.map(put, params, specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(put, params,
+                        sharding_lib.named(mesh, sharding_lib.param_specs(params, mesh)))
 
 
 def _to_mesh(tree: Any, mesh: Mesh) -> Any:

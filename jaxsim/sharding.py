@@ -232,6 +232,12 @@ def update_specs(param_specs_tree: Any, params: Any, mesh: Mesh) -> Any:
     return traverse_util.unflatten_dict(out, sep='/')
 
 
+def named(mesh: Mesh, specs: Any) -> Any:
+    """The NamedShardings on `mesh` of a tree of PartitionSpecs."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
 def tree_shardings(tree: Any, mesh: Mesh, params_specs: Any = None) -> Any:
     """NamedShardings for any pytree: params by the rules, everything else replicated.
 

@@ -19,6 +19,7 @@ import numpy as np
 import safetensors.numpy
 
 from jaxsim.errors import JaxsimError
+from jaxsim.flows.checks import check_matrix
 from jaxsim.registry import IMPORT_HINT, Registry, describe
 
 FORMAT = 'jaxsim.calibration/1'
@@ -111,22 +112,8 @@ def check_embeddings(x: Any, what: str = 'embeddings', dtype=np.float64,
       CalibrationError: not 2-D, too few rows, or holding NaN/inf (naming the first bad row
         and column).
     """
-    try:
-        arr = np.asarray(x, dtype=dtype)
-    except (TypeError, ValueError) as e:
-        raise CalibrationError(f'{what}: cannot be read as a float array ({e})') from None
-    if arr.ndim != 2 or arr.shape[1] == 0:
-        raise CalibrationError(
-            f'{what}: expected a [num_sentences, dim] matrix, got shape {arr.shape}')
-    if arr.shape[0] < min_rows:
-        raise CalibrationError(f'{what}: need at least {min_rows} sentences, got {arr.shape[0]}')
-    bad = ~np.isfinite(arr)
-    if bad.any():
-        row, col = np.argwhere(bad)[0]
-        raise CalibrationError(
-            f'{what}: embeddings contain non-finite values (NaN or inf) in '
-            f'{int(bad.any(axis=1).sum())} row(s); the first is row {row}, column {col}')
-    return arr
+    return check_matrix(x, what, min_rows, dtype, CalibrationError, rows='sentences',
+                        nonfinite='embeddings contain non-finite values')
 
 
 def check_dim(x: np.ndarray, dim: int, spec: str) -> None:

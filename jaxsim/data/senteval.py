@@ -231,16 +231,17 @@ def _sick_file(reader: _Reader, root: pathlib.Path, path: pathlib.Path) -> StsPa
     return StsPairs(s1, s2, np.asarray(gold, np.float64))
 
 
-def as_roots(roots: PathLike | Sequence[PathLike] | None) -> list[pathlib.Path]:
+def as_roots(roots: PathLike | Sequence[PathLike] | None,
+             error: type[Exception] = SentEvalFormatError) -> list[pathlib.Path]:
     """The data roots as paths; None is the default root (`$JAXSIM_SENTEVAL` or
-    ../shared/data/senteval)."""
+    ../shared/data/senteval). An empty list raises `error`."""
     if roots is None:
         roots = SENTEVAL_ROOT
     if isinstance(roots, (str, os.PathLike)):
         roots = [roots]
     out = [pathlib.Path(r) for r in roots]
     if not out:
-        raise SentEvalFormatError('no data roots given')
+        raise error('no data roots given')
     return out
 
 

@@ -33,6 +33,7 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
+from jaxsim.data.senteval import as_roots
 from jaxsim.errors import JaxsimError
 
 PathLike = Union[str, os.PathLike]
@@ -258,21 +259,12 @@ def canonical_name(name: str) -> str:
     return key
 
 
-def _as_roots(roots: PathLike | Sequence[PathLike]) -> list[pathlib.Path]:
-    if isinstance(roots, (str, os.PathLike)):
-        roots = [roots]
-    out = [pathlib.Path(r) for r in roots]
-    if not out:
-        raise TransferDataError('no data roots given')
-    return out
-
-
 def find_task_dir(name: str, roots: PathLike | Sequence[PathLike]
                   ) -> tuple[pathlib.Path, pathlib.Path]:
     """(root, task folder) of the first root holding task `name` (directly or in downstream/)."""
     spec = _TASKS[canonical_name(name)]
     candidates = [(root, root / sub / spec.folder)
-                  for root in _as_roots(roots) for sub in ('.', 'downstream')]
+                  for root in as_roots(roots, TransferDataError) for sub in ('.', 'downstream')]
     for root, folder in candidates:
         if folder.is_dir():
             return root, folder

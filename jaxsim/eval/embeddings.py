@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from jaxsim.encode import EncodeFn
 from jaxsim.errors import JaxsimError
-
-EncodeFn = Callable[[list[str]], np.ndarray]
 
 
 class EncodeError(JaxsimError):

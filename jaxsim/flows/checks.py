@@ -14,26 +14,27 @@ from jaxsim.flows.config import FlowConfig, FlowError
 _ABSURD_NATS_PER_DIM = 1e6
 
 
-def check_matrix(x: Any, what: str = 'embeddings', min_rows: int = 1) -> np.ndarray:
-    """Validates a [N, D] embedding matrix (finite, non-empty); returns float32 numpy.
+def check_matrix(x: Any, what: str = 'embeddings', min_rows: int = 1, dtype=np.float32,
+                 error: type[Exception] = FlowError, rows: str = 'rows',
+                 nonfinite: str = 'non-finite values') -> np.ndarray:
+    """Validates a [N, D] embedding matrix (finite, non-empty); returns `dtype` numpy.
 
     Raises:
-      FlowError: not 2-D, too few rows, or non-finite (naming the first bad row and column).
+      error: not 2-D, too few `rows`, or non-finite (naming the first bad row and column).
     """
     try:
-        arr = np.asarray(x, dtype=np.float32)
+        arr = np.asarray(x, dtype=dtype)
     except (TypeError, ValueError) as e:
-        raise FlowError(f'{what}: cannot be read as a float array ({e})') from None
+        raise error(f'{what}: cannot be read as a float array ({e})') from None
     if arr.ndim != 2 or arr.shape[1] == 0:
-        raise FlowError(f'{what}: expected a [num_sentences, dim] matrix, got shape {arr.shape}')
+        raise error(f'{what}: expected a [num_sentences, dim] matrix, got shape {arr.shape}')
     if arr.shape[0] < min_rows:
-        raise FlowError(f'{what}: need at least {min_rows} rows, got {arr.shape[0]}')
+        raise error(f'{what}: need at least {min_rows} {rows}, got {arr.shape[0]}')
     bad = ~np.isfinite(arr)
     if bad.any():
         row, col = np.argwhere(bad)[0]
-        raise FlowError(f'{what}: non-finite values (NaN or inf) in '
-                        f'{int(bad.any(axis=1).sum())} row(s); the first is row {row}, '
-                        f'column {col}')
+        raise error(f'{what}: {nonfinite} (NaN or inf) in {int(bad.any(axis=1).sum())} '
+                    f'row(s); the first is row {row}, column {col}')
     return arr
 
 

@@ -18,10 +18,10 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from jaxsim.encode import EncodeFn
 from jaxsim.errors import JaxsimError
 
-# encode(sentences) -> [n, dim] float32; search(vectors [q, dim], k) -> (scores, rows) [q, k].
-EncodeFn = Callable[[list[str]], np.ndarray]
+# search(vectors [q, dim], k) -> (scores, rows) [q, k].
 SearchFn = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
 
 

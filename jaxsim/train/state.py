@@ -39,8 +39,7 @@ def param_shardings(encoder: SentenceEncoder, mesh: Mesh, rules: Optional[dict] 
     """NamedShardings of the encoder's parameter tree, by the rules table of `jaxsim.sharding`
     (`rules`: a config's `sharding.axis_rules`; `strict`: see `sharding.param_specs`)."""
     specs = sharding_lib.param_specs(param_shapes(encoder), mesh, rules, strict)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, P))
+    return sharding_lib.named(mesh, specs)
 
 
 def state_shardings(state_shape: TrainState, mesh: Mesh, rules: Optional[dict] = None,
@@ -53,8 +52,7 @@ def state_shardings(state_shape: TrainState, mesh: Mesh, rules: Optional[dict] =
                     if shard_optimizer_state else specs)
     return TrainState(
         step=replicated,
-        params=jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                            is_leaf=lambda x: isinstance(x, P)),
+        params=sharding_lib.named(mesh, specs),
         opt_state=sharding_lib.tree_shardings(state_shape.opt_state, mesh, moment_specs),
         rng=replicated)
 
@@ -63,9 +61,7 @@ def update_shardings(state_shape: TrainState, shardings: TrainState, mesh: Mesh)
     """NamedShardings, shaped like the params, of where a ZeRO-1 update runs: the params'
     own shardings (`state_shardings`) with the 'data' axis added by `sharding.update_specs`."""
     specs = jax.tree.map(lambda s: s.spec, shardings.params)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s),
-                        sharding_lib.update_specs(specs, state_shape.params, mesh),
-                        is_leaf=lambda x: isinstance(x, P))
+    return sharding_lib.named(mesh, sharding_lib.update_specs(specs, state_shape.params, mesh))
 
 
 def _init_fn(tx: optax.GradientTransformation, rng: jax.Array) -> Callable:
